@@ -1,0 +1,15 @@
+"""``run(cfg)``: the one place that turns a composed config into a train or eval job."""
+
+from __future__ import annotations
+
+from omegaconf import DictConfig
+
+
+def run(cfg: DictConfig) -> float | None:
+    if cfg.mode == "eval":
+        from musique_rl.evaluate import evaluate
+
+        return evaluate(cfg)
+    from musique_rl.train import train
+
+    return train(cfg)

@@ -1,0 +1,294 @@
+"""Typed schemas behind every config group, registered in Hydra's ConfigStore at import.
+
+Why: a typo such as ``loss.bta=0.1`` or ``loss.loss_type=foo`` must fail before any compute,
+naming the key or listing the allowed values. OmegaConf structured configs do exactly that.
+Field names equal TRL ``GRPOConfig`` / PEFT ``LoraConfig`` names wherever they map to them.
+Only keys the code reads live here; ``???`` (MISSING) marks values an option file must set.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Dict, List, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, OmegaConf
+
+
+# ---------------------------------------------------------------- enums (allowed values)
+class Mode(str, Enum):
+    train = "train"
+    eval = "eval"
+
+
+class Policy(str, Enum):
+    model = "model"  # the configured LLM (sampled at train.temperature)
+    oracle = "oracle"  # scripted: follows question_decomposition, cites gold, answers gold
+    no_tool = "no_tool"  # answers without retrieving: the floor
+    replay = "replay"  # re-scores stored episodes from `replay_path`
+
+
+class Dtype(str, Enum):
+    auto = "auto"
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
+class ToolCallFormat(str, Enum):
+    hermes = "hermes"  # Qwen2.5 / Qwen3: <tool_call>{"name":..,"arguments":..}</tool_call>
+    llama3_json = "llama3_json"  # Llama 3.1: bare JSON object {"name":..,"parameters":..}
+
+
+class LossType(str, Enum):  # TRL 1.16 GRPOConfig.loss_type
+    grpo = "grpo"
+    bnpo = "bnpo"
+    dr_grpo = "dr_grpo"
+    dapo = "dapo"
+    cispo = "cispo"
+    sapo = "sapo"
+
+
+class ScaleRewards(str, Enum):  # TRL 1.16 GRPOConfig.scale_rewards
+    group = "group"
+    batch = "batch"
+    none = "none"
+
+
+class Retriever(str, Enum):
+    bm25 = "bm25"
+    lucene = "lucene"
+    semantic = "semantic"
+    hybrid = "hybrid"
+    golden = "golden"
+
+
+class RetrievalScope(str, Enum):
+    question = "question"  # the record's own paragraphs (as the seeds' vf_musique)
+    corpus = "corpus"  # every paragraph of the corpus file / dataset
+
+
+class Backend(str, Enum):
+    hf = "hf"  # transformers generate, in-process (CPU, tests, small GPUs)
+    vllm = "vllm"  # TRL's vLLM server mode (GPU clusters)
+
+
+class Arm(str, Enum):
+    control = "control"
+    treatment = "treatment"
+
+
+class Direction(str, Enum):
+    increase = "increase"
+    decrease = "decrease"
+
+
+class Priority(str, Enum):
+    high = "high"
+    medium = "medium"
+    low = "low"
+
+
+class Fault(str, Enum):
+    """Planted defects (FIELD-NOTES 'Known defects'), for proving the instruments only."""
+
+    none = "none"
+    blind_context = "blind_context"  # attention mask = loss mask (verifiers 0.1.x)
+    env_tokens_trained = "env_tokens_trained"  # tool/template tokens carry loss
+    stale_sampler = "stale_sampler"  # sampler weights never synced
+    std_epsilon = "std_epsilon"  # tiny std epsilon amplifies near-ties
+    kl_tool_tokens = "kl_tool_tokens"  # KL computed on tool tokens
+    kl_flipped = "kl_flipped"  # KL penalty with the wrong sign
+    tiny_budgets = "tiny_budgets"  # token budgets that silently truncate
+    first_turn_reward = "first_turn_reward"  # reward parsed from the first assistant turn
+    tiny_updates = "tiny_updates"  # lr x0.01, grad clip 0.001
+
+
+# ---------------------------------------------------------------- groups
+@dataclass
+class TinyModelConfig:
+    """Architecture and warm start of the locally built Qwen2-architecture model."""
+
+    hidden_size: int = 64
+    intermediate_size: int = 256
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    max_position_embeddings: int = 2048
+    vocab_size: int = 512  # byte-level BPE trained on the synthetic corpus
+    sft_records: int = 512  # oracle trajectories used for the warm start
+    sft_epochs: float = 3.0
+    sft_learning_rate: float = 3e-3
+    sft_noise: float = 0.5  # share of SFT trajectories that take a plausible wrong decision
+    cache_dir: str = "${oc.env:MUSIQUE_RL_CACHE,${oc.env:HOME}/.cache/musique_rl}"
+
+
+@dataclass
+class ModelConfig:
+    name_or_path: str = MISSING  # hub id, local dir, or "tiny" (built locally)
+    dtype: Dtype = Dtype.auto  # auto: bf16 where the hardware supports it, else fp32
+    attn_implementation: str = "sdpa"
+    tool_call_format: ToolCallFormat = ToolCallFormat.hermes
+    learning_rate: float = MISSING  # recommended LR for this model (loss.learning_rate reads it)
+    tiny: Optional[TinyModelConfig] = None
+
+
+@dataclass
+class LoraConfig:  # PEFT LoraConfig names
+    enabled: bool = False  # false = full fine-tuning
+    r: int = 16
+    lora_alpha: int = 32
+    lora_dropout: float = 0.0
+    target_modules: List[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+    bias: str = "none"
+
+
+@dataclass
+class LossConfig:  # TRL GRPOConfig names, except adv_epsilon (see musique_rl/trainer.py)
+    loss_type: LossType = MISSING
+    scale_rewards: ScaleRewards = ScaleRewards.group
+    adv_epsilon: float = 1e-4  # added to the std before dividing; TRL hard-codes 1e-4
+    beta: float = 0.0  # KL coefficient (k3 estimator); reference = adapter disabled under PEFT
+    epsilon: float = 0.2
+    epsilon_high: Optional[float] = None  # None = same as epsilon
+    num_iterations: int = 1
+    learning_rate: float = MISSING
+    max_grad_norm: float = 1.0
+    warmup_steps: int = 10
+
+
+@dataclass
+class RewardConfig:
+    """Weighted sum of reward components (musique_rl/rewards.py documents each one's range)."""
+
+    name: str = MISSING  # preset name, logged as a tag
+    weights: Dict[str, float] = MISSING  # component -> weight
+    normalizer: float = 1.0  # the sum of weighted components is divided by this
+    hop_scale: bool = False  # multiply by n_hops/2 (the seeds' combined reward)
+    shuffle_within_batch: bool = False  # negative control: permute rewards inside each batch
+
+
+@dataclass
+class SyntheticConfig:
+    """The embedded generator of MuSiQue-schema records (musique_rl/synthetic.py)."""
+
+    num_train: int = 2000
+    num_eval: int = 200
+    hops: List[int] = field(default_factory=lambda: [2])
+    num_paragraphs: int = 6  # supporting + distractors per record
+
+
+@dataclass
+class EnvConfig:
+    data: str = MISSING  # dataset spec(s): "path,name,split[slice]" joined by ";"
+    eval_data: Optional[str] = None  # held-out spec; None = no held-out eval
+    hops: Optional[List[int]] = None  # keep only these hop counts; None = all
+    answerable_only: bool = True
+    noise_rate: float = 1.0  # P(keep) of each non-supporting paragraph; supporting always kept
+    max_paragraphs: Optional[int] = None
+    skip_invalid: bool = False  # skip (and count) invalid records instead of failing
+    retriever: Retriever = Retriever.bm25
+    scope: RetrievalScope = RetrievalScope.question
+    corpus: Optional[str] = None  # corpus json for scope=corpus; None = all records' paragraphs
+    top_n: int = 1  # documents per retrieve_documents call (the seeds: 1)
+    get_document_tool: bool = False
+    max_turns: int = 10
+    max_prompt_tokens: int = 8192
+    max_tokens_per_turn: int = 1024
+    max_completion_tokens: int = 4096  # all assistant + tool tokens of one episode
+    supporting_in_prompt: bool = False  # single-step mode (h07): gold paragraphs in the prompt, no tools
+    synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
+
+
+@dataclass
+class HypothesisConfig:
+    id: str = MISSING
+    title: str = MISSING
+    priority: Priority = Priority.medium
+    claim: str = MISSING
+    control: str = MISSING  # what the control arm runs (the default config)
+    treatment: str = MISSING  # what the treatment arm changes
+    arm: Arm = Arm.treatment
+    metric: str = MISSING  # run metric the claim predicts will move (metrics.json key)
+    direction: Direction = Direction.increase
+    min_effect: float = 0.0  # criterion: CI of (treatment - control) beyond this, in `direction`
+
+
+# ---------------------------------------------------------------- top level
+@dataclass
+class TrainSettings:
+    max_steps: int = 60
+    prompts_per_step: int = 8  # distinct questions per optimizer step
+    num_generations: int = 8  # group size G
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off; sampler and trainer must agree on the distribution
+    mask_env_tokens: bool = True  # tool results and template tokens out of loss and KL (h02)
+    backend: Backend = Backend.hf
+    vllm_server_host: str = "127.0.0.1"
+    vllm_server_port: int = 8000
+    gradient_checkpointing: bool = False
+    logging_steps: int = 1
+    save_steps: int = 20
+    resume: str = "auto"  # auto (last checkpoint in the run dir) | never | <checkpoint path>
+    eval_episodes: int = 64  # held-out episodes before and after training
+    eval_temperature: Optional[float] = None  # None = train.temperature
+
+
+@dataclass
+class DiagnosticsConfig:
+    enabled: bool = True
+    near_zero_std: float = 0.05  # a group whose reward std is below this carries ~no signal
+    parity_probe_every: int = 10  # steps between sampler/trainer/base parity probes
+    trajectory_views: int = 4  # episodes rendered to the HTML token view per logged step
+
+
+@dataclass
+class TrackingConfig:
+    enabled: bool = True
+    tracking_uri: Optional[str] = None  # None = $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db
+    experiment: Optional[str] = None  # None = hypothesis id, else "musique_rl"
+
+
+@dataclass
+class Config:
+    model: ModelConfig = MISSING
+    lora: LoraConfig = MISSING
+    loss: LossConfig = MISSING
+    reward: RewardConfig = MISSING
+    env: EnvConfig = MISSING
+    hypothesis: Optional[HypothesisConfig] = None  # set by +hypothesis=hNN
+    mode: Mode = Mode.train
+    policy: Policy = Policy.model
+    replay_path: Optional[str] = None  # jsonl of {"id", "messages"} for policy=replay
+    fault: Fault = Fault.none  # set by +fault=<name>; never on by default
+    seed: int = 1  # also the data-order seed, identical across arms
+    train: TrainSettings = field(default_factory=TrainSettings)
+    diagnostics: DiagnosticsConfig = field(default_factory=DiagnosticsConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+
+
+def _arm(control: Any, treatment: Any, *, _root_: Any) -> Any:
+    """``${arm:<control>,<treatment>}``: the value for the arm chosen by ``hypothesis.arm``.
+
+    Why a resolver: one overlay file holds both arms, so a paired sweep is just
+    ``hypothesis.arm=control,treatment`` and the control arm stays visibly next to the treatment.
+    """
+    hyp = _root_.get("hypothesis")
+    arm = hyp.arm if hyp is not None else "treatment"
+    return treatment if str(getattr(arm, "value", arm)) == "treatment" else control
+
+
+def register() -> None:
+    """Register schemas and resolvers (idempotent: Hydra may import us twice)."""
+    if not OmegaConf.has_resolver("arm"):
+        OmegaConf.register_new_resolver("arm", _arm)
+    if not OmegaConf.has_resolver("mul"):
+        OmegaConf.register_new_resolver("mul", lambda a, b: a * b)
+    # One root schema types every group: the option files merge into its typed nodes.
+    ConfigStore.instance().store(name="schema", node=Config)
+
+register()
