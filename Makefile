@@ -1,0 +1,49 @@
+# musique_rl: `make` lists the targets. Every target that needs the environment builds it first.
+SHELL := /bin/bash
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+SWEEP ?= h02
+HYP ?= h01
+ARGS ?=
+
+.DEFAULT_GOAL := help
+.PHONY: help setup train test test-slow sweep ui cfg lint bench clean
+
+help: ## Show this menu
+	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  \033[36m%-10s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST)
+
+$(STAMP): pyproject.toml constraints-cpu.txt
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# CPU torch first from its pin, so nothing pulls a multi-GB CUDA build
+	$(BIN)/pip install -q -c constraints-cpu.txt torch==2.13.0
+	$(BIN)/pip install -q -c constraints-cpu.txt -e '.[dev,lucene,semantic]'
+	touch $(STAMP)
+
+setup: $(STAMP) ## Create .venv and install the package (dev, lucene, semantic extras; CPU torch)
+
+train: $(STAMP) ## Run the main job: tiny model, embedded data, GRPO (ARGS="key=value ..." to override)
+	$(BIN)/python -m musique_rl $(ARGS)
+
+test: $(STAMP) ## Fast test suite (under 10 minutes on 2 cores)
+	$(BIN)/python -m pytest -q
+
+test-slow: $(STAMP) ## Slow end-to-end suite (learning runs, faults, SLURM)
+	$(BIN)/python -m pytest -q -m slow
+
+sweep: $(STAMP) ## Run a named hypothesis sweep and its verdict: make sweep SWEEP=h02
+	$(BIN)/python -m musique_rl -m +sweep=$(SWEEP) $(ARGS)
+
+ui: $(STAMP) ## MLflow UI on http://127.0.0.1:5000 over the local store
+	$(BIN)/mlflow ui --host 127.0.0.1 --port 5000 --backend-store-uri $${MLFLOW_TRACKING_URI:-sqlite:///mlflow.db}
+
+cfg: $(STAMP) ## Print the composed, resolved config of a hypothesis: make cfg HYP=h01
+	$(BIN)/python -m musique_rl --cfg job --resolve +hypothesis=$(HYP) $(ARGS)
+
+lint: $(STAMP) ## ruff over the package, tests and benchmarks
+	$(BIN)/ruff check musique_rl tests benchmarks
+
+clean: ## Remove outputs/ and multirun/ job directories (keeps mlflow.db)
+	rm -rf outputs && find multirun -mindepth 1 ! -name README.md -exec rm -rf {} +
