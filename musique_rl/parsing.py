@@ -1,0 +1,91 @@
+"""Reading the final answer from an episode: ``<think>``, ``<cite>``, ``<answer>``.
+
+The answer is read from the LAST assistant turn (the seeds' FIELD-NOTES defect 9 was reading the
+first). Citations are lenient about syntax (``1, 3``, ``[1, 3]``, ``1 3``, ``Document 3``,
+duplicates) and strict about existence: ids outside ``valid_ids`` are dropped. Nothing here raises
+on any string.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+TAGS = ("think", "cite", "answer")
+_ID_TOKEN_RE = re.compile(r"[A-Za-z0-9_\-]+")
+
+
+@dataclass
+class FinalAnswer:
+    think: str | None = None  # None = tag absent (not closed)
+    cite: str | None = None
+    answer: str | None = None
+    cited_ids: list[str] = field(default_factory=list)  # unique, in order of first mention
+
+    @property
+    def tags_present(self) -> dict[str, bool]:
+        return {t: getattr(self, t) is not None for t in TAGS}
+
+
+def extract_tag(text: str, tag: str) -> str | None:
+    """Content of the last closed ``<tag>...</tag>`` pair, stripped; None when there is none.
+
+    Why rfind instead of a regex: linear on huge strings, and 'last closed pair' is well defined
+    for nested or repeated tags (``<answer>a<answer>b</answer>`` -> ``b``).
+    """
+    close = text.rfind(f"</{tag}>")
+    if close < 0:
+        return None
+    opening = f"<{tag}>"
+    start = text.rfind(opening, 0, close)
+    if start < 0:
+        return None
+    return text[start + len(opening) : close].strip()
+
+
+def parse_citations(cite: str | None, valid_ids: set[str] | None = None) -> list[str]:
+    """Ids in a ``<cite>`` body, unique in order; tokens not in ``valid_ids`` are ignored.
+
+    Tokenising on anything but letters, digits, '-' and '_' accepts ``1, 3``, ``[1, 3]``, ``1 3``,
+    ``Document 3`` and ``ids: 1;3``; the word 'Document' is then dropped as not a valid id. Without
+    ``valid_ids`` only numeric tokens count.
+    """
+    if not cite:
+        return []
+    seen: dict[str, None] = {}
+    for tok in _ID_TOKEN_RE.findall(cite):
+        if tok.isdigit():
+            tok = tok.lstrip("0") or "0"  # "03" -> "3" (no int(): huge digit strings raise)
+        ok = tok in valid_ids if valid_ids is not None else tok.isdigit()
+        if ok:
+            seen.setdefault(tok, None)
+    return list(seen)
+
+
+def parse_final(text: str, valid_ids: set[str] | None = None) -> FinalAnswer:
+    """Parse one assistant turn's text; a non-string gives an empty FinalAnswer."""
+    if not isinstance(text, str):
+        return FinalAnswer()
+    think, cite, answer = (extract_tag(text, t) for t in TAGS)
+    return FinalAnswer(think=think, cite=cite, answer=answer, cited_ids=parse_citations(cite, valid_ids))
+
+
+def _content_text(content) -> str:
+    """Message content as text (OpenAI content may be a list of {"type": "text", "text": ..} parts)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return ""
+
+
+def assistant_turn(messages, which: str = "last") -> str:
+    """Text of the last (or, for the planted fault ``first_turn_reward``, the first) assistant turn."""
+    if not isinstance(messages, list):
+        return ""
+    turns = [
+        _content_text(m.get("content")) for m in messages if isinstance(m, dict) and m.get("role") == "assistant"
+    ]
+    if not turns:
+        return ""
+    return turns[-1] if which == "last" else turns[0]
