@@ -1,0 +1,265 @@
+"""Records in the MuSiQue schema: dataset specs, validation, filters.
+
+A spec is one or more ``path,name,split`` strings joined by ';' (the seeds' syntax), with HF split
+slicing (``bdsaglam/musique,answerable,train[:256]``). Each part is one of
+- a hub dataset, loaded with ``datasets.load_dataset(path, name, split=split)``;
+- a local file in the original MuSiQue format (jsonl, or a json list): the part is its path,
+  optionally followed by ``,name,split[slice]`` to slice it (the name is ignored);
+- ``synthetic,<name>,<split>``: the embedded generator (musique_rl/synthetic.py), ``env.synthetic``
+  sizes; split ``train`` gives ``num_train`` records, any other ``num_eval``.
+All parts are concatenated, validated, filtered (env.answerable_only, env.hops, env.noise_rate,
+env.max_paragraphs) and shuffled with the seed. ``load_records`` is the entry point.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+LOCAL_SUFFIXES = (".jsonl", ".json")
+
+
+class InvalidRecordError(ValueError):
+    """A record that does not follow the MuSiQue schema; the message names the record and field."""
+
+
+# ---------------------------------------------------------------- spec parsing
+def parse_spec(spec: str) -> list[dict]:
+    """Split a spec string into parts: ``[{"kind": hub|local|synthetic, "path", "name", "split"}]``."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"env.data={spec!r}: expected 'path,name,split' specs joined by ';' or a file path")
+    parts = []
+    for raw in spec.split(";"):
+        raw = raw.strip()
+        if not raw:
+            continue
+        fields = [f.strip() for f in raw.split(",")]
+        path = fields[0]
+        if path == "synthetic":
+            if len(fields) != 3:
+                raise ValueError(f"env.data part {raw!r}: expected 'synthetic,<name>,<split>'")
+            parts.append({"kind": "synthetic", "path": path, "name": fields[1], "split": fields[2]})
+        elif path.endswith(LOCAL_SUFFIXES) or Path(path).is_file():
+            if len(fields) not in (1, 3):
+                raise ValueError(f"env.data part {raw!r}: expected '<file>' or '<file>,<name>,<split[slice]>'")
+            parts.append({"kind": "local", "path": path, "name": None, "split": fields[2] if len(fields) == 3 else None})
+        else:
+            if len(fields) != 3:
+                raise ValueError(
+                    f"env.data part {raw!r}: expected 'path,name,split' (e.g. bdsaglam/musique,answerable,train[:256]) "
+                    "or the path of a local .jsonl/.json file"
+                )
+            parts.append({"kind": "hub", "path": path, "name": fields[1] or None, "split": fields[2]})
+    if not parts:
+        raise ValueError(f"env.data={spec!r}: no dataset spec in it")
+    return parts
+
+
+def _slice(records: list[dict], split: str | None) -> list[dict]:
+    """Apply HF split slicing (``train[:256]``, ``train[10:20]``, ``train[:10%]``) to a list."""
+    if not split or "[" not in split:
+        return records
+    import datasets
+
+    name = split.split("[", 1)[0]
+    try:
+        (instr,) = datasets.ReadInstruction.from_spec(split).to_absolute({name: len(records)})
+    except (ValueError, AssertionError) as e:
+        raise ValueError(f"env.data split {split!r}: not a valid split slice ({e})") from e
+    return records[instr.from_ : instr.to]
+
+
+# ---------------------------------------------------------------- loading
+def _read_local(path: str) -> list[dict]:
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise FileNotFoundError(f"env.data: local dataset file {str(p)!r} does not exist")
+    text = p.read_text(encoding="utf-8")
+    if p.suffix == ".json" or text.lstrip().startswith("["):
+        data = json.loads(text)
+        if not isinstance(data, list):
+            raise ValueError(f"env.data: {p} holds a JSON {type(data).__name__}, expected a list of MuSiQue records")
+        return data
+    records = []
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if line.strip():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"env.data: {p} line {lineno} is not valid JSON ({e})") from e
+    return records
+
+
+def _read_hub(path: str, name: str | None, split: str) -> list[dict]:
+    import datasets
+
+    try:
+        ds = datasets.load_dataset(path, name, split=split)
+    except Exception as e:  # offline, unknown repo, bad config: all need the same advice
+        raise RuntimeError(
+            f"env.data: could not load the hub dataset {path!r} (name={name!r}, split={split!r}): "
+            f"{type(e).__name__}: {e}\nOffline or without hub access? Point env.data at a local file in the "
+            "MuSiQue format, e.g. env.data=/path/to/musique_ans_v1.0_train.jsonl (a json list works too), "
+            "or use the embedded data: env.data=synthetic,default,train"
+        ) from e
+    return [dict(r) for r in ds]
+
+
+def _read_synthetic(part: dict, env_cfg: Any, seed: int) -> list[dict]:
+    try:
+        from musique_rl.synthetic import generate_records
+    except ImportError as e:
+        raise RuntimeError("env.data=synthetic needs musique_rl/synthetic.py (the embedded generator)") from e
+    syn = env_cfg.synthetic
+    base = part["split"].split("[", 1)[0]
+    n = syn.num_train if base == "train" else syn.num_eval
+    records = generate_records(split=base, n=int(n), seed=seed, hops=list(syn.hops), num_paragraphs=int(syn.num_paragraphs))
+    return _slice(list(records), part["split"])
+
+
+# ---------------------------------------------------------------- validation
+_FIELDS = {
+    "id": str,
+    "question": str,
+    "answer": str,
+    "answer_aliases": list,
+    "answerable": bool,
+    "paragraphs": list,
+    "question_decomposition": list,
+}
+_PARAGRAPH_FIELDS = {"idx": int, "title": str, "paragraph_text": str, "is_supporting": bool}
+_STEP_FIELDS = {"question": str, "answer": str}
+
+
+def _type_name(t: type) -> str:
+    return {str: "a string", bool: "a boolean", int: "an integer", list: "a list"}[t]
+
+
+def validate_record(rec: Any, where: str = "") -> None:
+    """Raise InvalidRecordError naming the record id and the field if ``rec`` breaks the schema."""
+    rid = rec.get("id", "<no id>") if isinstance(rec, dict) else "<not an object>"
+    at = f" ({where})" if where else ""
+
+    def bad(field: str, why: str) -> InvalidRecordError:
+        return InvalidRecordError(f"record {rid!r}{at}: field '{field}' {why}")
+
+    if not isinstance(rec, dict):
+        raise InvalidRecordError(f"record {where or ''} is a {type(rec).__name__}, expected a JSON object")
+    for key, typ in _FIELDS.items():
+        if key not in rec or rec[key] is None:
+            raise bad(key, "is missing")
+        if not isinstance(rec[key], typ):
+            raise bad(key, f"must be {_type_name(typ)}, got {type(rec[key]).__name__}")
+    if not rec["paragraphs"]:
+        raise bad("paragraphs", "is empty")
+    seen = set()
+    for i, p in enumerate(rec["paragraphs"]):
+        if not isinstance(p, dict):
+            raise bad(f"paragraphs[{i}]", "must be an object")
+        for key, typ in _PARAGRAPH_FIELDS.items():
+            if key not in p or not isinstance(p[key], typ) or (typ is int and isinstance(p[key], bool)):
+                raise bad(f"paragraphs[{i}].{key}", f"must be {_type_name(typ)}")
+        if p["idx"] in seen:
+            raise bad(f"paragraphs[{i}].idx", f"repeats idx {p['idx']}")
+        seen.add(p["idx"])
+    if not rec["question_decomposition"]:
+        raise bad("question_decomposition", "is empty")
+    for i, step in enumerate(rec["question_decomposition"]):
+        if not isinstance(step, dict):
+            raise bad(f"question_decomposition[{i}]", "must be an object")
+        for key, typ in _STEP_FIELDS.items():
+            if not isinstance(step.get(key), typ):
+                raise bad(f"question_decomposition[{i}].{key}", f"must be {_type_name(typ)}")
+        sup = step.get("paragraph_support_idx")
+        if sup is None and not rec["answerable"]:
+            continue  # MuSiQue's unanswerable records may lack support for a hop
+        if isinstance(sup, bool) or not isinstance(sup, int) or sup not in seen:
+            raise bad(
+                f"question_decomposition[{i}].paragraph_support_idx",
+                f"is {sup!r}, which is not the idx of any paragraph (paragraph idx: {sorted(seen)})",
+            )
+
+
+# ---------------------------------------------------------------- filters
+def hop_count(rec: dict) -> int:
+    return len(rec["question_decomposition"])
+
+
+def _subsample_paragraphs(rec: dict, env_cfg: Any, seed: int) -> dict:
+    """Apply noise_rate and max_paragraphs; supporting paragraphs always stay, idx never changes."""
+    noise = float(env_cfg.noise_rate)
+    cap = env_cfg.max_paragraphs
+    if noise >= 1.0 and cap is None:
+        return rec
+    # Seeded per record (not per position) so a record keeps the same paragraphs in any order/mix.
+    rng = random.Random(f"{seed}:{rec['id']}")
+    kept = [p for p in rec["paragraphs"] if p["is_supporting"] or rng.random() < noise]
+    if cap is not None:
+        n_support = sum(p["is_supporting"] for p in kept)
+        room = max(int(cap) - n_support, 0)
+        distractors = [i for i, p in enumerate(kept) if not p["is_supporting"]][:room]
+        keep_idx = set(distractors)
+        kept = [p for i, p in enumerate(kept) if p["is_supporting"] or i in keep_idx]
+    return {**rec, "paragraphs": kept}
+
+
+def _check_env(env_cfg: Any) -> None:
+    if not 0.0 <= float(env_cfg.noise_rate) <= 1.0:
+        raise ValueError(f"env.noise_rate={env_cfg.noise_rate}: a probability of keeping a distractor, in [0, 1]")
+    if env_cfg.max_paragraphs is not None and int(env_cfg.max_paragraphs) < 1:
+        raise ValueError(f"env.max_paragraphs={env_cfg.max_paragraphs}: must be >= 1 or null")
+
+
+def load_records(spec: str, env_cfg: Any, seed: int, stats: dict | None = None) -> list[dict]:
+    """Load, validate, filter and shuffle the records of ``spec`` (module docstring).
+
+    ``stats``, when given, is filled with counts: loaded, invalid, unanswerable, wrong_hops, kept.
+    """
+    _check_env(env_cfg)
+    raw: list[tuple[dict, str]] = []
+    for part in parse_spec(spec):
+        if part["kind"] == "local":
+            recs = _slice(_read_local(part["path"]), part["split"])
+            where = part["path"]
+        elif part["kind"] == "hub":
+            recs = _read_hub(part["path"], part["name"], part["split"])
+            where = f"{part['path']},{part['name']},{part['split']}"
+        else:
+            recs = _read_synthetic(part, env_cfg, seed)
+            where = f"synthetic,{part['name']},{part['split']}"
+        raw += [(r, f"{where} #{i}") for i, r in enumerate(recs)]
+
+    counts = {"loaded": len(raw), "invalid": 0, "unanswerable": 0, "wrong_hops": 0, "kept": 0}
+    hops = set(env_cfg.hops) if env_cfg.hops else None
+    records = []
+    for rec, where in raw:
+        try:
+            validate_record(rec, where)
+        except InvalidRecordError as e:
+            if not env_cfg.skip_invalid:
+                raise InvalidRecordError(f"{e}\n(set env.skip_invalid=true to skip and count invalid records)") from None
+            counts["invalid"] += 1
+            log.debug("skipping invalid record: %s", e)
+            continue
+        if env_cfg.answerable_only and not rec["answerable"]:
+            counts["unanswerable"] += 1
+            continue
+        if hops is not None and hop_count(rec) not in hops:
+            counts["wrong_hops"] += 1
+            continue
+        records.append(_subsample_paragraphs(rec, env_cfg, seed))
+    if counts["invalid"]:
+        log.warning("env.data: skipped %d invalid record(s) of %d (env.skip_invalid=true)", counts["invalid"], counts["loaded"])
+    random.Random(seed).shuffle(records)
+    counts["kept"] = len(records)
+    if not records:
+        raise ValueError(f"env.data={spec!r}: no record left after filtering ({counts})")
+    log.info("env.data: %s", counts)
+    if stats is not None:
+        stats.update(counts)
+    return records
