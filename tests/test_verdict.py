@@ -1,0 +1,205 @@
+"""Verdict math and I/O on synthetic run tables: paired effects, criterion, gaps, README section."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from musique_rl import verdict as V
+
+H_UP = V.Hypothesis("h01", "Advantage scaling", "high", "train/reward_gain", "increase", 0.02)
+H_DOWN = V.Hypothesis("h02", "Environment tokens in the loss", "high", "train/reward_gain", "decrease", 0.02)
+
+
+def sweep(hyp, control, treatment, seeds=None, **statuses):
+    """control/treatment: {seed: value or None}; statuses: {'treatment_3': 'FAILED'}."""
+    runs = []
+    for arm, table in (("control", control), ("treatment", treatment)):
+        for seed, value in table.items():
+            status = statuses.get(f"{arm}_{seed}", "FINISHED" if value is not None else "FAILED")
+            runs.append(V.Run(arm, seed, status, value, f"{arm}-{seed}", "" if value is not None else "boom"))
+    return V.Sweep(hyp, runs, seeds or sorted(set(control) | set(treatment)), source={"kind": "test"})
+
+
+def test_clear_increase_is_validated_with_interval_above_threshold():
+    v = V.judge(sweep(H_UP, {1: 0.50, 2: 0.55, 3: 0.45}, {1: 0.61, 2: 0.64, 3: 0.57}))
+    assert v["status"] == "Validated"
+    assert v["effect"] == pytest.approx((0.11 + 0.09 + 0.12) / 3)
+    lo, hi = v["ci"]
+    assert 0.02 < lo <= v["effect"] <= hi
+    assert v["confidence"] == 1.0
+    assert [p["seed"] for p in v["pairs"]] == [1, 2, 3] and v["missing"] == []
+
+
+def test_decrease_direction_flips_the_criterion():
+    runs = ({1: 0.50, 2: 0.55, 3: 0.45}, {1: 0.40, 2: 0.46, 3: 0.33})
+    assert V.judge(sweep(H_DOWN, *runs))["status"] == "Validated"
+    # the same drop contradicts a hypothesis that predicted an increase
+    assert V.judge(sweep(H_UP, *runs))["status"] == "Invalidated"
+
+
+def test_knob_that_does_not_matter_is_invalidated():
+    v = V.judge(sweep(H_UP, {1: 0.50, 2: 0.55, 3: 0.45, 4: 0.52}, {1: 0.502, 2: 0.548, 3: 0.453, 4: 0.519}))
+    assert v["status"] == "Invalidated"
+    assert v["ci"][1] < 0.02 and v["confidence"] > 0.95
+
+
+def test_noisy_effect_is_inconclusive_and_says_which_way_it_leans():
+    v = V.judge(sweep(H_UP, {1: 0.5, 2: 0.5, 3: 0.5}, {1: 0.70, 2: 0.35, 3: 0.56}))
+    assert v["status"] == "Inconclusive"
+    assert v["ci"][0] < 0.02 < v["ci"][1]
+    assert any("straddles" in n for n in v["notes"])
+
+
+def test_bootstrap_is_seeded_and_level_widens_the_interval():
+    s = sweep(H_UP, {1: 0.5, 2: 0.52, 3: 0.47, 4: 0.5}, {1: 0.58, 2: 0.55, 3: 0.56, 4: 0.61})
+    a, b = V.judge(s, seed=7), V.judge(s, seed=7)
+    assert a["ci"] == b["ci"]
+    narrow, wide = V.judge(s, level=0.5)["ci"], V.judge(s, level=0.99)["ci"]
+    assert wide[0] < narrow[0] and wide[1] > narrow[1]
+
+
+def test_failed_job_is_named_and_the_rest_still_judged():
+    v = V.judge(sweep(H_UP, {1: 0.50, 2: 0.55, 3: 0.45}, {1: 0.61, 2: 0.64, 3: None}))
+    assert v["n_pairs"] == 2 and v["n_seeds"] == 3
+    assert v["missing"] == [{"arm": "treatment", "seed": 3, "status": "FAILED", "reason": "boom", "source": "treatment-3"}]
+    assert v["status"] == "Validated"
+    assert any("treatment seed 3 FAILED" in n and "2 of 3 seeds" in n for n in v["notes"])
+
+
+def test_job_that_never_started_is_named_from_the_grid():
+    v = V.judge(sweep(H_UP, {1: 0.5, 2: 0.5}, {1: 0.6, 2: 0.6}, seeds=[1, 2, 3]))
+    assert {"arm": "control", "seed": 3, "status": "MISSING", "reason": "no run (never started)"} in v["missing"]
+    assert len(v["missing"]) == 2
+
+
+def test_one_pair_is_inconclusive_and_reports_what_it_has():
+    v = V.judge(sweep(H_UP, {1: 0.5, 2: None}, {1: 0.7, 2: None}))
+    assert v["status"] == "Inconclusive" and v["ci"] is None
+    assert v["effect"] == pytest.approx(0.2)
+    assert any("one complete seed pair (seed 1)" in n for n in v["notes"])
+
+
+def test_whole_arm_missing_reports_the_other_arm():
+    v = V.judge(sweep(H_UP, {1: 0.5, 2: 0.6}, {1: None, 2: None}))
+    assert v["status"] == "Inconclusive" and v["n_pairs"] == 0
+    assert any("control mean 0.5500 over 2 seed(s)" in n for n in v["notes"])
+
+
+# ---------------------------------------------------------------- multirun directories
+def make_job(sweep_dir: Path, num: int, hyp: str, arm: str, seed: int, metrics: dict | None):
+    job = sweep_dir / str(num)
+    (job / ".hydra").mkdir(parents=True)
+    hyp_block = yaml.safe_load((V.HYPOTHESIS_DIR / f"{hyp}.yaml").read_text())["hypothesis"]
+    (job / ".hydra" / "config.yaml").write_text(yaml.safe_dump({"hypothesis": {**hyp_block, "arm": arm}, "seed": seed}))
+    if metrics is not None:
+        (job / "metrics.json").write_text(json.dumps(metrics))
+    return job
+
+
+@pytest.fixture
+def multirun(tmp_path):
+    d = tmp_path / "multirun" / "2025-01-01" / "12-00-00"
+    d.mkdir(parents=True)
+    (d / "multirun.yaml").write_text(yaml.safe_dump({
+        "hydra": {"sweeper": {"params": {"hypothesis.arm": "control,treatment", "seed": "1,2,3"}},
+                  "overrides": {"task": ["+sweep=h02"]}}}))
+    values = {("control", 1): 0.30, ("control", 2): 0.25, ("treatment", 1): 0.10, ("treatment", 2): 0.08,
+              ("control", 3): 0.28}
+    num = 0
+    for (arm, seed), val in values.items():
+        make_job(d, num, "h02", arm, seed, {"train/reward_gain": val, "train/reward_start": 0.5})
+        num += 1
+    failed = make_job(d, num, "h02", "treatment", 3, None)  # started, never wrote metrics
+    (failed / "traceback.txt").write_text("Traceback (most recent call last):\nRuntimeError: CUDA out of memory\n")
+    return d
+
+
+def test_multirun_directory_is_read_with_grid_and_failure_reason(multirun):
+    s = V.load_multirun(multirun)
+    assert s.hypothesis.id == "h02" and s.seeds == [1, 2, 3]
+    v = V.judge(s)
+    assert v["n_pairs"] == 2
+    assert v["missing"][0]["arm"] == "treatment" and v["missing"][0]["seed"] == 3
+    assert v["missing"][0]["reason"] == "RuntimeError: CUDA out of memory"
+
+
+def test_missing_metric_key_is_named(tmp_path):
+    d = tmp_path / "sw"
+    make_job(d, 0, "h01", "control", 1, {"train/reward": 0.5})
+    s = V.load_multirun(d)
+    assert "has no 'train/reward_gain'" in s.runs[0].reason and "train/reward" in s.runs[0].reason
+
+
+def test_cli_writes_verdict_json_and_only_the_readme_section(multirun, tmp_path, capsys):
+    readme = tmp_path / "README.md"
+    readme.write_text("# title\n\nintro\n\n<!-- verdicts:start -->\nold\n<!-- verdicts:end -->\n\n## After\nkept\n")
+    assert V.main(["--sweep", str(multirun), "--readme", str(readme), "--source", "files"]) == 0
+    out = capsys.readouterr().out
+    assert "h02 Environment tokens in the loss: Validated" in out
+    text = readme.read_text()
+    assert text.startswith("# title\n\nintro\n\n<!-- verdicts:start -->") and text.endswith("## After\nkept\n")
+    assert "old" not in text
+    section = text.split("<!-- verdicts:start -->")[1].split("<!-- verdicts:end -->")[0]
+    assert "| hypothesis | priority | status | confidence | notes |" in section
+    assert sum(line.startswith("| h0") for line in section.splitlines()) == 8  # every hypothesis has a row
+    assert "| h02 Environment tokens in the loss | high | Validated |" in section
+    assert "missing treatment/seed 3 (FAILED)" in section
+    data = json.loads((multirun / "verdict.json").read_text())
+    assert data["status"] == "Validated" and data["n_pairs"] == 2 and data["status_table"] in text
+    assert (multirun / "status.md").read_text().strip() in text
+
+    # a later verdict on another hypothesis keeps this row
+    other = tmp_path / "other"
+    for i, (arm, seed, val) in enumerate([("control", 1, 0.1), ("treatment", 1, 0.1), ("control", 2, 0.2), ("treatment", 2, 0.2)]):
+        make_job(other, i, "h03", arm, seed, {"train/reward_gain": val})
+    assert V.main(["--sweep", str(other), "--readme", str(readme), "--source", "files"]) == 0
+    section = readme.read_text().split("<!-- verdicts:start -->")[1]
+    assert "| h02 Environment tokens in the loss | high | Validated |" in section
+    assert "| h03 KL penalty to the reference | medium | Invalidated |" in section
+
+
+def test_readme_without_markers_gets_them_appended(multirun, tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text("# project\n")
+    V.run_verdict(str(multirun), prefer="files", readme=readme)
+    text = readme.read_text()
+    assert text.startswith("# project\n\n<!-- verdicts:start -->") and text.rstrip().endswith("<!-- verdicts:end -->")
+
+
+def test_cli_names_an_unknown_sweep(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert V.main(["--sweep", "no-such-sweep", "--no-readme"]) == 2
+    assert "no-such-sweep" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- MLflow
+def test_mlflow_runs_are_judged_and_the_verdict_attached_to_the_parent(tmp_path, monkeypatch):
+    mlflow = pytest.importorskip("mlflow")
+    monkeypatch.chdir(tmp_path)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    mlflow.set_tracking_uri(uri)
+    mlflow.set_experiment("h01")
+    sid = "multirun/2025-01-01/12-00-00"
+    with mlflow.start_run(run_name="sweep", tags={V.TAG_SWEEP: sid, V.TAG_HYPOTHESIS: "h01"}) as parent:
+        for arm, seed, val, status in [("control", 1, 0.10, "FINISHED"), ("treatment", 1, 0.20, "FINISHED"),
+                                       ("control", 2, 0.12, "FINISHED"), ("treatment", 2, 0.21, "FINISHED"),
+                                       ("control", 3, 0.11, "FINISHED"), ("treatment", 3, None, "FAILED")]:
+            tags = {V.TAG_SWEEP: sid, V.TAG_HYPOTHESIS: "h01", V.TAG_ARM: arm, V.TAG_SEED: str(seed)}
+            with mlflow.start_run(nested=True, tags=tags) as child:
+                if val is not None:
+                    mlflow.log_metric("train/reward_gain", val)
+            if status == "FAILED":
+                mlflow.tracking.MlflowClient().set_terminated(child.info.run_id, "FAILED")
+    v = V.run_verdict(sid, tracking_uri=uri, out=tmp_path, readme=None)
+    assert v["source"]["kind"] == "mlflow" and v["source"]["parent_run_id"] == parent.info.run_id
+    assert v["status"] == "Validated" and v["n_pairs"] == 2
+    assert v["missing"][0]["status"] == "FAILED" and v["missing"][0]["seed"] == 3
+    client = mlflow.tracking.MlflowClient(tracking_uri=uri)
+    assert {a.path for a in client.list_artifacts(parent.info.run_id)} == {"verdict.json", "status.md"}
+    assert client.get_run(parent.info.run_id).data.tags["verdict"] == "Validated"
+    # --experiment finds the same (latest) sweep
+    assert V.run_verdict(experiment="h01", tracking_uri=uri, out=tmp_path, readme=None)["n_pairs"] == 2
