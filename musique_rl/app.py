@@ -6,6 +6,12 @@ from omegaconf import DictConfig
 
 
 def run(cfg: DictConfig) -> float | None:
+    from musique_rl.tracking import task_wrapper  # the job's MLflow run; a failed sweep job ends FAILED
+
+    return task_wrapper(_dispatch)(cfg)
+
+
+def _dispatch(cfg: DictConfig) -> float | None:
     if cfg.mode == "eval":
         from musique_rl.evaluate import evaluate
 

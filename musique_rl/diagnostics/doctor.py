@@ -1,0 +1,479 @@
+"""The doctor: reads a run's instruments from MLflow and names the broken part.
+
+    python -m musique_rl.diagnostics.doctor --run-id <id>          # one run
+    python -m musique_rl.diagnostics.doctor --experiment h02       # every run of an experiment
+
+Each rule is a fingerprint of a known defect (FIELD-NOTES "Known defects") in the h01..h08
+metrics. A diagnosis is a ranked list of findings, each naming its hypothesis id, a verdict in
+words, and the numbers behind it; flagged findings first, by severity:
+
+  severity = tier + magnitude,  tier 3 = direct proof (a count that must be 0 is not, a sign that
+  cannot be negative is), tier 2 = a quantitative fingerprint past a principled threshold, tier 1 =
+  a symptom with other possible causes; magnitude in [0, 1) = how far past the threshold, in
+  orders of magnitude / 3.
+
+Thresholds are module constants with their reasons. A clean run must produce no flagged finding.
+Training runs write `diagnosis.json` at their end (musique_rl.tracking.finish_train_run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+History = Sequence[tuple[int, float]]  # (step, value), sorted by step
+
+# ---------------------------------------------------------------- thresholds (and why)
+# H01: TRL's epsilon 1e-4 caps std scaling at 1e4x; a larger factor means an epsilon below TRL's
+# floor meets a std below any meaningful reward difference: float noise becomes full-size advantages.
+AMPLIFICATION_MAX = 1e4
+# H02/H06: mean |sampler - trainer| log-prob (nats/token). Identical fp32 weights agree to ~3e-6
+# (FIELD-NOTES); at 0.01 a 100-token sequence's importance ratio reaches e^1 = 2.7, near TRL's 3.0
+# clip where the sequence correction starts masking whole sequences (FIELD-NOTES defect 5).
+LOGP_GAP_MAX = 0.01
+# H02: sampled assistant tokens left out of the loss; beyond a fifth, the loss ignores what was sampled
+ASSISTANT_UNTRAINED_MAX = 0.2
+# H03: share of KL-masked tokens with a negative penalty. k3 >= 0 for every token, so only a sign
+# error makes it negative; half the tokens rules out round-off near zero.
+KL_NEGATIVE_MAX = 0.5
+# H04: a token budget that ends (or drops a tool result in) more than 1 episode in 10 is binding
+BUDGET_SHARE_MAX = 0.1
+# H05: an answer component constant in >= 95% of groups, mean below 0.05, while over half of the
+# episodes end with an answer, is not reading the answers
+CONSTANT_SHARE = 0.95
+ANSWER_PRESENT_MIN = 0.5
+DEAD_MEAN = 0.05
+# H06: frozen weights must not change at all (float64 checksum of an untouched tensor is exact)
+CHECKSUM_DRIFT_MAX = 1e-6
+# H07: more than half of the tool calls failing means the tool interface is broken for this policy
+TOOL_FAILURE_MAX = 0.5
+# H08: a healthy Adam step changes weights by ~1e-3 of their norm; 10x below that for most of the
+# run is a policy that is not moving
+UPDATE_RATIO_MIN = 1e-4
+KL_TO_START_MIN = 1e-4
+
+
+@dataclass
+class Finding:
+    hypothesis: str  # h01..h08 or "preflight"
+    check: str  # short machine name of the rule
+    flagged: bool
+    severity: float  # 0 when not flagged
+    verdict: str  # words a researcher understands
+    evidence: dict[str, float] = field(default_factory=dict)
+
+
+def _vals(h: History | None) -> list[float]:
+    return [v for _, v in (h or []) if v is not None and not math.isnan(v)]
+
+
+def _mag(ratio: float) -> float:
+    """How far past a threshold, in orders of magnitude / 3, in [0, 1)."""
+    if ratio <= 1 or math.isnan(ratio):
+        return 0.0
+    return min(0.99, math.log10(ratio) / 3) if math.isfinite(ratio) else 0.99
+
+
+def _param(params: Mapping[str, str], key: str, default: str = "") -> str:
+    return str(params.get(key, default))
+
+
+def _num(params: Mapping[str, str], key: str, default: float = 0.0) -> float:
+    try:
+        return float(params.get(key, default))
+    except (TypeError, ValueError):
+        return default
+
+
+# ---------------------------------------------------------------- rules, one function per hypothesis
+def _h01(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
+    amp = _vals(m.get("h01/amplification_max"))
+    near = _vals(m.get("h01/near_zero_std_share"))
+    if not amp and not near:
+        return []
+    ev = {
+        "h01/amplification_max (max)": max(amp, default=0.0),
+        "h01/near_zero_std_share (mean)": statistics.fmean(near) if near else 0.0,
+        "h01/near_tie_adv_share (mean)": statistics.fmean(_vals(m.get("h01/near_tie_adv_share")) or [0.0]),
+        "h01/adv_abs_max (max)": max(_vals(m.get("h01/adv_abs_max")) or [0.0]),
+    }
+    worst = max(amp, default=0.0)
+    steps = sum(a > AMPLIFICATION_MAX for a in amp)
+    if worst > AMPLIFICATION_MAX:
+        return [Finding("h01", "std_amplification", True, 2 + _mag(worst / AMPLIFICATION_MAX),
+                        f"Std scaling multiplied reward differences by up to {worst:.3g}x (TRL's epsilon caps it at "
+                        f"{AMPLIFICATION_MAX:.0e}) on {steps} of {len(amp)} steps: near-tied groups whose rewards differ "
+                        "by float noise get full-size advantages, so the gradient follows noise. Raise the std "
+                        "epsilon or stop scaling by the group std (loss.scale_rewards=none).", ev)]
+    return [Finding("h01", "std_amplification", False, 0.0,
+                    f"Advantage scaling within bounds (max amplification {worst:.3g}x); "
+                    f"{ev['h01/near_zero_std_share (mean)']:.0%} of groups are near-ties on average.", ev)]
+
+
+def _h02(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
+    out: list[Finding] = []
+    env = _vals(m.get("h02/env_tokens_with_loss"))
+    if env:
+        share = statistics.fmean(_vals(m.get("h02/loss_share_tool")) or [0.0]) + statistics.fmean(
+            _vals(m.get("h02/loss_share_template")) or [0.0])
+        ev = {"h02/env_tokens_with_loss (max)": max(env), "h02/env_tokens_with_loss (mean)": statistics.fmean(env),
+              "h02/loss_share_tool+template (mean)": share}
+        if max(env) > 0:
+            out.append(Finding("h02", "env_tokens_in_loss", True, 3 + _mag(1 + max(env)),
+                               f"The loss trains on tokens the environment wrote: up to {max(env):.0f} tool/template "
+                               f"tokens per batch ({share:.0%} of loss tokens). Must be 0: tool results and chat "
+                               "scaffolding need env_mask 0 (train.mask_env_tokens=true).", ev))
+        else:
+            out.append(Finding("h02", "env_tokens_in_loss", False, 0.0,
+                               "No tool or template token carries loss.", ev))
+    gap = m.get("h06/logp_gap_mean") or []
+    cov = _vals(m.get("h02/attention_coverage"))
+    if gap:
+        step0 = gap[0][1]
+        ev = {"h06/logp_gap_mean (first step)": step0, "first step": float(gap[0][0])}
+        if cov:
+            ev["h02/attention_coverage (min)"] = min(cov)
+        if step0 > LOGP_GAP_MAX:
+            extra = (f" The forward pass attends to only {min(cov):.0%} of the context." if cov and min(cov) < 1 else "")
+            out.append(Finding("h02", "trainer_sampler_mismatch_at_start", True, 2 + _mag(step0 / LOGP_GAP_MAX),
+                               f"Before any update the trainer and the sampler disagree on the sampled tokens by "
+                               f"{step0:.3g} nats/token (identical weights agree to ~1e-5): the trainer does not score "
+                               "the context the sampler saw (attention mask = loss mask, template drift, or "
+                               f"re-tokenised text).{extra}", ev))
+        else:
+            out.append(Finding("h02", "trainer_sampler_mismatch_at_start", False, 0.0,
+                               f"Trainer and sampler agree at the first step ({step0:.2g} nats/token).", ev))
+    if cov and min(cov) < 1 and not (gap and gap[0][1] > LOGP_GAP_MAX):
+        out.append(Finding("h02", "context_hidden_from_trainer", True, 3 + _mag(1 / max(min(cov), 1e-3)),
+                           f"The trainer's forward pass attends to only {min(cov):.0%} of the context tokens: prompt or "
+                           "tool tokens are invisible when it scores the assistant's tokens.",
+                           {"h02/attention_coverage (min)": min(cov)}))
+    untrained = _vals(m.get("h02/assistant_tokens_without_loss_share"))
+    if untrained and statistics.fmean(untrained) > ASSISTANT_UNTRAINED_MAX:
+        u = statistics.fmean(untrained)
+        out.append(Finding("h02", "sampled_tokens_untrained", True, 1 + _mag(u / ASSISTANT_UNTRAINED_MAX),
+                           f"{u:.0%} of the sampled assistant tokens are outside the loss mask: most of what the "
+                           "policy wrote is not trained on.", {"h02/assistant_tokens_without_loss_share (mean)": u}))
+    return out
+
+
+def _h03(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
+    out: list[Finding] = []
+    env = _vals(m.get("h03/kl_env_tokens"))
+    neg = _vals(m.get("h03/kl_negative_share"))
+    same = _vals(m.get("h02/kl_mask_equals_loss_mask"))
+    if not env and not neg:
+        return []
+    ev = {"h03/kl_env_tokens (max)": max(env, default=0.0), "h03/kl_negative_share (mean)": statistics.fmean(neg or [0.0]),
+          "h03/kl_model_mean (last)": (_vals(m.get("h03/kl_model_mean")) or [0.0])[-1]}
+    if same:
+        ev["h02/kl_mask_equals_loss_mask (min)"] = min(same)
+    if env and max(env) > 0:
+        out.append(Finding("h03", "kl_on_env_tokens", True, 3 + _mag(1 + max(env)),
+                           f"The KL penalty is computed on up to {max(env):.0f} tool/template tokens per micro-batch "
+                           "(must be 0): the policy is pulled toward the reference on text it did not write "
+                           "(Search-R1's negative-KL explosion).", ev))
+    elif same and min(same) < 1:
+        out.append(Finding("h03", "kl_mask_differs", True, 2.0,
+                           "The KL term is masked differently from the policy loss.", ev))
+    if neg and statistics.fmean(neg) > KL_NEGATIVE_MAX:
+        s = statistics.fmean(neg)
+        out.append(Finding("h03", "kl_sign", True, 3 + _mag(s / KL_NEGATIVE_MAX),
+                           f"{s:.0%} of the per-token KL penalties are negative; the k3 estimator is never negative, "
+                           "so the penalty is applied with the wrong sign: it pushes the policy AWAY from the reference.",
+                           ev))
+    if not out:
+        out.append(Finding("h03", "kl", False, 0.0, "KL confined to model tokens, with the right sign.", ev))
+    return out
+
+
+def _h04(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
+    keys = ["h04/budget_cap_share", "h04/dropped_tool_results_share", "h04/question_left_context_share",
+            "h04/prompt_at_cap_share", "h04/no_answer_share"]
+    means = {k: statistics.fmean(_vals(m.get(k))) for k in keys if _vals(m.get(k))}
+    if not means:
+        return []
+    ev = {f"{k} (mean)": v for k, v in means.items()}
+    lost = means.get("h04/question_left_context_share", 0.0)
+    if lost > 0:
+        return [Finding("h04", "question_left_context", True, 3 + _mag(1 + 100 * lost),
+                        f"In {lost:.0%} of episodes the question itself was truncated out of the context.", ev)]
+    worst_key = max((k for k in keys[:2] + keys[3:4] if k in means), key=lambda k: means[k], default=None)
+    if worst_key is not None and means[worst_key] > BUDGET_SHARE_MAX:
+        w = means[worst_key]
+        what = {"h04/budget_cap_share": "end at a token budget",
+                "h04/dropped_tool_results_share": "silently lose a tool result to the budget",
+                "h04/prompt_at_cap_share": "start with the prompt at its token cap"}[worst_key]
+        na = means.get("h04/no_answer_share")
+        tail = f"; {na:.0%} end with no answer" if na is not None else ""
+        return [Finding("h04", "budgets_binding", True, 2 + _mag(w / BUDGET_SHARE_MAX),
+                        f"Token budgets truncate the episodes: {w:.0%} of episodes {what}{tail}. The reward is capped by "
+                        "the budget, not by the policy (raise env.max_tokens_per_turn / env.max_completion_tokens).",
+                        ev)]
+    return [Finding("h04", "budgets_binding", False, 0.0, "Token budgets rarely bind.", ev)]
+
+
+def _h05(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
+    out: list[Finding] = []
+    errs = _vals(m.get("h05/reward_errors"))
+    if errs and max(errs) > 0:
+        out.append(Finding("h05", "reward_errors", True, 3 + _mag(1 + sum(errs)),
+                           f"Reward functions raised {sum(errs):.0f} times (up to {max(errs):.0f} per batch): those "
+                           "completions were not scored.", {"h05/reward_errors (sum)": sum(errs)}))
+    answered = 1 - statistics.fmean(_vals(m.get("h04/no_answer_share")) or [1.0])
+    dead = []
+    for comp in ("answer_em", "answer_f1"):
+        const = _vals(m.get(f"h05/{comp}/constant_group_share"))
+        mean = _vals(m.get(f"h05/{comp}/mean"))
+        weight = _num(params, f"reward.weights.{comp}", 1.0)
+        if const and mean and weight != 0 and statistics.fmean(const) >= CONSTANT_SHARE and max(mean) < DEAD_MEAN:
+            dead.append((comp, statistics.fmean(const), max(mean)))
+    if dead and answered >= ANSWER_PRESENT_MIN:
+        ev = {f"h05/{c}/constant_group_share (mean)": s for c, s, _ in dead}
+        ev.update({f"h05/{c}/mean (max)": v for c, _, v in dead})
+        ev["answered share (1 - h04/no_answer_share)"] = answered
+        names = ", ".join(c for c, _, _ in dead)
+        out.append(Finding("h05", "answer_reward_blind", True, 2 + _mag(answered / ANSWER_PRESENT_MIN * 10),
+                           f"{answered:.0%} of episodes end with an answer, yet {names} is ~0 and constant in "
+                           f"{min(s for _, s, _ in dead):.0%} of groups: the reward does not read the final answer "
+                           "(wrong turn parsed, or brittle parsing).", ev))
+    if not out:
+        comps = sorted({k.split("/")[1] for k in m if k.startswith("h05/") and k.endswith("/corr_total")})
+        ev = {f"h05/{c}/corr_total (mean)": statistics.fmean(_vals(m[f"h05/{c}/corr_total"])) for c in comps}
+        if comps or errs:
+            out.append(Finding("h05", "reward_signal", False, 0.0,
+                               "Every weighted answer component varies; no reward errors.", ev))
+    return out
+
+
+def _h06(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
+    out: list[Finding] = []
+    stale = _vals(m.get("h06/parity_stale"))
+    ev_p = {k + " (last)": _vals(m.get(k))[-1] for k in
+            ("h06/parity_sampler_trainer", "h06/parity_sampler_base", "h06/parity_trainer_base") if _vals(m.get(k))}
+    if stale and max(stale) > 0:
+        out.append(Finding("h06", "sampler_serves_base", True, 3 + _mag(1 + 10 * statistics.fmean(stale)),
+                           f"Parity probe: sampler matches base, not trainer (in {sum(s > 0 for s in stale)} of "
+                           f"{len(stale)} probes). Rollouts come from stale weights, so updates never reach the "
+                           "episodes the policy learns from: fix the weight sync.", ev_p))
+    gap = m.get("h06/logp_gap_mean") or []
+    if len(gap) >= 4 and gap[0][1] <= LOGP_GAP_MAX:
+        tail = [v for _, v in gap[-max(2, len(gap) // 4):]]
+        late = statistics.fmean(tail)
+        if late > LOGP_GAP_MAX:
+            ev = {"h06/logp_gap_mean (first)": gap[0][1], "h06/logp_gap_mean (last quarter)": late, **ev_p}
+            out.append(Finding("h06", "gap_grows", True, 2 + _mag(late / LOGP_GAP_MAX),
+                               f"The sampler/trainer log-prob gap grows from {gap[0][1]:.2g} at the first step to "
+                               f"{late:.3g} nats/token: the sampler lags the trainer (weights not synced).", ev))
+    drift = _vals(m.get("h06/base_checksum_drift"))
+    if drift and max(drift) > CHECKSUM_DRIFT_MAX:
+        out.append(Finding("h06", "base_drift", True, 3 + _mag(max(drift) / CHECKSUM_DRIFT_MAX),
+                           f"The frozen base weights changed (relative drift {max(drift):.3g}); merge/unmerge round "
+                           "trips corrupt the base (TRL #6688).", {"h06/base_checksum_drift (max)": max(drift)}))
+    bnorm = _vals(m.get("h06/lora_b_norm"))
+    if len(bnorm) >= 2 and max(bnorm) == 0:
+        out.append(Finding("h06", "lora_untrained", True, 3.0,
+                           f"LoRA B matrices are still exactly 0 after {len(bnorm)} steps: the adapter never trains.",
+                           {"h06/lora_b_norm (max)": 0.0}))
+    if not out and (gap or stale or drift or bnorm):
+        ev = dict(ev_p)
+        if gap:
+            ev["h06/logp_gap_mean (max)"] = max(v for _, v in gap)
+        out.append(Finding("h06", "sync", False, 0.0, "Sampler tracks the trainer.", ev))
+    return out
+
+
+def _h07(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
+    fail = _vals(m.get("h07/tool_failure_rate"))
+    if not fail:
+        return []
+    ev = {"h07/tool_failure_rate (mean)": statistics.fmean(fail),
+          "h07/tool_calls_mean (mean)": statistics.fmean(_vals(m.get("h07/tool_calls_mean")) or [0.0]),
+          "h07/turns_mean (mean)": statistics.fmean(_vals(m.get("h07/turns_mean")) or [0.0])}
+    f = statistics.fmean(fail)
+    if f > TOOL_FAILURE_MAX:
+        return [Finding("h07", "tool_failures", True, 1 + _mag(f / TOOL_FAILURE_MAX),
+                        f"{f:.0%} of tool calls fail: the multi-turn machinery, not the policy's choices, decides "
+                        "the episodes.", ev)]
+    return [Finding("h07", "tool_failures", False, 0.0, f"Tool calls mostly succeed ({f:.0%} fail).", ev)]
+
+
+def _h08(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
+    ratio = _vals(m.get("h08/update_weight_ratio"))
+    if not ratio:
+        return []
+    med = statistics.median(ratio)
+    kl = _vals(m.get("h08/kl_to_start"))
+    pre, post = _vals(m.get("h08/grad_norm_before_clip")), _vals(m.get("h08/grad_norm_after_clip"))
+    ev = {"h08/update_weight_ratio (median)": med}
+    if kl:
+        ev["h08/kl_to_start (last)"] = kl[-1]
+    if pre and post:
+        ev["grad clip factor (median before/after)"] = statistics.median(pre) / max(statistics.median(post), 1e-30)
+    if med < UPDATE_RATIO_MIN and (not kl or kl[-1] < KL_TO_START_MIN or med < UPDATE_RATIO_MIN / 10):
+        klw = f"; KL to the starting policy is {kl[-1]:.2g}" if kl else ""
+        clip = ev.get("grad clip factor (median before/after)")
+        clipw = f"; clipping shrinks gradients {clip:.3g}x" if clip and clip > 2 else ""
+        return [Finding("h08", "updates_too_small", True, 2 + _mag(UPDATE_RATIO_MIN / max(med, 1e-30)),
+                        f"Each step changes the weights by {med:.2g} of their norm (healthy ~1e-3){klw}{clipw}: the "
+                        "policy is not moving. Raise the learning rate or max_grad_norm.", ev)]
+    return [Finding("h08", "updates_too_small", False, 0.0, f"Weights move {med:.2g} of their norm per step.", ev)]
+
+
+def _preflight(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
+    sig = _vals(m.get("preflight/signal_share_forecast"))
+    if not sig:
+        return []
+    from musique_rl.diagnostics.preflight import MIN_SIGNAL_SHARE
+
+    ev = {k: _vals(m.get(k))[0] for k in ("preflight/pass_rate_mean", "preflight/zero_variance_forecast",
+                                           "preflight/signal_share_forecast") if _vals(m.get(k))}
+    s = sig[0]
+    if s < MIN_SIGNAL_SHARE:
+        return [Finding("preflight", "learnability", True, 1 + _mag(MIN_SIGNAL_SHARE / max(s, 1e-3)) / 2,
+                        f"Pre-flight: only {s:.0%} of groups are forecast to carry learning signal at this group size "
+                        f"(initial pass rate {ev.get('preflight/pass_rate_mean', float('nan')):.2f}).", ev)]
+    return [Finding("preflight", "learnability", False, 0.0,
+                    f"Pre-flight: {s:.0%} of groups forecast to carry signal.", ev)]
+
+
+RULES = (_h01, _h02, _h03, _h04, _h05, _h06, _h07, _h08, _preflight)
+HYPOTHESES = ("h01", "h02", "h03", "h04", "h05", "h06", "h07", "h08")
+
+
+def diagnose_metrics(metrics: Mapping[str, History], params: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
+    """Ranked diagnosis from metric histories {key: [(step, value), ...]} and the run's params."""
+    params = params or {}
+    findings: list[Finding] = []
+    for rule in RULES:
+        findings.extend(rule(metrics, params))
+    seen = {f.hypothesis for f in findings}
+    for h in HYPOTHESES:
+        if h not in seen:
+            findings.append(Finding(h, "no_data", False, 0.0, "No instrument data for this hypothesis in this run."))
+    findings.sort(key=lambda f: (not f.flagged, -f.severity, f.check == "no_data", f.hypothesis))
+    out = []
+    for rank, f in enumerate(findings, start=1):
+        d = asdict(f)
+        d["rank"] = rank
+        d["severity"] = round(f.severity, 3)
+        d["evidence"] = {k: (float(v) if v is not None else None) for k, v in f.evidence.items()}
+        out.append(d)
+    return out
+
+
+# ---------------------------------------------------------------- MLflow I/O
+_PREFIXES = ("h0", "preflight/")
+
+
+def read_run_metrics(run_id: str, uri: str | None = None) -> tuple[dict[str, History], dict[str, str], Any]:
+    """Histories of the instrument metrics, the params and the run object."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(uri)
+    run = client.get_run(run_id)
+    hist: dict[str, History] = {}
+    for key in run.data.metrics:
+        if key.startswith(_PREFIXES):
+            pts = client.get_metric_history(run_id, key)
+            hist[key] = sorted(((p.step, p.value) for p in pts), key=lambda sv: sv[0])
+    return hist, dict(run.data.params), run
+
+
+def diagnose_run(run_id: str, uri: str | None = None) -> list[dict[str, Any]]:
+    """The ranked diagnosis of one MLflow run (see module docstring)."""
+    hist, params, _ = read_run_metrics(run_id, uri)
+    return diagnose_metrics(hist, params)
+
+
+def write_diagnosis(run_id: str, diagnosis: list[dict[str, Any]], uri: str | None = None) -> None:
+    """Save `diagnosis.json` as an artifact of the run and tag the run with its top flagged hypothesis."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(uri)
+    client.log_text(run_id, json.dumps(diagnosis, indent=2), "diagnosis.json")
+    flagged = [d for d in diagnosis if d["flagged"]]
+    client.set_tag(run_id, "diagnosis", flagged[0]["hypothesis"] if flagged else "clean")
+    client.set_tag(run_id, "diagnosis_flagged", ",".join(dict.fromkeys(d["hypothesis"] for d in flagged)) or "none")
+
+
+def top_flagged(diagnosis: Sequence[Mapping[str, Any]]) -> str:
+    """The hypothesis id of the top flagged finding, or 'clean'."""
+    return next((d["hypothesis"] for d in diagnosis if d["flagged"]), "clean")
+
+
+def format_diagnosis(diagnosis: Sequence[Mapping[str, Any]], show_ok: bool = True) -> str:
+    lines = []
+    for d in diagnosis:
+        if d["check"] == "no_data" or (not show_ok and not d["flagged"]):
+            continue
+        mark = "FLAGGED" if d["flagged"] else "ok     "
+        lines.append(f"{d['rank']:>2}. {d['hypothesis']:<9} {mark} [{d['severity']:.2f}] {d['verdict']}")
+        if d["evidence"]:
+            ev = ", ".join(f"{k}={v:.4g}" for k, v in d["evidence"].items() if v is not None)
+            lines.append(f"    evidence: {ev}")
+    missing = [d["hypothesis"] for d in diagnosis if d["check"] == "no_data"]
+    if missing:
+        lines.append(f"    no instrument data: {', '.join(missing)}")
+    if not any(d["flagged"] for d in diagnosis):
+        lines.insert(0, "No flagged finding: every instrument is within its bounds.")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m musique_rl.diagnostics.doctor", description=__doc__.split("\n")[0])
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("--run-id", help="diagnose one MLflow run")
+    g.add_argument("--experiment", help="diagnose every finished or failed run of an MLflow experiment (name)")
+    p.add_argument("--tracking-uri", default=None, help="default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db")
+    p.add_argument("--write", action="store_true", help="also save diagnosis.json to each run")
+    p.add_argument("--json", action="store_true", help="print the diagnosis as JSON")
+    args = p.parse_args(argv)
+
+    from mlflow.tracking import MlflowClient
+
+    from musique_rl.tracking import tracking_uri
+
+    uri = args.tracking_uri or tracking_uri()
+    client = MlflowClient(uri)
+    if args.run_id:
+        runs = [client.get_run(args.run_id)]
+    else:
+        exp = client.get_experiment_by_name(args.experiment)
+        if exp is None:
+            print(f"no experiment named {args.experiment!r} in {uri}", file=sys.stderr)
+            return 2
+        runs = [r for r in client.search_runs([exp.experiment_id], order_by=["attributes.start_time ASC"])
+                if r.data.tags.get("sweep_parent") != "true"]
+    results = {}
+    for run in runs:
+        diag = diagnose_run(run.info.run_id, uri)
+        results[run.info.run_id] = diag
+        if args.write:
+            write_diagnosis(run.info.run_id, diag, uri)
+        if not args.json:
+            name = run.data.tags.get("mlflow.runName", "")
+            print(f"== run {run.info.run_id} ({name}, {run.info.status}): top = {top_flagged(diag)}")
+            print(format_diagnosis(diag))
+            print()
+    if args.experiment and not args.json:
+        counts: dict[str, int] = {}
+        for diag in results.values():
+            for h in dict.fromkeys(d["hypothesis"] for d in diag if d["flagged"]):
+                counts[h] = counts.get(h, 0) + 1
+        ranked = sorted(counts.items(), key=lambda kv: -kv[1])
+        print(f"experiment {args.experiment}: {len(results)} runs; flagged: "
+              + (", ".join(f"{h} in {n}" for h, n in ranked) or "none"))
+    if args.json:
+        print(json.dumps(results if args.experiment else next(iter(results.values())), indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

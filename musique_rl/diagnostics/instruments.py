@@ -1,0 +1,326 @@
+"""`Instruments`: the one object the trainer calls; it returns flat metric dicts (h01..h08, preflight).
+
+Contract (docs/architecture.md, "Instruments contract"). The GRPOTrainer subclass holds
+`self.instruments = Instruments.from_config(cfg, tokenizer=...)` and calls, each returning
+`{metric_name: float}` to merge into TRL's `self._metrics[mode]` (so the numbers reach MLflow with
+TRL's own at the same step):
+
+1. `observe_batch(...)` once per generation batch, after rewards and advantages exist
+   (end of `_generate_and_score_completions`).
+2. `observe_loss(...)` inside `_compute_loss`, once per micro-batch.
+3. `observe_update(...)` once per optimizer step; `diagnostics.callback.InstrumentsCallback`
+   does this for you (TrainerCallback hooks around `optimizer.step()`).
+4. `parity_probe(...)` right after each weight sync into the sampler, when `should_probe(step)`.
+
+All tensors may live on any device; nothing here needs gradients. Every argument except the
+first few is optional: a missing input only removes the metrics that need it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from musique_rl.diagnostics import preflight
+from musique_rl.diagnostics.advantages import advantage_stats
+from musique_rl.diagnostics.episodes import episode_shape
+from musique_rl.diagnostics.kl import kl_stats
+from musique_rl.diagnostics.ledger import Source, attention_coverage, mask_agreement, token_ledger
+from musique_rl.diagnostics.reward_signal import reward_component_stats
+from musique_rl.diagnostics.sync import Scorer, logp_gap, parity
+from musique_rl.diagnostics.truncation import episode_truncation, length_stats
+from musique_rl.diagnostics.updates import update_metrics
+
+log = logging.getLogger(__name__)
+
+# (text, artifact_file) -> None; default: mlflow.log_text into the active run
+ArtifactLogger = Callable[[str, str], None]
+
+
+def _mlflow_text_logger(text: str, artifact_file: str) -> None:
+    import mlflow
+
+    if mlflow.active_run() is not None:
+        mlflow.log_text(text, artifact_file)
+
+
+class Instruments:
+    """Per-step diagnostics for every hypothesis. See the module docstring for the call order.
+
+    Args:
+        num_generations: group size G; every batch passed in holds whole groups, contiguous.
+        near_zero_std: reward std below which a group carries ~no signal (diagnostics.near_zero_std).
+        parity_probe_every: steps between parity probes and trajectory views.
+        trajectory_views: episodes rendered into the HTML token view each time (0 = none).
+        max_prompt_tokens / max_completion_tokens: the env's budgets, for the share at each cap.
+        tokenizer: decodes tokens for the trajectory view (None = token ids are shown).
+        artifact_logger: where the HTML view goes; default the active MLflow run.
+        enabled: False makes every call return {} at no cost (diagnostics.enabled=false).
+        probe_size: sequences kept from the first batch as the fixed parity-probe set.
+    """
+
+    def __init__(
+        self,
+        *,
+        num_generations: int,
+        near_zero_std: float = 0.05,
+        parity_probe_every: int = 10,
+        trajectory_views: int = 4,
+        max_prompt_tokens: int | None = None,
+        max_completion_tokens: int | None = None,
+        tokenizer: Any = None,
+        artifact_logger: ArtifactLogger | None = _mlflow_text_logger,
+        enabled: bool = True,
+        probe_size: int = 8,
+    ):
+        if num_generations < 2:
+            raise ValueError(f"num_generations must be >= 2 for group statistics, got {num_generations}")
+        self.num_generations = num_generations
+        self.near_zero_std = near_zero_std
+        self.parity_probe_every = max(1, parity_probe_every)
+        self.trajectory_views = trajectory_views
+        self.max_prompt_tokens = max_prompt_tokens
+        self.max_completion_tokens = max_completion_tokens
+        self.tokenizer = tokenizer
+        self.artifact_logger = artifact_logger
+        self.enabled = enabled
+        self.probe_size = probe_size
+        self.batches_seen = 0
+        self.preflight: dict[str, float] | None = None
+        self.preflight_warning: str | None = None
+        self._probe: dict[str, Any] | None = None
+
+    @classmethod
+    def from_config(cls, cfg: Any, **kwargs: Any) -> Instruments:
+        """Build from the composed config (`cfg.diagnostics`, `cfg.train`, `cfg.env`)."""
+        d = cfg.diagnostics
+        return cls(
+            num_generations=int(cfg.train.num_generations),
+            near_zero_std=float(d.near_zero_std),
+            parity_probe_every=int(d.parity_probe_every),
+            trajectory_views=int(d.trajectory_views),
+            max_prompt_tokens=int(cfg.env.max_prompt_tokens),
+            max_completion_tokens=int(cfg.env.max_completion_tokens),
+            enabled=bool(d.enabled),
+            **kwargs,
+        )
+
+    def should_probe(self, step: int) -> bool:
+        """True on the steps that get a parity probe and a trajectory view (0, k, 2k, ...)."""
+        return self.enabled and step % self.parity_probe_every == 0
+
+    # ------------------------------------------------------------------ 1. after scoring
+    @torch.no_grad()
+    def observe_batch(
+        self,
+        *,
+        rewards: torch.Tensor,
+        advantages: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        completion_mask: torch.Tensor,
+        tool_mask: torch.Tensor | None = None,
+        token_sources: torch.Tensor | None = None,
+        episodes: Sequence[Mapping[str, Any]] | None = None,
+        reward_components: Mapping[str, Sequence[float] | torch.Tensor] | None = None,
+        reward_errors: int = 0,
+        prompt_ids: torch.Tensor | None = None,
+        completion_ids: torch.Tensor | None = None,
+        sampling_logps: torch.Tensor | None = None,
+        trainer_logps: torch.Tensor | None = None,
+        step: int | None = None,
+    ) -> dict[str, float]:
+        """Metrics of one generation batch (N completions = groups x G, groups contiguous).
+
+        rewards: (N,) total reward per completion as the advantages were computed from it (NaN = unscorable).
+        advantages: (N,) the advantages the loss will use (TRL: output["advantages"]).
+        prompt_mask: (N, P) 1 on real prompt tokens (TRL: output["prompt_mask"]).
+        completion_mask: (N, C) 1 on real completion tokens, env tokens included (output["completion_mask"]).
+        tool_mask: (N, C) TRL's env_mask/tool_mask, 1 = token enters the loss; None = all of completion_mask.
+        token_sources: (N, C) `ledger.Source` code of every completion token, from the rollout
+          (ASSISTANT / TOOL / TEMPLATE, PAD on padding). Independent of masking: it says where a token
+          came from, the masks say what is trained.
+        episodes: N Episode dicts (docs/architecture.md): stop_reason, num_turns, tool_calls,
+          tool_errors, dropped_tool_results, question_in_context, messages.
+        reward_components: component name -> (N,) values (rewards.RewardFunction.last_components).
+        reward_errors: exceptions raised inside reward functions for this batch.
+        prompt_ids, completion_ids: (N, P), (N, C) token ids: the parity-probe set and trajectory view.
+        sampling_logps: (N, C) sampler log-probs of the completion tokens (TRL: sampling_per_token_logps).
+        trainer_logps: (N, C) trainer log-probs at generation time (TRL: old_per_token_logps), if computed.
+        step: optimizer step (trainer.state.global_step); default = batches seen so far.
+        """
+        if not self.enabled:
+            return {}
+        step = self.batches_seen if step is None else step
+        self.batches_seen += 1
+        loss_mask = completion_mask if tool_mask is None else completion_mask * tool_mask
+        out: dict[str, float] = {}
+        out.update(advantage_stats(rewards, advantages, self.num_generations, self.near_zero_std))
+        out.update(token_ledger(loss_mask, token_sources, completion_mask))
+        out.update(length_stats(prompt_mask, completion_mask, self.max_prompt_tokens, self.max_completion_tokens))
+        if episodes:
+            eps = [dict(e) for e in episodes]
+            out.update(episode_truncation(eps))
+            out.update(episode_shape(eps))
+        out.update(reward_component_stats(reward_components or {}, rewards, self.num_generations, reward_errors))
+        if sampling_logps is not None and trainer_logps is not None:
+            out.update(logp_gap(sampling_logps, trainer_logps, loss_mask, token_sources))
+        if self.preflight is None and reward_components and "answer_em" in reward_components:
+            # The first batch comes from the initial policy: its groups are the pre-flight sample.
+            passed = torch.as_tensor(reward_components["answer_em"], dtype=torch.float64).nan_to_num(0.0) >= 1.0
+            self.preflight = preflight.learnability(passed, self.num_generations)
+            self.preflight_warning = preflight.warning(self.preflight)
+            if self.preflight_warning:
+                log.warning(self.preflight_warning)
+            out.update(self.preflight)
+        if self._probe is None and prompt_ids is not None and completion_ids is not None:
+            self._keep_probe(prompt_ids, prompt_mask, completion_ids, completion_mask, loss_mask, token_sources)
+        if self.trajectory_views and self.should_probe(step) and prompt_ids is not None and completion_ids is not None:
+            self._log_view(step, prompt_ids, prompt_mask, completion_ids, completion_mask, loss_mask,
+                           token_sources, advantages, rewards, sampling_logps, episodes)
+        return out
+
+    # ------------------------------------------------------------------ 2. inside the loss
+    @torch.no_grad()
+    def observe_loss(
+        self,
+        *,
+        per_token_logps: torch.Tensor,
+        loss_mask: torch.Tensor,
+        sampling_logps: torch.Tensor | None = None,
+        token_sources: torch.Tensor | None = None,
+        per_token_kl: torch.Tensor | None = None,
+        kl_mask: torch.Tensor | None = None,
+        kl_penalty: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        prompt_mask: torch.Tensor | None = None,
+        completion_mask: torch.Tensor | None = None,
+    ) -> dict[str, float]:
+        """Metrics of one loss micro-batch (T = completion length of the micro-batch).
+
+        per_token_logps: (N, T) the trainer's log-probs of the completion tokens in this forward pass.
+        loss_mask: (N, T) the mask the policy loss used (TRL: completion_mask * tool_mask).
+        sampling_logps: (N, T) the sampler's log-probs of the same tokens (inputs["sampling_per_token_logps"]).
+        token_sources: (N, T) `ledger.Source` codes (carry them in the generation batch dict so TRL's
+          shuffle/split keeps them aligned).
+        per_token_kl: (N, T) KL estimate per token before beta (TRL: k3); None when beta == 0.
+        kl_mask: (N, T) the mask the KL term was multiplied by; None = loss_mask.
+        kl_penalty: (N, T) the term actually added to the per-token loss (beta * kl, sign included).
+        attention_mask: (N, P + T) the attention mask given to the forward pass; with prompt_mask
+          (N, P) and completion_mask (N, T) it shows whether the trainer saw the whole context.
+        """
+        if not self.enabled:
+            return {}
+        out: dict[str, float] = {}
+        if sampling_logps is not None:
+            out.update(logp_gap(sampling_logps, per_token_logps, loss_mask, token_sources))
+        if per_token_kl is not None:
+            kmask = loss_mask if kl_mask is None else kl_mask
+            out.update(kl_stats(per_token_kl, kmask, token_sources, kl_penalty))
+            out.update(mask_agreement(loss_mask, kmask))
+        if attention_mask is not None and prompt_mask is not None and completion_mask is not None:
+            out.update(attention_coverage(attention_mask, prompt_mask, completion_mask))
+        return out
+
+    # ------------------------------------------------------------------ 3. around optimizer.step()
+    def observe_update(
+        self,
+        *,
+        update_norm: float | None = None,
+        weight_norm: float | None = None,
+        grad_norm_after_clip: float | None = None,
+        grad_norm_before_clip: float | None = None,
+        learning_rate: float | None = None,
+        lora_b_norm: float | None = None,
+        base_checksum_drift: float | None = None,
+    ) -> dict[str, float]:
+        """Metrics of one optimizer step, from plain numbers (`callback.InstrumentsCallback` measures them).
+
+        update_norm: ||w_after - w_before|| over the trainable (metered) parameters.
+        weight_norm: ||w_before|| over the same parameters.
+        grad_norm_after_clip / grad_norm_before_clip: total gradient L2 norms.
+        lora_b_norm: L2 norm of all LoRA B matrices (None without LoRA).
+        base_checksum_drift: relative change of the frozen weights' squared norm since the start.
+        """
+        if not self.enabled:
+            return {}
+        out = update_metrics(
+            update_norm=update_norm,
+            weight_norm=weight_norm,
+            grad_norm_after_clip=grad_norm_after_clip,
+            grad_norm_before_clip=grad_norm_before_clip,
+            learning_rate=learning_rate,
+        )
+        if lora_b_norm is not None:
+            out["h06/lora_b_norm"] = lora_b_norm
+        if base_checksum_drift is not None:
+            out["h06/base_checksum_drift"] = base_checksum_drift
+        return out
+
+    # ------------------------------------------------------------------ 4. after a weight sync
+    def probe_inputs(self) -> dict[str, Any] | None:
+        """The fixed probe set: input_ids, attention_mask, logits_to_keep, mask (sampled tokens)."""
+        return self._probe
+
+    @torch.no_grad()
+    def parity_probe(
+        self,
+        *,
+        trainer: Scorer,
+        sampler: Scorer | None = None,
+        base: Scorer | None = None,
+    ) -> dict[str, float]:
+        """Score the fixed probe sequences under trainer, sampler and frozen starting model.
+
+        Each argument is a `sync.Scorer` (`sync.model_scorer(model, temperature)`,
+        `sync.peft_base_scorer(peft_model, temperature)`, or your own for a vLLM server).
+        Returns h06/parity_* (mean |Δ log-prob| per pair, parity_stale = 1 when the sampler matches
+        the base but not the trainer) and h08/kl_to_start. {} until a batch with token ids was observed.
+        """
+        if not self.enabled or self._probe is None:
+            return {}
+        p = self._probe
+        args = (p["input_ids"], p["attention_mask"], p["logits_to_keep"])
+        t = trainer(*args)
+        s = sampler(*args) if sampler is not None else None
+        b = base(*args) if base is not None else None
+        return parity(t, s, b, p["mask"].to(t.device))
+
+    # ------------------------------------------------------------------ helpers
+    def _keep_probe(self, prompt_ids, prompt_mask, completion_ids, completion_mask, loss_mask, token_sources):
+        k = min(self.probe_size, prompt_ids.shape[0])
+        mask = loss_mask[:k].bool()
+        if token_sources is not None:
+            mask = mask & (token_sources[:k] == Source.ASSISTANT)
+        self._probe = {
+            "input_ids": torch.cat([prompt_ids[:k], completion_ids[:k]], dim=1).clone(),
+            "attention_mask": torch.cat([prompt_mask[:k], completion_mask[:k]], dim=1).clone(),
+            "logits_to_keep": int(completion_ids.shape[1]),
+            "mask": mask.clone(),
+        }
+
+    def _log_view(self, step, prompt_ids, prompt_mask, completion_ids, completion_mask, loss_mask,
+                  token_sources, advantages, rewards, sampling_logps, episodes):
+        if self.artifact_logger is None:
+            return
+        from musique_rl.diagnostics.trajectory import render
+
+        n = prompt_ids.shape[0]
+        # spread the views over groups: the first completion of the first few groups, and the
+        # best and worst advantage of the batch (where the gradient pushes hardest)
+        order = torch.argsort(advantages.detach().float().cpu())
+        picks = list(dict.fromkeys([int(order[-1]), int(order[0])] + list(range(0, n, self.num_generations))))
+        try:
+            page = render(
+                prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids,
+                completion_mask=completion_mask, loss_mask=loss_mask, token_sources=token_sources,
+                advantages=advantages, rewards=rewards, sampling_logps=sampling_logps,
+                episodes=list(episodes) if episodes is not None else None,
+                indices=picks[: self.trajectory_views], tokenizer=self.tokenizer,
+                title=f"step {step}: tokens by source, loss mask and advantage",
+            )
+            self.artifact_logger(page, f"trajectories/step_{step:06d}.html")
+        except Exception:  # a view must never stop training
+            log.exception("trajectory view for step %s failed", step)

@@ -1,0 +1,49 @@
+"""Learnability pre-flight: will groups from this policy carry any learning signal?
+
+FIELD-NOTES defect 7: a group whose completions all pass (or all fail) has zero reward variance and
+no gradient. For a question the policy passes with probability p, a group of G completions is
+all-same with probability p^G + (1-p)^G. Averaged over questions from the initial policy's own
+groups, that forecasts the share of groups that will teach nothing, before any compute is spent.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+log = logging.getLogger(__name__)
+
+# Warn when fewer than this share of groups is forecast to carry signal: below a quarter, three
+# groups in four are dead weight and the per-step gradient rests on a handful of questions.
+MIN_SIGNAL_SHARE = 0.25
+
+
+@torch.no_grad()
+def learnability(passed: torch.Tensor, num_generations: int) -> dict[str, float]:
+    """preflight/* from pass/fail of each completion (N,), groups of G contiguous."""
+    g = num_generations
+    p = passed.detach().double().view(-1, g).mean(dim=1)  # pass rate per question
+    forecast = p.pow(g) + (1 - p).pow(g)
+    observed = ((p == 0) | (p == 1)).double()
+    return {
+        "preflight/pass_rate_mean": float(p.mean()),
+        "preflight/pass_at_g": float((p > 0).double().mean()),  # share of questions solved at least once
+        "preflight/zero_variance_forecast": float(forecast.mean()),
+        "preflight/zero_variance_observed": float(observed.mean()),
+        "preflight/signal_share_forecast": float(1 - forecast.mean()),
+        "preflight/questions": float(p.numel()),
+    }
+
+
+def warning(metrics: dict[str, float], min_signal_share: float = MIN_SIGNAL_SHARE) -> str | None:
+    """A sentence for the log when too few groups would carry signal, else None."""
+    share = metrics.get("preflight/signal_share_forecast")
+    if share is None or share >= min_signal_share:
+        return None
+    return (
+        f"pre-flight: only {share:.0%} of groups are forecast to carry learning signal "
+        f"(pass rate {metrics['preflight/pass_rate_mean']:.2f}, zero-variance forecast "
+        f"{metrics['preflight/zero_variance_forecast']:.2f} < {1 - min_signal_share:.2f} allowed): "
+        "the task is too easy or too hard for this policy at this group size"
+    )

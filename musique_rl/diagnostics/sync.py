@@ -1,0 +1,154 @@
+"""H06: does the sampler serve the weights the trainer is training?
+
+FIELD-NOTES defect 4: LoRA merge-push-unmerge drifts the frozen base (TRL #6688), and several
+frameworks shipped rollouts from the base model after LoRA updates (ms-swift #9855, verl #3821,
+TRL #5312). Two instruments: the per-step log-prob gap between sampler and trainer on the sampled
+tokens (it grows with steps when the sampler is stale), and a parity probe after a weight sync that
+scores FIXED token sequences under trainer, sampler and the frozen starting model and says which
+one the sampler matches. Plus LoRA B norms (an adapter that never trains keeps B = 0) and a
+checksum of the frozen base weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from musique_rl.diagnostics.ledger import Source
+
+# A scorer returns per-token log-probs (N, logits_to_keep) of the given sequences' last
+# `logits_to_keep` tokens: scorer(input_ids, attention_mask, logits_to_keep).
+Scorer = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
+
+# Mean |log-prob difference| (nats/token) below which two fp32 copies of the same weights agree:
+# the same model in one process differs by ~1e-6; batched left-padded generate vs a fresh forward by
+# ~3e-6 (FIELD-NOTES). Above it, the two are different functions.
+PARITY_ATOL = 1e-3
+# "sampler matches X" = the sampler is at least this many times closer to X than to the other model
+PARITY_RATIO = 10.0
+
+
+def sampled_token_mask(mask: torch.Tensor, token_sources: torch.Tensor | None) -> torch.Tensor:
+    """Tokens the sampler produced: the mask, restricted to assistant tokens when sources are known."""
+    m = mask.bool()
+    return m if token_sources is None else m & (token_sources == Source.ASSISTANT)
+
+
+@torch.no_grad()
+def logp_gap(
+    sampler_logps: torch.Tensor,
+    trainer_logps: torch.Tensor,
+    mask: torch.Tensor,
+    token_sources: torch.Tensor | None = None,
+) -> dict[str, float]:
+    """|sampler - trainer| log-prob gap (nats/token) on sampled tokens: h06/logp_gap_mean, _max.
+
+    At step 0 both hold the same weights, so a large gap there means the trainer does not score the
+    tokens the sampler saw (blind context, template drift: H02); a gap that starts ~0 and grows
+    means the sampler lags the trainer (stale weights: H06).
+    """
+    m = sampled_token_mask(mask, token_sources) & ~torch.isnan(sampler_logps)
+    d = (sampler_logps.detach().float() - trainer_logps.detach().float()).abs()[m]
+    if d.numel() == 0:
+        return {}
+    return {"h06/logp_gap_mean": float(d.mean()), "h06/logp_gap_max": float(d.max())}
+
+
+@torch.no_grad()
+def parity(
+    trainer_logps: torch.Tensor,
+    sampler_logps: torch.Tensor | None,
+    base_logps: torch.Tensor | None,
+    mask: torch.Tensor,
+) -> dict[str, float]:
+    """Parity probe on fixed sequences sampled by the starting policy.
+
+    Returns mean |difference| (nats/token) for each pair, `h06/parity_stale` = 1.0 when the sampler
+    matches the base model but not the trainer ("sampler matches base, not trainer"), and
+    `h08/kl_to_start` = KL(start || trainer) by the k3 estimator on the start-sampled probe tokens.
+    """
+    m = mask.bool()
+
+    def dist(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float((a.float() - b.float()).abs()[m].mean())
+
+    out: dict[str, float] = {}
+    if sampler_logps is not None:
+        out["h06/parity_sampler_trainer"] = dist(sampler_logps, trainer_logps)
+    if base_logps is not None:
+        out["h06/parity_trainer_base"] = dist(trainer_logps, base_logps)
+        log_r = (trainer_logps.float() - base_logps.float())[m]  # log p_trainer / p_start
+        out["h08/kl_to_start"] = float((log_r.exp() - 1 - log_r).mean())
+    if sampler_logps is not None and base_logps is not None:
+        s_t, s_b = out["h06/parity_sampler_trainer"], dist(sampler_logps, base_logps)
+        out["h06/parity_sampler_base"] = s_b
+        stale = s_t > PARITY_ATOL and s_b * PARITY_RATIO < s_t
+        out["h06/parity_stale"] = float(stale)
+    return out
+
+
+def model_scorer(model: torch.nn.Module, temperature: float = 1.0) -> Scorer:
+    """A `Scorer` for an HF causal LM: log-probs of the sequences' last tokens at `temperature`.
+
+    Temperature matters: TRL scores log-probs of logits / temperature, and so must every party of
+    the probe, or the probe measures the temperature instead of the weights.
+    """
+
+    @torch.no_grad()
+    def score(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int) -> torch.Tensor:
+        was_training = model.training
+        model.eval()
+        try:
+            logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
+        finally:
+            model.train(was_training)
+        logits = logits[:, -logits_to_keep - 1 : -1, :].float() / temperature
+        targets = input_ids[:, -logits_to_keep:]
+        return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+    return score
+
+
+def peft_base_scorer(peft_model: torch.nn.Module, temperature: float = 1.0) -> Scorer:
+    """The frozen base of a PEFT model (adapters disabled), as TRL's reference under PEFT."""
+    inner = model_scorer(peft_model, temperature)
+
+    def score(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int) -> torch.Tensor:
+        with peft_model.disable_adapter():
+            return inner(input_ids, attention_mask, logits_to_keep)
+
+    return score
+
+
+@torch.no_grad()
+def lora_b_norm(model: torch.nn.Module) -> float | None:
+    """L2 norm over every LoRA B matrix (PEFT initialises B = 0: it stays 0 if the adapter never trains)."""
+    sq, found = torch.zeros((), dtype=torch.float64), False
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            sq += p.detach().double().pow(2).sum().cpu()
+            found = True
+    return float(sq.sqrt()) if found else None
+
+
+class BaseChecksum:
+    """Relative drift of the frozen (requires_grad=False) weights' squared norm since construction.
+
+    Frozen weights must not change at all; merge/unmerge round trips in bf16 change them (TRL #6688:
+    relative drift 0.28 after 100 syncs). float64 sums make an unchanged tensor give exactly 0.
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        self._params = [p for p in model.parameters() if not p.requires_grad]
+        self._ref = self._sumsq()
+
+    def _sumsq(self) -> float:
+        return float(sum(p.detach().double().pow(2).sum().cpu() for p in self._params)) if self._params else 0.0
+
+    @property
+    def available(self) -> bool:
+        return bool(self._params) and self._ref > 0
+
+    def drift(self) -> float | None:
+        return abs(self._sumsq() - self._ref) / self._ref if self.available else None

@@ -1,0 +1,551 @@
+"""MLflow tracking: one run per Hydra job, a parent run per multirun, nothing secret ever logged.
+
+- Store: `tracking.tracking_uri`, else `$MLFLOW_TRACKING_URI`, else `sqlite:///<launch dir>/mlflow.db`
+  with artifacts beside it in `mlartifacts/` (`make ui` serves it on 127.0.0.1).
+- Experiment: `tracking.experiment`, else the hypothesis id (`h01` ...), else `musique_rl`.
+- Params: the flattened resolved config. Tags: hypothesis, arm, seed, fault, git commit, the
+  override string, sweep id, and Hydra's group choices (model, loss, reward, env, lora).
+  Every param, tag and text artifact goes through `musique_rl.redact` first.
+- Multirun: `SweepCallback` (a Hydra callback, conf/train.yaml `hydra.callbacks`) creates the
+  store and the experiment ONCE before fan-out (parallel jobs racing to create a fresh sqlite file
+  fail) and a parent run; jobs find its id in `$MUSIQUE_RL_PARENT_RUN_ID` or the sweep dir and
+  nest under it.
+- `task_wrapper(task)`: runs a job inside its MLflow run; a failing job ends its run FAILED with
+  the traceback as artifact `error/traceback.txt`, and in a multirun returns None instead of
+  taking the sweep down (the pattern of lightning-hydra-template's `task_wrapper`). A requeued or
+  resumed job (same output dir) continues the same run (`mlflow_run_id` file in the job dir).
+- At the end of a train run: reward-curve plots and the doctor's `diagnosis.json`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import math
+import os
+import subprocess
+import time
+import traceback
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from musique_rl.redact import redact, redact_tree, redact_value
+
+log = logging.getLogger(__name__)
+
+PARENT_ENV = "MUSIQUE_RL_PARENT_RUN_ID"  # parent run id, set by SweepCallback before fan-out
+SWEEP_ENV = "MUSIQUE_RL_SWEEP_ID"
+RUN_ID_FILE = "mlflow_run_id"  # in a job's output dir: resume into the same run
+PARENT_ID_FILE = "mlflow_parent_run_id"  # in a sweep dir: for jobs started without our env
+DEFAULT_EXPERIMENT = "musique_rl"
+_PARAM_MAX = 6000  # MLflow's limit on a param value (characters)
+_TAG_MAX = 5000
+
+
+# ---------------------------------------------------------------- store and experiment
+def _hydra() -> Any | None:
+    from hydra.core.hydra_config import HydraConfig
+
+    return HydraConfig.get() if HydraConfig.initialized() else None
+
+
+def _launch_dir() -> Path:
+    """Where the user launched from (Hydra may have changed cwd when hydra.job.chdir=true)."""
+    hc = _hydra()
+    return Path(hc.runtime.cwd) if hc is not None else Path.cwd()
+
+
+def tracking_uri(cfg: Any | None = None, base_dir: Path | None = None) -> str:
+    """`tracking.tracking_uri`, else `$MLFLOW_TRACKING_URI`, else an absolute sqlite file in the launch dir."""
+    uri = None
+    if cfg is not None:
+        with contextlib.suppress(Exception):
+            uri = OmegaConf.select(cfg, "tracking.tracking_uri")
+    uri = uri or os.environ.get("MLFLOW_TRACKING_URI")
+    if uri:
+        return str(uri)
+    # absolute, so jobs started elsewhere (submitit, SLURM) write to the same file
+    return f"sqlite:///{(base_dir or _launch_dir()).resolve() / 'mlflow.db'}"
+
+
+def experiment_name(cfg: Any) -> str:
+    name = OmegaConf.select(cfg, "tracking.experiment", default=None)
+    if name:
+        return str(name)
+    hyp = OmegaConf.select(cfg, "hypothesis.id", default=None)
+    return str(hyp) if hyp else DEFAULT_EXPERIMENT
+
+
+def _sqlite_path(uri: str) -> Path | None:
+    return Path(uri[len("sqlite:///") :]) if uri.startswith("sqlite:///") else None
+
+
+@contextlib.contextmanager
+def _store_lock(uri: str) -> Iterator[None]:
+    """An inter-process lock beside a sqlite store: MLflow's schema creation is not safe to race."""
+    path = _sqlite_path(uri)
+    if path is None:
+        yield
+        return
+    import fcntl
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(str(path) + ".lock", "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def ensure_experiment(uri: str, name: str) -> str:
+    """Create the store (sqlite schema) and the experiment if missing; return the experiment id."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    with _store_lock(uri):
+        client = MlflowClient(uri)
+        exp = client.get_experiment_by_name(name)
+        if exp is not None:
+            return exp.experiment_id
+        db = _sqlite_path(uri)
+        # artifacts next to the sqlite file, so `make ui` finds them wherever it is started
+        location = (db.parent / "mlartifacts" / name).resolve().as_uri() if db is not None else None
+        try:
+            return client.create_experiment(name, artifact_location=location)
+        except MlflowException:  # created meanwhile by a process that does not share our lock
+            exp = client.get_experiment_by_name(name)
+            if exp is None:
+                raise
+            return exp.experiment_id
+
+
+# ---------------------------------------------------------------- params and tags
+def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """{'a': {'b': 1}, 'c': [1, 2]} -> {'a.b': 1, 'c': '[1, 2]'} (lists stay one param)."""
+    out: dict[str, Any] = {}
+    if isinstance(tree, Mapping):
+        for k, v in tree.items():
+            key = f"{prefix}.{k}" if prefix else str(k)
+            if isinstance(v, Mapping) and v:
+                out.update(flatten(v, key))
+            else:
+                out[key] = v
+    else:
+        out[prefix] = tree
+    return out
+
+
+def resolved_container(cfg: DictConfig) -> dict[str, Any]:
+    """The config as plain data, interpolations resolved, enums as strings, `hydra` node dropped."""
+    data = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True, throw_on_missing=False)
+    data.pop("hydra", None)
+    return data
+
+
+def config_params(cfg: DictConfig) -> dict[str, str]:
+    """Flattened resolved config as MLflow params, redacted and cut to MLflow's length limit."""
+    params = {}
+    for k, v in flatten(resolved_container(cfg)).items():
+        params[k] = redact_value(k, "None" if v is None else v)[:_PARAM_MAX]
+    return params
+
+
+def git_commit(repo: Path | None = None) -> tuple[str, bool]:
+    """(commit sha, dirty) of the package's checkout; ('unknown', False) outside git."""
+    repo = repo or Path(__file__).resolve().parent.parent
+    try:
+        sha = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True, timeout=10, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo, capture_output=True, text=True, timeout=10
+        ).stdout.strip()
+        return sha, bool(dirty)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown", False
+
+
+def _sweep_dir() -> Path | None:
+    from hydra.types import RunMode
+
+    hc = _hydra()
+    if hc is None or hc.mode != RunMode.MULTIRUN:
+        return None
+    return Path(hc.sweep.dir).resolve()
+
+
+def sweep_id_of(sweep_dir: Path | str) -> str:
+    """A sweep's id: its directory relative to multirun/ ('2026-05-01/10-00-00'), else the full path."""
+    p = Path(sweep_dir)
+    parts = p.parts
+    return "/".join(parts[parts.index("multirun") + 1 :]) if "multirun" in parts[:-1] else str(p)
+
+
+def run_tags(cfg: DictConfig) -> dict[str, str]:
+    """Tags every job run carries (redacted)."""
+    hyp = OmegaConf.select(cfg, "hypothesis.id", default=None)
+    arm = OmegaConf.select(cfg, "hypothesis.arm", default=None)
+    fault = OmegaConf.select(cfg, "fault", default="none")
+    seed = OmegaConf.select(cfg, "seed", default=None)
+    sha, dirty = git_commit()
+    tags = {
+        "hypothesis": str(hyp) if hyp else "none",
+        "arm": str(getattr(arm, "value", arm)) if hyp else "none",
+        "seed": str(seed),
+        "fault": str(getattr(fault, "value", fault)),
+        "mode": str(getattr(cfg.get("mode"), "value", cfg.get("mode"))),
+        "git_commit": sha,
+        "git_dirty": str(dirty).lower(),
+        "mlflow.source.git.commit": sha,
+    }
+    hc = _hydra()
+    if hc is not None:
+        tags["overrides"] = " ".join(hc.overrides.task)
+        tags["output_dir"] = str(hc.runtime.output_dir)
+        for group, choice in hc.runtime.choices.items():
+            if not group.startswith("hydra") and group != "schema" and choice is not None:
+                tags[f"choice.{group}"] = str(choice)
+    else:
+        tags["overrides"] = ""
+    sweep = os.environ.get(SWEEP_ENV) or (sweep_id_of(d) if (d := _sweep_dir()) else None)
+    if sweep:
+        tags["sweep_id"] = sweep
+    tags["mlflow.runName"] = run_name(cfg)
+    return {k: redact_value(k, v)[:_TAG_MAX] for k, v in tags.items()}
+
+
+def run_name(cfg: DictConfig) -> str:
+    hyp = OmegaConf.select(cfg, "hypothesis.id", default=None)
+    fault = str(getattr(cfg.get("fault"), "value", cfg.get("fault") or "none"))
+    seed = OmegaConf.select(cfg, "seed", default="?")
+    parts = []
+    if hyp:
+        arm = OmegaConf.select(cfg, "hypothesis.arm")
+        parts += [str(hyp), str(getattr(arm, "value", arm))]
+    if fault != "none":
+        parts.append(f"fault-{fault}")
+    if not parts:
+        parts.append(str(getattr(cfg.get("mode"), "value", cfg.get("mode") or "train")))
+    parts.append(f"s{seed}")
+    return "-".join(parts)
+
+
+# ---------------------------------------------------------------- the job's run
+class Tracker:
+    """The MLflow run of one job. Obtain it inside a job with `tracking.active()`."""
+
+    def __init__(self, run_id: str, experiment_id: str, uri: str):
+        from mlflow.tracking import MlflowClient
+
+        self.run_id, self.experiment_id, self.uri = run_id, experiment_id, uri
+        self.client = MlflowClient(uri)
+
+    def log_metrics(self, metrics: Mapping[str, Any], step: int) -> None:
+        """Numeric entries of `metrics` at `step` in one batch (None, bools and strings skipped)."""
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        batch = [
+            Metric(key=_metric_key(k), value=float(v), timestamp=now, step=int(step))
+            for k, v in metrics.items()
+            if isinstance(v, int | float) and not isinstance(v, bool) and v is not None
+        ]
+        for i in range(0, len(batch), 1000):  # MLflow's per-request metric limit
+            self.client.log_batch(self.run_id, metrics=batch[i : i + 1000])
+
+    def log_text(self, text: str, artifact_file: str) -> None:
+        self.client.log_text(self.run_id, redact(text), artifact_file)
+
+    def log_dict(self, data: Any, artifact_file: str) -> None:
+        self.client.log_dict(self.run_id, redact_tree(data), artifact_file)
+
+    def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
+        self.client.log_artifact(self.run_id, str(path), artifact_path)
+
+    def set_tag(self, key: str, value: Any) -> None:
+        self.client.set_tag(self.run_id, key, redact_value(key, value)[:_TAG_MAX])
+
+    def callback(self) -> Any:
+        """A transformers TrainerCallback that logs every `logs` dict (TRL's metrics and ours) at its step.
+
+        Use it INSTEAD of transformers' MLflowCallback (GRPOConfig(report_to="none")): that one
+        logs TrainingArguments as params, which collide with the config's params.
+        """
+        from transformers import TrainerCallback
+
+        tracker = self
+
+        class MlflowMetricsCallback(TrainerCallback):
+            def on_log(self, args, state, control, logs=None, **kwargs):
+                if logs and state.is_world_process_zero:
+                    tracker.log_metrics(logs, step=state.global_step)
+
+        return MlflowMetricsCallback()
+
+
+def _metric_key(key: str) -> str:
+    # MLflow allows alphanumerics, _ - . space : / in metric names
+    return "".join(c if c.isalnum() or c in "_-. :/" else "_" for c in str(key))
+
+
+_ACTIVE: list[Tracker] = []
+
+
+def active() -> Tracker | None:
+    """The tracker of the job running in this process, or None when tracking is off."""
+    return _ACTIVE[-1] if _ACTIVE else None
+
+
+def _parent_run_id() -> str | None:
+    pid = os.environ.get(PARENT_ENV)
+    if pid:
+        return pid
+    d = _sweep_dir()
+    if d is not None and (d / PARENT_ID_FILE).exists():
+        return (d / PARENT_ID_FILE).read_text().strip() or None
+    return None
+
+
+@contextlib.contextmanager
+def job(cfg: DictConfig, output_dir: Path | None = None) -> Iterator[Tracker | None]:
+    """Start (or resume) this job's run; end it FINISHED, FAILED (traceback attached) or KILLED."""
+    if not OmegaConf.select(cfg, "tracking.enabled", default=True):
+        yield None
+        return
+    import mlflow
+
+    uri = tracking_uri(cfg)
+    exp_id = ensure_experiment(uri, experiment_name(cfg))
+    hc = _hydra()
+    out = output_dir or (Path(hc.runtime.output_dir) if hc is not None else None)
+    id_file = out / RUN_ID_FILE if out is not None else None
+    client = mlflow.tracking.MlflowClient(uri)
+    tags = run_tags(cfg)
+    parent = _parent_run_id()
+    if parent:
+        tags["mlflow.parentRunId"] = parent
+    run_id = None
+    if id_file is not None and id_file.exists():
+        old = id_file.read_text().strip()
+        with contextlib.suppress(Exception):
+            if client.get_run(old).info.experiment_id == exp_id:
+                run_id = old  # a requeued / resumed job continues its run
+    if run_id is None:
+        run_id = client.create_run(exp_id, tags=tags, run_name=tags["mlflow.runName"]).info.run_id
+        if id_file is not None:
+            id_file.parent.mkdir(parents=True, exist_ok=True)
+            id_file.write_text(run_id)
+    else:
+        client.update_run(run_id, status="RUNNING")
+        for k, v in tags.items():
+            client.set_tag(run_id, k, v)
+    tracker = Tracker(run_id, exp_id, uri)
+    prev_uri = mlflow.get_tracking_uri()
+    status = "FINISHED"
+    _ACTIVE.append(tracker)
+    try:
+        _log_config(tracker, cfg)
+        log.info("MLflow run %s (experiment %s) in %s", run_id, exp_id, redact(uri))
+        # the fluent API (mlflow.log_*) of code inside the job writes to this run too
+        mlflow.set_tracking_uri(uri)
+        mlflow.start_run(run_id=run_id)
+        yield tracker
+    except KeyboardInterrupt:
+        status = "KILLED"
+        raise
+    except BaseException as exc:
+        status = "FAILED"
+        with contextlib.suppress(Exception):
+            tracker.log_text(traceback.format_exc(), "error/traceback.txt")
+            tracker.set_tag("error", f"{type(exc).__name__}: {exc}"[:500])
+        raise
+    finally:
+        _ACTIVE.pop()
+        if status == "FINISHED" and str(getattr(cfg.get("mode"), "value", cfg.get("mode"))) == "train":
+            finish_train_run(tracker)
+        if mlflow.active_run() is not None and mlflow.active_run().info.run_id == run_id:
+            mlflow.end_run(status=status)
+        else:
+            client.set_terminated(run_id, status)
+        mlflow.set_tracking_uri(prev_uri)
+
+
+def _log_config(tracker: Tracker, cfg: DictConfig) -> None:
+    """Params (flattened resolved config) and the resolved config as artifact, both redacted."""
+    from mlflow.entities import Param
+
+    items = [Param(k, v) for k, v in config_params(cfg).items()]
+    try:
+        for i in range(0, len(items), 100):  # MLflow's per-request param limit
+            tracker.client.log_batch(tracker.run_id, params=items[i : i + 100])
+    except Exception:
+        # a resumed run already holds its params; a changed value is refused by MLflow: say so, go on
+        log.warning("params not (re)logged to run %s (resumed run?)", tracker.run_id, exc_info=True)
+    tracker.log_text(OmegaConf.to_yaml(redact_tree(resolved_container(cfg))), "config/resolved.yaml")
+
+
+def finish_train_run(tracker: Tracker) -> None:
+    """Reward-curve plots and the doctor's diagnosis.json; neither may fail the run."""
+    try:
+        plot_reward_curves(tracker)
+    except Exception:
+        log.exception("reward-curve plot failed")
+    try:
+        from musique_rl.diagnostics.doctor import diagnose_run, format_diagnosis, write_diagnosis
+
+        diagnosis = diagnose_run(tracker.run_id, uri=tracker.uri)
+        write_diagnosis(tracker.run_id, diagnosis, uri=tracker.uri)
+        log.info("doctor:\n%s", format_diagnosis(diagnosis))
+    except Exception:
+        log.exception("doctor failed")
+
+
+def task_wrapper(task: Callable[[DictConfig], Any]) -> Callable[[DictConfig], Any]:
+    """Run `task(cfg)` inside the job's MLflow run. In a multirun a failure is logged and the job
+    returns None, so one bad job does not take the sweep down; in a single run it re-raises."""
+
+    @functools.wraps(task)
+    def wrapped(cfg: DictConfig) -> Any:
+        try:
+            with job(cfg):
+                return task(cfg)
+        except Exception:
+            if _sweep_dir() is None:
+                raise
+            log.exception("job failed; its MLflow run is FAILED with the traceback, the sweep goes on")
+            return None
+
+    return wrapped
+
+
+# ---------------------------------------------------------------- plots
+_CURVES = ("reward", "reward_std", "frac_reward_zero_std")
+
+
+def plot_reward_curves(tracker: Tracker) -> str | None:
+    """`plots/reward_curves.png`: total reward, each reward component, group-signal shares, per step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = list(tracker.client.get_run(tracker.run_id).data.metrics)
+    comp = sorted(k for k in keys if k.startswith("rewards/") and k.endswith("/mean"))
+    panels = [
+        ("total reward", [k for k in ("reward",) if k in keys]),
+        ("reward components (TRL reward functions)", comp),
+        ("group signal", [k for k in ("frac_reward_zero_std", "h01/near_zero_std_share") if k in keys]),
+    ]
+    panels = [(t, ks) for t, ks in panels if ks]
+    if not panels:
+        return None
+    fig, axes = plt.subplots(len(panels), 1, figsize=(8, 3 * len(panels)), squeeze=False)
+    for ax, (title, ks) in zip(axes[:, 0], panels, strict=True):
+        for k in ks:
+            hist = sorted(tracker.client.get_metric_history(tracker.run_id, k), key=lambda m: m.step)
+            xs = [m.step for m in hist if not math.isnan(m.value)]
+            ys = [m.value for m in hist if not math.isnan(m.value)]
+            ax.plot(xs, ys, marker=".", label=k)
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "reward_curves.png"
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        tracker.log_artifact(path, "plots")
+    return "plots/reward_curves.png"
+
+
+# ---------------------------------------------------------------- the sweep's parent run
+try:
+    from hydra.experimental.callback import Callback as _HydraCallback
+except ImportError:  # pragma: no cover - hydra is a hard dependency
+    _HydraCallback = object  # type: ignore[assignment,misc]
+
+
+class SweepCallback(_HydraCallback):
+    """Hydra callback: prepare the MLflow store once, and hold a multirun's parent run.
+
+    Registered in conf/train.yaml under `hydra.callbacks.mlflow`. Runs in the launching process:
+    `on_multirun_start` fires before any job is launched, so the sqlite schema and the experiment
+    exist before parallel jobs (local processes, SLURM array tasks) touch the store.
+    """
+
+    def __init__(self) -> None:
+        self.parent_run_id: str | None = None
+        self.uri: str | None = None
+
+    @staticmethod
+    def _enabled(config: DictConfig) -> bool:
+        return bool(OmegaConf.select(config, "tracking.enabled", default=True))
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        if self._enabled(config):
+            with contextlib.suppress(Exception):  # the job reports store errors itself
+                ensure_experiment(tracking_uri(config, Path.cwd()), _safe_experiment_name(config))
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        if not self._enabled(config):
+            return
+        from mlflow.tracking import MlflowClient
+
+        self.uri = tracking_uri(config, Path.cwd())
+        exp_id = ensure_experiment(self.uri, _safe_experiment_name(config))
+        sweep_dir = Path(str(config.hydra.sweep.dir)).resolve()
+        sweep = sweep_id_of(sweep_dir)
+        sha, dirty = git_commit()
+        overrides = " ".join(config.hydra.overrides.task)
+        hyp = OmegaConf.select(config, "hypothesis.id", default=None, throw_on_resolution_failure=False)
+        tags = {
+            "sweep_id": sweep,
+            "sweep_parent": "true",
+            "hypothesis": str(hyp) if hyp else "none",
+            "overrides": overrides,
+            "git_commit": sha,
+            "git_dirty": str(dirty).lower(),
+            "sweep_dir": str(sweep_dir),
+            "mlflow.runName": f"sweep {sweep}",
+        }
+        tags = {k: redact_value(k, v)[:_TAG_MAX] for k, v in tags.items()}
+        client = MlflowClient(self.uri)
+        self.parent_run_id = client.create_run(exp_id, tags=tags, run_name=tags["mlflow.runName"]).info.run_id
+        os.environ[PARENT_ENV] = self.parent_run_id
+        os.environ[SWEEP_ENV] = sweep
+        # jobs started without our environment (e.g. a requeued SLURM task) read it from the sweep dir
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        (sweep_dir / PARENT_ID_FILE).write_text(self.parent_run_id)
+        log.info("MLflow parent run %s for sweep %s", self.parent_run_id, sweep)
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        if self.parent_run_id is None or self.uri is None:
+            return
+        from mlflow.tracking import MlflowClient
+
+        client = MlflowClient(self.uri)
+        children = client.search_runs(
+            experiment_ids=[e.experiment_id for e in client.search_experiments()],
+            filter_string=f"tags.mlflow.parentRunId = '{self.parent_run_id}'",
+        )
+        failed = sum(r.info.status == "FAILED" for r in children)
+        client.set_tag(self.parent_run_id, "jobs", str(len(children)))
+        client.set_tag(self.parent_run_id, "failed_jobs", str(failed))
+        client.set_terminated(self.parent_run_id, "FINISHED")
+        os.environ.pop(PARENT_ENV, None)
+        os.environ.pop(SWEEP_ENV, None)
+
+
+def _safe_experiment_name(config: DictConfig) -> str:
+    try:
+        return experiment_name(config)
+    except Exception:  # an interpolation that only resolves per job
+        return DEFAULT_EXPERIMENT

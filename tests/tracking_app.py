@@ -1,0 +1,39 @@
+"""Stand-in job for the tracking tests: the real conf/ tree, launchers and MLflow tracking, no training.
+
+It logs a few steps of instrument-shaped metrics into its MLflow run through `tracking.task_wrapper`
+(exactly what `app.run` does), and fails on request: TRACKING_APP_FAIL=<seed> raises in that job.
+Run: python tests/tracking_app.py -m seed=1,2 hydra.sweep.dir=/tmp/x
+"""
+
+import os
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig
+
+from musique_rl import (
+    schema,  # noqa: F401  (typed schema and the ${arm:..} resolver)
+    tracking,
+)
+
+CONF = str(Path(__file__).resolve().parent.parent / "conf")
+
+
+def task(cfg: DictConfig) -> float:
+    tracker = tracking.active()
+    assert tracker is not None, "task_wrapper must have started a run"
+    seed = int(cfg.seed)
+    for step in range(3):
+        tracker.log_metrics({"reward": 0.5 + 0.1 * step + 0.01 * seed, "h08/update_weight_ratio": 1e-3}, step=step)
+    if os.environ.get("TRACKING_APP_FAIL") == str(seed):
+        raise RuntimeError(f"planted failure in seed {seed}")
+    return 0.7
+
+
+@hydra.main(version_base="1.3", config_path=CONF, config_name="train")
+def main(cfg: DictConfig) -> float | None:
+    return tracking.task_wrapper(task)(cfg)
+
+
+if __name__ == "__main__":
+    main()
