@@ -1,0 +1,138 @@
+"""hydra-submitit-launcher 1.2.0 with two things it lacks, for paired hypothesis sweeps.
+
+1. Failure isolation. Upstream collects ``[j.results()[0] for j in jobs]``: the first job that
+   died (scancel, OOM kill, node failure) raises there and the launcher stops waiting for the
+   others. Here every job is waited for; a dead job becomes a FAILED ``JobReturn`` carrying
+   submitit's error, so the sweep ends after all jobs, and the verdict can name the gap.
+2. A parallelism cap for local runs. submitit's LocalExecutor starts every job at once (it has
+   no ``array_parallelism``); a 2 x 3 sweep would put 6 trainers on 2 cores. ``max_parallel``
+   keeps at most that many running, starting the next as one ends, and each job's BLAS/OpenMP
+   pool is sized to ``cpus_per_task`` threads.
+
+Configs: conf/hydra/launcher/{local,slurm}.yaml. Upstream's ``launch`` is mirrored in
+``_executor`` (pinned: hydra-submitit-launcher==1.2.0; tests/test_launchers.py checks the version).
+"""
+
+
+import logging
+import os
+import time
+import traceback
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from hydra.core.singleton import Singleton
+from hydra.core.utils import JobReturn, JobStatus, filter_overrides
+from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf, LocalQueueConf, SlurmQueueConf
+from hydra_plugins.hydra_submitit_launcher.submitit_launcher import BaseSubmititLauncher
+from omegaconf import OmegaConf
+
+log = logging.getLogger(__name__)
+
+# Threads each job's numeric libraries may start (read at their import, in the job process).
+THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+
+
+class _IsolatingLauncher(BaseSubmititLauncher):
+    def __init__(self, **params: Any) -> None:
+        self.max_parallel = int(params.pop("max_parallel", 0) or 0)  # 0 = no cap (SLURM: array_parallelism)
+        super().__init__(**params)
+
+    def _executor(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> tuple[Any, list[tuple]]:
+        """Upstream 1.2.0 ``launch`` up to the submission: build the executor and each job's arguments."""
+        import submitit
+
+        assert self.config is not None
+        params = self.params
+        init_params = {"folder": self.params["submitit_folder"]}
+        specific_init_keys = {"max_num_timeout"}
+        init_params.update(**{f"{self._EXECUTOR}_{x}": y for x, y in params.items() if x in specific_init_keys})
+        init_keys = specific_init_keys | {"submitit_folder"}
+        executor = submitit.AutoExecutor(cluster=self._EXECUTOR, **init_params)
+        baseparams = set(OmegaConf.structured(BaseQueueConf).keys())
+        params = {x if x in baseparams else f"{self._EXECUTOR}_{x}": y for x, y in params.items() if x not in init_keys}
+        executor.update_parameters(**params)
+
+        log.info(f"Submitit '{self._EXECUTOR}' sweep output dir : {self.config.hydra.sweep.dir}")
+        sweep_dir = Path(str(self.config.hydra.sweep.dir))
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        if "mode" in self.config.hydra.sweep:
+            os.chmod(sweep_dir, mode=int(str(self.config.hydra.sweep.mode), 8))
+        job_params = []
+        for idx, overrides in enumerate(job_overrides):
+            idx = initial_job_idx + idx
+            log.info(f"\t#{idx} : {' '.join(filter_overrides(overrides))}")
+            job_params.append((list(overrides), "hydra.sweep.dir", idx, f"job_id_for_{idx}", Singleton.get_state()))
+        return executor, job_params
+
+    def __call__(self, *args: Any, **kwargs: Any) -> JobReturn:
+        """Runs inside the job: a task that raised leaves traceback.txt in its job dir for the verdict."""
+        ret = super().__call__(*args, **kwargs)
+        if ret.status == JobStatus.FAILED and ret.hydra_cfg is not None:
+            exc = ret._return_value
+            out = Path(str(ret.hydra_cfg.hydra.runtime.output_dir)) / "traceback.txt"
+            out.write_text("".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
+        return ret
+
+    @staticmethod
+    def _result(job: Any, overrides: list[str]) -> JobReturn:
+        try:
+            return job.results()[0]
+        except Exception as exc:  # submitit: UncompletedJobError (killed, cancelled), FailedJobError
+            log.error("job %s (%s) died: %s", job.job_id, " ".join(overrides), str(exc).splitlines()[0] if str(exc) else exc)
+            ret = JobReturn(overrides=overrides, status=JobStatus.FAILED)
+            ret.return_value = exc
+            return ret
+
+    def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
+        executor, job_params = self._executor(job_overrides, initial_job_idx)
+        jobs = executor.map_array(self, *zip(*job_params, strict=True))
+        return [self._result(j, p[0]) for j, p in zip(jobs, job_params, strict=True)]
+
+
+class LocalLauncher(_IsolatingLauncher):
+    _EXECUTOR = "local"
+
+    def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
+        executor, job_params = self._executor(job_overrides, initial_job_idx)
+        cap = self.max_parallel or len(job_params)
+        threads = str(self.params.get("cpus_per_task") or 1)
+        saved = {k: os.environ.get(k) for k in THREAD_VARS}
+        os.environ.update({k: threads for k in THREAD_VARS})  # inherited by each job's process
+        try:
+            jobs: list[Any] = []
+            for p in job_params:
+                while sum(not j.done() for j in jobs) >= cap:
+                    time.sleep(0.5)
+                jobs.append(executor.submit(self, *p))
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+        return [self._result(j, p[0]) for j, p in zip(jobs, job_params, strict=True)]
+
+
+class SlurmLauncher(_IsolatingLauncher):
+    _EXECUTOR = "slurm"
+
+
+@dataclass
+class LocalParallelQueueConf(LocalQueueConf):
+    _target_: str = "hydra_plugins.musique_rl_launchers.launchers.LocalLauncher"
+    max_parallel: int = 2  # jobs running at once on this machine
+
+
+@dataclass
+class IsolatedSlurmQueueConf(SlurmQueueConf):
+    _target_: str = "hydra_plugins.musique_rl_launchers.launchers.SlurmLauncher"
+
+
+ConfigStore.instance().store(group="hydra/launcher", name="musique_local", node=LocalParallelQueueConf,
+                             provider="musique_rl")
+ConfigStore.instance().store(group="hydra/launcher", name="musique_slurm", node=IsolatedSlurmQueueConf,
+                             provider="musique_rl")

@@ -1,0 +1,90 @@
+"""Launcher configs: the sbatch script a sweep submits, per-cluster settings from the environment,
+and the pinned upstream code our launcher subclass mirrors."""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+import musique_rl.schema  # noqa: F401
+
+ROOT = Path(__file__).resolve().parent.parent
+CLUSTER_ENV = ["MUSIQUE_RL_SLURM_" + k for k in
+               ("PARTITION", "ACCOUNT", "QOS", "GPUS_PER_NODE", "CPUS_PER_TASK", "MEM_GB", "TIMEOUT_MIN",
+                "ARRAY_PARALLELISM", "MAX_NUM_TIMEOUT")]
+
+
+def test_upstream_launch_is_the_version_we_mirror():
+    # launchers.py copies hydra-submitit-launcher 1.2.0's launch() up to the submission; a new
+    # upstream version must be re-read before this passes again.
+    import hydra_plugins.hydra_submitit_launcher as upstream
+    from hydra_plugins.hydra_submitit_launcher.submitit_launcher import BaseSubmititLauncher
+
+    assert upstream.__version__ == "1.2.0"
+    src = inspect.getsource(BaseSubmititLauncher.launch)
+    assert hashlib.sha256(src.encode()).hexdigest()[:16] == "546875669010f80d"
+
+
+def sbatch_script(tmp_path: Path, overrides: list[str], n_jobs: int = 6) -> str:
+    from hydra_plugins.musique_rl_launchers.launchers import SlurmLauncher
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("train", overrides=["+sweep=h02", "hydra/launcher=slurm", f"hydra.sweep.dir={tmp_path}", *overrides],
+                      return_hydra_config=True)
+    params = OmegaConf.to_container(cfg.hydra.launcher, resolve=True)
+    assert params.pop("_target_") == "hydra_plugins.musique_rl_launchers.launchers.SlurmLauncher"
+    launcher = SlurmLauncher(**params)
+    launcher.config = cfg
+    executor, job_params = launcher._executor([[f"seed={i}"] for i in range(n_jobs)], 0)
+    assert len(job_params) == n_jobs
+    slurm = executor._executor
+    slurm.parameters["map_count"] = n_jobs  # what map_array sets for an array of n_jobs
+    return slurm._make_submission_file_text("python -u -m submitit.core._submit X", "uid")
+
+
+def test_sbatch_defaults_leave_cluster_choices_to_the_cluster(tmp_path, monkeypatch):
+    for k in CLUSTER_ENV:
+        monkeypatch.delenv(k, raising=False)
+    text = sbatch_script(tmp_path, [])
+    for absent in ("--partition", "--account", "--qos", "--gpus-per-node"):
+        assert absent not in text
+    for line in ("#SBATCH --cpus-per-task=1", "#SBATCH --mem=8GB", "#SBATCH --time=60",
+                 "#SBATCH --signal=USR2@120", "#SBATCH --array=0-5%6", "#SBATCH --job-name=musique_rl",
+                 "export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1"):
+        assert line in text, line
+    assert f"#SBATCH --output={tmp_path}/.submitit/%A_%a/%A_%a_0_log.out" in text
+
+
+def test_sbatch_takes_cluster_settings_from_the_environment(tmp_path, monkeypatch):
+    env = {"PARTITION": "gpu", "ACCOUNT": "proj42", "QOS": "high", "GPUS_PER_NODE": "4", "CPUS_PER_TASK": "16",
+           "MEM_GB": "200", "TIMEOUT_MIN": "720", "ARRAY_PARALLELISM": "2"}
+    for k, v in env.items():
+        monkeypatch.setenv("MUSIQUE_RL_SLURM_" + k, v)
+    text = sbatch_script(tmp_path, ["+hydra.launcher.additional_parameters.requeue=true"])
+    for line in ("#SBATCH --partition=gpu", "#SBATCH --account=proj42", "#SBATCH --qos=high",
+                 "#SBATCH --gpus-per-node=4", "#SBATCH --cpus-per-task=16", "#SBATCH --mem=200GB",
+                 "#SBATCH --time=720", "#SBATCH --array=0-5%2", "#SBATCH --requeue",
+                 "export OMP_NUM_THREADS=16 MKL_NUM_THREADS=16"):
+        assert line in text, line
+
+
+def test_command_line_beats_the_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("MUSIQUE_RL_SLURM_PARTITION", "gpu")
+    text = sbatch_script(tmp_path, ["hydra.launcher.partition=debug"])
+    assert "#SBATCH --partition=debug" in text and "--partition=gpu" not in text
+
+
+@pytest.mark.parametrize("launcher", ["local", "slurm"])
+def test_launcher_max_num_timeout_reaches_the_executor(tmp_path, launcher):
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("train", overrides=[f"hydra/launcher={launcher}", f"hydra.sweep.dir={tmp_path}"], return_hydra_config=True)
+    params = OmegaConf.to_container(cfg.hydra.launcher, resolve=True)
+    if launcher == "local":
+        assert params["max_parallel"] == 2 and params["cpus_per_task"] == 1
+    else:
+        assert params["max_num_timeout"] == 3  # requeues allowed after a timeout/preemption

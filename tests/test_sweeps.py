@@ -1,0 +1,100 @@
+"""Named sweeps: each composes on Hydra's search path as `+sweep=hNN` with the paired grid, and
+a sweep through the local launcher runs both arms x seeds in parallel and judges itself."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf, open_dict
+
+import musique_rl.schema  # noqa: F401  (schema and the ${arm:..} resolver)
+
+ROOT = Path(__file__).resolve().parent.parent
+SWEEPS = sorted(p.stem for p in (ROOT / "sweeps").glob("h*.yaml"))
+
+
+def test_every_hypothesis_has_a_named_sweep_on_the_search_path():
+    assert SWEEPS == sorted(p.stem for p in (ROOT / "conf" / "hypothesis").glob("h*.yaml"))
+    assert (ROOT / "conf" / "sweep").resolve() == (ROOT / "sweeps").resolve()
+
+
+@pytest.fixture(scope="module")
+def hydra_conf():
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        yield
+
+
+@pytest.mark.parametrize("name", SWEEPS)
+def test_sweep_composes_with_paired_grid_and_verdict(hydra_conf, name):
+    arms = {}
+    for arm in ("control", "treatment"):
+        cfg = compose("train", overrides=[f"+sweep={name}", f"hypothesis.arm={arm}"], return_hydra_config=True)
+        assert OmegaConf.to_container(cfg.hydra.sweeper.params) == {"hypothesis.arm": "control,treatment", "seed": "1,2,3"}
+        assert cfg.hydra.callbacks.verdict._target_ == "musique_rl.verdict.VerdictCallback"
+        assert cfg.hydra.sweep.dir.startswith(f"multirun/{name}/")  # resolves ${hypothesis.id}
+        with open_dict(cfg):
+            del cfg["hydra"]  # hydra.job.num exists only inside a running sweep
+        job = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+        assert job["hypothesis"]["id"] == name
+        job["hypothesis"].pop("arm")
+        arms[arm] = job
+    # the arms differ (the hypothesis' knob), and only through config, never the seed or the data
+    assert arms["control"] != arms["treatment"]
+    assert arms["control"]["seed"] == arms["treatment"]["seed"] and arms["control"]["env"]["data"] == arms["treatment"]["env"]["data"]
+
+
+def run_sweep(tmp_path: Path, *overrides: str, env: dict | None = None, timeout: int = 120):
+    """The stand-in app (tests/sweep_app.py) through the real conf tree, launcher and callback."""
+    sweep_dir = tmp_path / "sweep"
+    cmd = [sys.executable, str(ROOT / "tests" / "sweep_app.py"), "-m", *overrides,
+           f"hydra.sweep.dir={sweep_dir}", "hydra.callbacks.verdict.readme=false"]
+    full_env = {**os.environ, "PYTHONPATH": str(ROOT), "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'none.db'}",
+                **(env or {})}
+    proc = subprocess.run(cmd, cwd=tmp_path, env=full_env, capture_output=True, text=True, timeout=timeout)
+    return proc, sweep_dir
+
+
+def test_local_sweep_runs_arms_in_parallel_capped_and_prints_its_verdict(tmp_path):
+    proc, sweep_dir = run_sweep(tmp_path, "+sweep=h01", "seed=1,2", env={"SWEEP_APP_STEPS": "2", "SWEEP_APP_STEP_S": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "h01 Advantage scaling by group std amplifies near-ties: Validated" in proc.stdout
+    jobs = [json.loads(p.read_text()) for p in sweep_dir.glob("*/metrics.json")]
+    assert len(jobs) == 4 and {j["job/omp_threads"] for j in jobs} == {"1"}
+    # at most max_parallel=2 jobs at once, and more than one at once (parallel, not sequential)
+    events = sorted([(j["job/started"], 1) for j in jobs] + [(j["job/ended"], -1) for j in jobs])
+    running, peak = 0, 0
+    for _, delta in events:
+        running += delta
+        peak = max(peak, running)
+    assert peak == 2
+    v = json.loads((sweep_dir / "verdict.json").read_text())
+    assert v["status"] == "Validated" and v["n_pairs"] == 2 and v["effect"] == pytest.approx(0.10)
+
+
+def test_failed_job_leaves_the_others_finished_and_the_verdict_names_it(tmp_path):
+    proc, sweep_dir = run_sweep(tmp_path, "+sweep=h02", "seed=1,2,3", env={"SWEEP_APP_FAIL": "treatment:2"})
+    assert proc.returncode != 0  # the sweep reports the failure ...
+    assert "planted failure in treatment:2" in proc.stderr
+    assert len(list(sweep_dir.glob("*/metrics.json"))) == 5  # ... after the other five finished
+    v = json.loads((sweep_dir / "verdict.json").read_text())
+    assert v["missing"] == [{"arm": "treatment", "seed": 2, "status": "FAILED",
+                             "reason": "RuntimeError: planted failure in treatment:2",
+                             "source": str(sweep_dir / "4")}]
+    assert v["n_pairs"] == 2 and v["status"] == "Validated"
+    assert "treatment seed 2 FAILED" in proc.stdout
+
+
+@pytest.mark.slow
+def test_killed_job_leaves_the_others_finished_and_the_verdict_names_it(tmp_path):
+    proc, sweep_dir = run_sweep(tmp_path, "+sweep=h02", "seed=1,2", env={"SWEEP_APP_KILL": "control:1"})
+    assert proc.returncode != 0
+    assert len(list(sweep_dir.glob("*/metrics.json"))) == 3
+    v = json.loads((sweep_dir / "verdict.json").read_text())
+    assert [(m["arm"], m["seed"]) for m in v["missing"]] == [("control", 1)]
+    assert v["status"] == "Inconclusive" and v["n_pairs"] == 1
