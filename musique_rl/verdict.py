@@ -32,7 +32,6 @@ import datetime as _dt
 import json
 import logging
 import math
-import os
 import re
 import sys
 from dataclasses import asdict, dataclass, field
@@ -50,7 +49,7 @@ MARK_START, MARK_END = "<!-- verdicts:start -->", "<!-- verdicts:end -->"
 ARMS = ("control", "treatment")
 # MLflow tags each job run carries (musique_rl/tracking.py writes them).
 TAG_HYPOTHESIS, TAG_ARM, TAG_SEED, TAG_SWEEP = "hypothesis", "arm", "seed", "sweep_id"
-TAG_PARENT = "mlflow.parentRunId"
+TAG_PARENT, TAG_SWEEP_PARENT = "mlflow.parentRunId", "sweep_parent"  # tracking.SweepCallback's parent run
 
 
 class VerdictError(ValueError):
@@ -316,21 +315,22 @@ def load_hypothesis_file(name: str) -> Hypothesis:
 
 # ---------------------------------------------------------------- reading a sweep: MLflow
 def default_tracking_uri(explicit: str | None = None) -> str:
-    """Same rule as TrackingConfig.tracking_uri: explicit, else $MLFLOW_TRACKING_URI, else ./mlflow.db."""
-    return explicit or os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///mlflow.db"
+    """The jobs' store (tracking.tracking_uri): explicit, else $MLFLOW_TRACKING_URI, else ./mlflow.db."""
+    from musique_rl.tracking import tracking_uri
+
+    return explicit or tracking_uri(None, Path.cwd())
 
 
 def sweep_ids_for_dir(sweep_dir: Path) -> list[str]:
-    """The sweep_id tag values a multirun directory may carry (tracking.py tags runs with one)."""
+    """The sweep_id tag of a multirun directory's runs: the `sweep_id` file tracking.SweepCallback
+    leaves in it, else what tracking.sweep_id_of derives from the path."""
+    from musique_rl.tracking import sweep_id_of
+
     ids = []
     marker = sweep_dir / "sweep_id"
     if marker.exists():
         ids.append(marker.read_text().strip())
-    ids += [str(sweep_dir), str(sweep_dir.resolve())]
-    try:
-        ids.append(str(sweep_dir.resolve().relative_to(Path.cwd())))
-    except ValueError:
-        pass
+    ids += [sweep_id_of(sweep_dir.resolve()), str(sweep_dir)]
     return list(dict.fromkeys(ids))
 
 
@@ -351,10 +351,23 @@ def _mlflow_runs(tracking_uri: str, filter_string: str, experiment: str | None =
     return list(client.search_runs(exp_ids, filter_string=filter_string, max_results=5000))
 
 
+def _metric_from_job_dir(output_dir: str | None, metric: str) -> float | None:
+    """A run that logged its summary only to metrics.json (job dir) still counts."""
+    if not output_dir or not (Path(output_dir) / "metrics.json").exists():
+        return None
+    value = _flatten(json.loads((Path(output_dir) / "metrics.json").read_text())).get(metric)
+    return None if value is None else float(value)
+
+
 def load_mlflow(
-    *, sweep_id: str | list[str] | None = None, experiment: str | None = None, tracking_uri: str | None = None
+    *, sweep_id: str | list[str] | None = None, experiment: str | None = None, tracking_uri: str | None = None,
+    sweep_ended: bool = False,
 ) -> Sweep | None:
-    """Runs of one sweep (by sweep_id tag) or of the latest sweep of an experiment; None if none."""
+    """Runs of one sweep (by sweep_id tag) or of the latest sweep of an experiment; None if none.
+
+    sweep_ended: every job has returned (the verdict runs at the sweep's end), so a run still
+    RUNNING belongs to a process that died without closing it: reported as KILLED.
+    """
     uri = default_tracking_uri(tracking_uri)
     if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).exists():
         return None  # no local store: nothing tracked here (and MLflow would create an empty one)
@@ -374,7 +387,9 @@ def load_mlflow(
         ids = [latest]
     if not runs:
         return None
-    parents = [r for r in runs if TAG_PARENT not in r.data.tags and TAG_ARM not in r.data.tags]
+    parents = [r for r in runs if r.data.tags.get(TAG_SWEEP_PARENT) == "true"] or [
+        r for r in runs if TAG_PARENT not in r.data.tags and TAG_ARM not in r.data.tags
+    ]
     jobs = [r for r in runs if TAG_ARM in r.data.tags]
     if not jobs:
         return None
@@ -385,10 +400,16 @@ def load_mlflow(
     out: list[Run] = []
     for r in jobs:
         status = r.info.status
+        if sweep_ended and status in ("RUNNING", "SCHEDULED"):
+            status = "KILLED"
         value = r.data.metrics.get(hyp.metric)
+        if value is None and status == "FINISHED":
+            value = _metric_from_job_dir(r.data.tags.get("output_dir"), hyp.metric)
         reason = ""
         if status != "FINISHED":
             reason = f"run ended {status}" if status in ("FAILED", "KILLED") else f"run still {status}"
+            if status == "KILLED" and r.info.status != "KILLED":
+                reason = "its process died without ending the run (killed)"
             err = r.data.tags.get("error") or r.data.tags.get("exception")
             if err:
                 reason += f": {err[:200]}"
@@ -407,7 +428,7 @@ def load_mlflow(
 
 
 def load_sweep(sweep: str | None = None, experiment: str | None = None, tracking_uri: str | None = None,
-               prefer: str = "auto") -> Sweep:
+               prefer: str = "auto", sweep_ended: bool = False) -> Sweep:
     """MLflow first (it also knows jobs that died before writing files), the directory as fallback.
 
     The directory still supplies the requested grid, so a job that never started is named.
@@ -423,7 +444,7 @@ def load_sweep(sweep: str | None = None, experiment: str | None = None, tracking
         try:
             ids = sweep_ids_for_dir(sweep_dir) if sweep_dir is not None else sweep
             from_mlflow = load_mlflow(sweep_id=ids, experiment=None if sweep else experiment,
-                                      tracking_uri=tracking_uri)
+                                      tracking_uri=tracking_uri, sweep_ended=sweep_ended)
         except VerdictError:
             raise
         except Exception as exc:  # an unreachable server must not hide the files' evidence
@@ -606,8 +627,8 @@ def report(verdict: dict[str, Any]) -> str:
 
 def run_verdict(sweep: str | None = None, experiment: str | None = None, *, tracking_uri: str | None = None,
                 prefer: str = "auto", n_boot: int = 10_000, level: float = 0.95, seed: int = 0,
-                out: Path | None = None, readme: Path | None = README) -> dict[str, Any]:
-    swp = load_sweep(sweep, experiment, tracking_uri, prefer)
+                out: Path | None = None, readme: Path | None = README, sweep_ended: bool = False) -> dict[str, Any]:
+    swp = load_sweep(sweep, experiment, tracking_uri, prefer, sweep_ended)
     verdict = judge(swp, n_boot=n_boot, level=level, seed=seed)
     verdict["written"] = publish(verdict, out=out, readme=readme)
     return verdict
@@ -631,11 +652,14 @@ class VerdictCallback(Callback):
     def __init__(self, readme: bool = True, n_boot: int = 10_000, level: float = 0.95) -> None:
         self.readme, self.n_boot, self.level = readme, n_boot, level
         self._sweep_dir: str | None = None
+        self._tracking_uri: str | None = None
         self._done = False
 
     def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
+        from musique_rl.tracking import tracking_uri
+
         self._sweep_dir = str(config.hydra.sweep.dir)
-        self._tracking_uri = config.get("tracking", {}).get("tracking_uri") if "tracking" in config else None
+        self._tracking_uri = tracking_uri(config, Path.cwd())
         atexit.register(self._judge)
 
     def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
@@ -648,7 +672,7 @@ class VerdictCallback(Callback):
         self._done = True
         try:
             v = run_verdict(self._sweep_dir, tracking_uri=self._tracking_uri, n_boot=self.n_boot,
-                            level=self.level, readme=README if self.readme else None)
+                            level=self.level, readme=README if self.readme else None, sweep_ended=True)
             print("\n" + report(v) + f"\n  written: {v['written']}", flush=True)
         except Exception as exc:  # a verdict problem must not turn a finished sweep into an error
             log.error("verdict for %s failed: %s", self._sweep_dir, exc)

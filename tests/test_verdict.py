@@ -184,7 +184,7 @@ def test_mlflow_runs_are_judged_and_the_verdict_attached_to_the_parent(tmp_path,
     mlflow.set_tracking_uri(uri)
     mlflow.set_experiment("h01")
     sid = "multirun/2025-01-01/12-00-00"
-    with mlflow.start_run(run_name="sweep", tags={V.TAG_SWEEP: sid, V.TAG_HYPOTHESIS: "h01"}) as parent:
+    with mlflow.start_run(run_name="sweep", tags={V.TAG_SWEEP: sid, V.TAG_HYPOTHESIS: "h01", V.TAG_SWEEP_PARENT: "true"}) as parent:
         for arm, seed, val, status in [("control", 1, 0.10, "FINISHED"), ("treatment", 1, 0.20, "FINISHED"),
                                        ("control", 2, 0.12, "FINISHED"), ("treatment", 2, 0.21, "FINISHED"),
                                        ("control", 3, 0.11, "FINISHED"), ("treatment", 3, None, "FAILED")]:
