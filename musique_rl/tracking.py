@@ -19,6 +19,7 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import logging
@@ -524,22 +525,29 @@ class SweepCallback(_HydraCallback):
         # jobs started without our environment (e.g. a requeued SLURM task) read it from the sweep dir
         sweep_dir.mkdir(parents=True, exist_ok=True)
         (sweep_dir / PARENT_ID_FILE).write_text(self.parent_run_id)
+        (sweep_dir / "sweep_id").write_text(sweep)  # musique_rl.verdict finds the sweep's runs by it
+        # Hydra skips on_multirun_end when a job raised (or was killed): close the parent at exit then
+        atexit.register(self.on_multirun_end, config)
         log.info("MLflow parent run %s for sweep %s", self.parent_run_id, sweep)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         if self.parent_run_id is None or self.uri is None:
             return
+        parent_run_id, self.parent_run_id = self.parent_run_id, None  # once, by the hook or at exit
         from mlflow.tracking import MlflowClient
 
         client = MlflowClient(self.uri)
         children = client.search_runs(
             experiment_ids=[e.experiment_id for e in client.search_experiments()],
-            filter_string=f"tags.mlflow.parentRunId = '{self.parent_run_id}'",
+            filter_string=f"tags.mlflow.parentRunId = '{parent_run_id}'",
         )
-        failed = sum(r.info.status == "FAILED" for r in children)
-        client.set_tag(self.parent_run_id, "jobs", str(len(children)))
-        client.set_tag(self.parent_run_id, "failed_jobs", str(failed))
-        client.set_terminated(self.parent_run_id, "FINISHED")
+        for r in children:  # every job has returned: a run still RUNNING belongs to a killed process
+            if r.info.status == "RUNNING":
+                client.set_terminated(r.info.run_id, "KILLED")
+        failed = sum(r.info.status in ("FAILED", "KILLED", "RUNNING") for r in children)
+        client.set_tag(parent_run_id, "jobs", str(len(children)))
+        client.set_tag(parent_run_id, "failed_jobs", str(failed))
+        client.set_terminated(parent_run_id, "FINISHED")
         os.environ.pop(PARENT_ENV, None)
         os.environ.pop(SWEEP_ENV, None)
 

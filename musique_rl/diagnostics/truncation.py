@@ -15,7 +15,7 @@ import torch
 
 STOP_REASONS = ("answer", "max_turns", "turn_budget", "episode_budget", "no_tool_call")
 BUDGET_STOPS = ("turn_budget", "episode_budget")  # token caps, as opposed to the turn cap
-_ANSWER = re.compile(r"<answer>\s*\S", re.IGNORECASE)
+_ANSWER = re.compile(r"<answer>\s*[^<\s]", re.IGNORECASE)  # non-empty answer
 
 
 def has_answer(messages: Sequence[dict[str, Any]]) -> bool:

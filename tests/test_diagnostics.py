@@ -1,0 +1,337 @@
+"""Instruments on synthetic tensors: each metric moves when (and only when) its defect is present."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from musique_rl.diagnostics import Instruments, Source
+from musique_rl.diagnostics.advantages import advantage_stats
+from musique_rl.diagnostics.episodes import episode_shape
+from musique_rl.diagnostics.kl import kl_stats
+from musique_rl.diagnostics.ledger import attention_coverage, sources_tensor, token_ledger
+from musique_rl.diagnostics.preflight import learnability, warning
+from musique_rl.diagnostics.reward_signal import reward_component_stats
+from musique_rl.diagnostics.sync import BaseChecksum, lora_b_norm, model_scorer, parity
+from musique_rl.diagnostics.truncation import episode_truncation, has_answer
+from musique_rl.diagnostics.updates import UpdateMeter
+
+G = 8
+A, T, P = Source.ASSISTANT, Source.TOOL, Source.TEMPLATE
+
+
+def trl_advantages(rewards: torch.Tensor, eps: float) -> torch.Tensor:
+    """Group-std scaled advantages exactly as TRL 1.16 computes them, with a chosen epsilon."""
+    grouped = rewards.view(-1, G)
+    mean = grouped.mean(dim=1, keepdim=True)
+    std = grouped.std(dim=1, keepdim=True)
+    return ((grouped - mean) / (std + eps)).flatten()
+
+
+def tied_rewards() -> torch.Tensor:
+    """Two groups: one with real signal, one tie whose rewards differ only by float-level jitter."""
+    real = torch.tensor([1.0, 0.0, 1.0, 0.0, 1.0, 1.0, 0.0, 0.5])
+    tie = 0.7 + 1e-6 * torch.tensor([0.0, 1.0, 0.0, -1.0, 0.0, 1.0, 0.0, 0.0])
+    return torch.cat([real, tie]).double()
+
+
+def test_std_epsilon_below_trl_floor_amplifies_noise_to_full_size_advantages():
+    r = tied_rewards()
+    healthy = advantage_stats(r, trl_advantages(r, 1e-4), G, near_zero_std=0.05)
+    faulty = advantage_stats(r, trl_advantages(r, 1e-8), G, near_zero_std=0.05)
+    # TRL's epsilon caps the multiplier at 1/1e-4; below it, noise of 1e-6 becomes |A| ~ 1
+    assert healthy["h01/amplification_max"] < 1e4
+    assert faulty["h01/amplification_max"] > 1e5
+    assert faulty["h01/near_tie_adv_abs_max"] > 0.5 > healthy["h01/near_tie_adv_abs_max"]
+    assert healthy["h01/near_zero_std_share"] == faulty["h01/near_zero_std_share"] == 0.5
+    assert healthy["h01/zero_std_share"] == 0.0
+
+
+def test_zero_std_group_and_unscaled_advantages():
+    r = torch.cat([torch.full((G,), 0.3), torch.tensor([1.0, 0, 0, 0, 0, 0, 0, 0])])
+    adv = (r.view(-1, G) - r.view(-1, G).mean(1, keepdim=True)).flatten()  # scale_rewards=none
+    s = advantage_stats(r, adv, G, near_zero_std=0.05)
+    assert s["h01/zero_std_share"] == 0.5
+    assert s["h01/amplification_max"] == pytest.approx(1.0)  # no scaling = factor 1
+    with pytest.raises(ValueError, match="num_generations"):
+        advantage_stats(r[:-1], adv[:-1], G, 0.05)
+
+
+def _ledger_batch(env_in_loss: bool):
+    src = torch.tensor([[A, A, P, T, T, P, A, A, Source.PAD], [A, A, A, A, A, A, A, A, A]])
+    completion_mask = (src != Source.PAD).long()
+    env_mask = torch.ones_like(src) if env_in_loss else ((src == A) | (src == Source.PAD)).long()
+    return src, completion_mask, completion_mask * env_mask
+
+
+def test_ledger_counts_env_tokens_that_carry_loss():
+    src, cm, loss = _ledger_batch(env_in_loss=False)
+    clean = token_ledger(loss, src, cm)
+    assert clean["h02/env_tokens_with_loss"] == 0
+    assert clean["h02/loss_share_assistant"] == 1.0
+    src, cm, loss = _ledger_batch(env_in_loss=True)
+    bad = token_ledger(loss, src, cm)
+    assert bad["h02/env_tokens_with_loss"] == 4  # 2 tool + 2 template tokens
+    assert bad["h02/loss_share_tool"] == pytest.approx(2 / 17)
+    assert bad["h02/loss_share_template"] == pytest.approx(2 / 17)
+    shares = [bad[f"h02/loss_share_{s}"] for s in ("prompt", "assistant", "tool", "template")]
+    assert sum(shares) == pytest.approx(1.0)
+    assert token_ledger(loss, None)["h02/ledger_available"] == 0.0
+
+
+def test_sources_tensor_from_rollout_names():
+    t = sources_tensor([["assistant", "tool", "template"], ["assistant"]], width=4)
+    assert t.tolist() == [[A, T, P, 0], [A, 0, 0, 0]]
+    with pytest.raises(ValueError, match="'oops'"):
+        sources_tensor([["oops"]])
+
+
+def test_attention_coverage_catches_a_trainer_blind_to_context():
+    pm = torch.ones(2, 5, dtype=torch.long)
+    src, cm, loss = _ledger_batch(env_in_loss=False)
+    full = torch.cat([pm, cm], dim=1)
+    blind = torch.cat([torch.zeros_like(pm), loss], dim=1)  # verifiers 0.1.x: attention = loss mask
+    assert attention_coverage(full, pm, cm)["h02/attention_coverage"] == 1.0
+    assert attention_coverage(blind, pm, cm)["h02/attention_coverage"] < 0.7
+
+
+def test_kl_on_tool_tokens_and_flipped_sign():
+    torch.manual_seed(0)
+    src, cm, loss = _ledger_batch(env_in_loss=False)
+    logp, ref = -torch.rand(src.shape), -torch.rand(src.shape)
+    k3 = torch.exp(ref - logp) - (ref - logp) - 1
+    ok = kl_stats(k3, loss, src, kl_penalty=0.04 * k3)
+    assert ok["h03/kl_env_tokens"] == 0 and ok["h03/kl_negative_share"] == 0.0
+    assert ok["h03/kl_model_mean"] > 0
+    leaky = kl_stats(k3, cm, src, kl_penalty=0.04 * k3)  # KL masked by the completion mask only
+    assert leaky["h03/kl_env_tokens"] == 4
+    flipped = kl_stats(k3, loss, src, kl_penalty=-0.04 * k3)
+    assert flipped["h03/kl_negative_share"] > 0.9
+
+
+def _episode(stop, answer=True, dropped=0, in_ctx=True, calls=2, errors=0):
+    last = "<think>x</think><cite>1</cite><answer>Paris</answer>" if answer else "<tool_call>{}</tool_call>"
+    return {"id": "2hop__1", "stop_reason": stop, "num_turns": 3, "tool_calls": calls, "tool_errors": errors,
+            "dropped_tool_results": dropped, "question_in_context": in_ctx,
+            "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "<answer>first</answer>"},
+                         {"role": "tool", "content": "doc"}, {"role": "assistant", "content": last}]}
+
+
+def test_truncation_counts_caps_drops_and_missing_answers():
+    eps = [_episode("answer"), _episode("episode_budget", answer=False, dropped=1),
+           _episode("turn_budget", answer=False), _episode("max_turns", answer=False, in_ctx=False)]
+    s = episode_truncation(eps)
+    assert s["h04/budget_cap_share"] == 0.5
+    assert s["h04/dropped_tool_results_share"] == 0.25
+    assert s["h04/no_answer_share"] == 0.75  # read from the LAST assistant turn, not the first
+    assert s["h04/question_left_context_share"] == 0.25
+    assert s["h04/stop_answer_share"] == 0.25
+    assert not has_answer([{"role": "assistant", "content": "<answer> </answer>"}])
+
+
+def test_episode_shape_tool_failure_rate():
+    s = episode_shape([_episode("answer", calls=4, errors=1), _episode("answer", calls=0)])
+    assert s["h07/tool_failure_rate"] == 0.25
+    assert s["h07/no_tool_call_share"] == 0.5
+    assert s["h07/tool_calls_mean"] == 2.0
+
+
+def test_reward_components_constant_and_correlated():
+    em = torch.tensor([1.0, 0, 1, 0, 1, 0, 1, 0] * 2)
+    fmt = torch.ones(16)  # constant in every group
+    total = em + 0.1 * fmt
+    s = reward_component_stats({"answer_em": em, "format": fmt}, total, G, reward_errors=2)
+    assert s["h05/answer_em/constant_group_share"] == 0.0
+    assert s["h05/format/constant_group_share"] == 1.0
+    assert s["h05/answer_em/corr_total"] == pytest.approx(1.0)
+    assert "h05/format/corr_total" not in s  # undefined for a constant: missing, not a made-up 0
+    assert s["h05/reward_errors"] == 2.0
+    with pytest.raises(ValueError, match="rows"):
+        reward_component_stats({"answer_em": em[:8]}, total, G)
+
+
+def test_parity_probe_says_sampler_matches_base_not_trainer():
+    torch.manual_seed(0)
+    base = -torch.rand(4, 6)
+    trainer = base + 0.2 * torch.randn(4, 6)  # the trainer has moved
+    mask = torch.ones(4, 6)
+    stale = parity(trainer, base.clone(), base, mask)
+    assert stale["h06/parity_stale"] == 1.0
+    assert stale["h08/kl_to_start"] > 0.005
+    synced = parity(trainer, trainer + 1e-6, base, mask)
+    assert synced["h06/parity_stale"] == 0.0
+    start = parity(base, base, base, mask)  # step 0: everything equal, nothing stale
+    assert start["h06/parity_stale"] == 0.0 and start["h08/kl_to_start"] == 0.0
+
+
+class TinyLM(torch.nn.Module):
+    """A causal 'LM' small enough for unit tests: logits from an embedding of the previous token."""
+
+    def __init__(self, vocab=11):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, vocab)
+
+    def forward(self, input_ids, attention_mask=None):
+        return SimpleNamespace(logits=self.emb(input_ids))
+
+
+def test_model_scorer_matches_manual_log_probs_and_temperature():
+    torch.manual_seed(0)
+    lm = TinyLM()
+    ids = torch.randint(0, 11, (2, 7))
+    got = model_scorer(lm, temperature=0.5)(ids, torch.ones_like(ids), 3)
+    logits = lm.emb(ids)[:, -4:-1] / 0.5
+    want = torch.log_softmax(logits, -1).gather(-1, ids[:, -3:].unsqueeze(-1)).squeeze(-1)
+    assert torch.allclose(got, want, atol=1e-6)
+
+
+def test_lora_b_norm_and_base_checksum():
+    lm = torch.nn.ModuleDict({"base": torch.nn.Linear(4, 4), "lora_B": torch.nn.Linear(4, 4, bias=False)})
+    torch.nn.init.zeros_(lm["lora_B"].weight)
+    lm["base"].requires_grad_(False)
+    assert lora_b_norm(lm) == 0.0
+    assert lora_b_norm(torch.nn.Linear(2, 2)) is None
+    cs = BaseChecksum(lm)
+    assert cs.drift() == 0.0
+    with torch.no_grad():
+        lm["base"].weight.mul_(1.01)
+    assert cs.drift() > 1e-3
+
+
+def test_update_meter_ratio_and_grad_norm():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(10, 10)
+    opt = torch.optim.SGD(lin.parameters(), lr=0.1)
+    lin(torch.randn(3, 10)).pow(2).sum().backward()
+    meter = UpdateMeter(lin)
+    gnorm = torch.sqrt(sum(p.grad.pow(2).sum() for p in lin.parameters())).item()
+    wnorm = torch.sqrt(sum(p.pow(2).sum() for p in lin.parameters())).item()
+    meter.before_step()
+    opt.step()
+    out = meter.after_step()
+    assert out["grad_norm_after_clip"] == pytest.approx(gnorm, rel=1e-5)
+    assert out["update_norm"] == pytest.approx(0.1 * gnorm, rel=1e-4)  # SGD: |Δw| = lr |g|
+    assert out["weight_norm"] == pytest.approx(wnorm, rel=1e-5)
+
+
+def test_preflight_forecast_and_warning():
+    half = torch.tensor([1, 0] * 4 * 3)  # p = 0.5 for three questions
+    m = learnability(half, G)
+    assert m["preflight/zero_variance_forecast"] == pytest.approx(2 * 0.5**8)
+    assert warning(m) is None
+    hard = torch.zeros(24)
+    hard[0] = 1  # one question solved once, two never
+    w = learnability(hard, G)
+    assert w["preflight/pass_at_g"] == pytest.approx(1 / 3)
+    assert warning(w) is not None and "signal" in warning(w)
+
+
+def batch(n_groups=2, env_in_loss=False, seed=0):
+    torch.manual_seed(seed)
+    n, c, p = n_groups * G, 9, 5
+    src = torch.tensor([A, A, P, T, T, P, A, A, A]).repeat(n, 1)
+    cm = torch.ones(n, c, dtype=torch.long)
+    env_mask = torch.ones_like(src) if env_in_loss else (src == A).long()
+    rewards = torch.rand(n)
+    return dict(
+        rewards=rewards, advantages=trl_advantages(rewards.double(), 1e-4).float(),
+        prompt_mask=torch.ones(n, p, dtype=torch.long), completion_mask=cm, tool_mask=env_mask,
+        token_sources=src, episodes=[_episode("answer")] * n,
+        reward_components={"answer_em": (rewards > 0.5).float(), "format": torch.ones(n)},
+        prompt_ids=torch.randint(0, 11, (n, p)), completion_ids=torch.randint(0, 11, (n, c)),
+        sampling_logps=-torch.rand(n, c),
+    )
+
+
+def test_instruments_observe_batch_covers_every_prefix_and_logs_a_view():
+    pages = {}
+    ins = Instruments(num_generations=G, trajectory_views=2, artifact_logger=lambda t, f: pages.__setitem__(f, t),
+                      max_prompt_tokens=5, max_completion_tokens=100)
+    b = batch()
+    m = ins.observe_batch(**b, step=0)
+    prefixes = {k.split("/")[0] for k in m}
+    assert {"h01", "h02", "h04", "h05", "h07", "preflight"} <= prefixes
+    assert all(isinstance(v, float) and not math.isnan(v) for v in m.values())
+    assert m["h04/prompt_at_cap_share"] == 1.0
+    page = pages["trajectories/step_000000.html"]
+    assert page.count("class='ep'") == 2 and "advantage" in page and "in the loss" in page
+    # the probe set is the first batch; later batches do not replace it
+    probe = ins.probe_inputs()
+    assert probe["input_ids"].shape == (8, 14) and probe["logits_to_keep"] == 9
+    assert probe["mask"].sum() == 8 * 5  # assistant tokens only
+    ins.observe_batch(**batch(seed=1), step=1)
+    assert torch.equal(ins.probe_inputs()["input_ids"], probe["input_ids"])
+    assert "trajectories/step_000001.html" not in pages  # views on the probe cadence (every 10)
+    assert "preflight/pass_rate_mean" not in ins.observe_batch(**batch(seed=2), step=2)  # once only
+
+
+def test_instruments_parity_probe_with_scorers():
+    ins = Instruments(num_generations=G, artifact_logger=None)
+    assert ins.parity_probe(trainer=model_scorer(TinyLM())) == {}  # nothing observed yet
+    ins.observe_batch(**batch(), step=0)
+    torch.manual_seed(0)
+    start, moved = TinyLM(), TinyLM()
+    out = ins.parity_probe(trainer=model_scorer(moved), sampler=model_scorer(start), base=model_scorer(start))
+    assert out["h06/parity_stale"] == 1.0
+    out = ins.parity_probe(trainer=model_scorer(moved), sampler=model_scorer(moved), base=model_scorer(start))
+    assert out["h06/parity_stale"] == 0.0 and out["h08/kl_to_start"] > 0
+
+
+def test_instruments_observe_loss_gap_kl_and_mask():
+    ins = Instruments(num_generations=G, artifact_logger=None)
+    b = batch()
+    loss_mask = b["completion_mask"] * b["tool_mask"]
+    trainer_lp = b["sampling_logps"] + 0.05 * (b["token_sources"] == A)  # off by 0.05 nats on sampled tokens
+    k3 = torch.rand_like(trainer_lp)
+    m = ins.observe_loss(per_token_logps=trainer_lp, loss_mask=loss_mask, sampling_logps=b["sampling_logps"],
+                         token_sources=b["token_sources"], per_token_kl=k3, kl_mask=b["completion_mask"],
+                         kl_penalty=0.04 * k3)
+    assert m["h06/logp_gap_mean"] == pytest.approx(0.05, rel=1e-4)
+    assert m["h02/kl_mask_equals_loss_mask"] == 0.0 and m["h03/kl_env_tokens"] > 0
+
+
+def test_instruments_disabled_costs_nothing():
+    ins = Instruments(num_generations=G, enabled=False)
+    assert ins.observe_batch(**batch()) == {}
+    assert ins.observe_loss(per_token_logps=torch.zeros(1, 1), loss_mask=torch.ones(1, 1)) == {}
+    assert ins.observe_update(update_norm=1.0, weight_norm=1.0) == {}
+    assert not ins.should_probe(0)
+
+
+def test_instruments_from_config_reads_the_schema():
+    from pathlib import Path
+
+    from hydra import compose, initialize_config_dir
+
+    import musique_rl.schema  # noqa: F401  (registers the schema)
+
+    conf = Path(__file__).resolve().parent.parent / "conf"
+    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=["train.num_generations=4"])
+    ins = Instruments.from_config(cfg)
+    assert ins.num_generations == 4 and ins.near_zero_std == cfg.diagnostics.near_zero_std
+    assert ins.max_completion_tokens == cfg.env.max_completion_tokens
+
+
+def test_callback_measures_an_optimizer_step():
+    from musique_rl.diagnostics.callback import InstrumentsCallback
+
+    ins = Instruments(num_generations=G, artifact_logger=None)
+    got: dict[str, float] = {}
+    cb = InstrumentsCallback(ins, sink=got.update)
+    lin = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(lin.parameters(), lr=0.01)
+    state = SimpleNamespace(global_step=0)
+    cb.on_train_begin(None, state, None, model=lin)
+    lin(torch.randn(2, 4)).sum().backward()
+    cb.on_pre_optimizer_step(None, state, None)
+    opt.step()
+    cb.on_optimizer_step(None, state, None, model=lin, optimizer=opt)
+    assert 0 < got["h08/update_weight_ratio"] < 1
+    assert got["h08/learning_rate"] == 0.01
+    logs = {"grad_norm": 3.0}
+    cb.on_log(None, state, None, logs=logs)
+    assert logs["h08/grad_norm_before_clip"] == 3.0

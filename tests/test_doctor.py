@@ -1,0 +1,164 @@
+"""The doctor: each fault's fingerprint in the metric histories names its hypothesis first; a clean
+history flags nothing; a diagnosis round-trips through MLflow and the CLI."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from musique_rl.diagnostics.doctor import diagnose_metrics, diagnose_run, main, top_flagged, write_diagnosis
+
+STEPS = 20
+
+
+def series(f) -> list[tuple[int, float]]:
+    return [(s, float(f(s))) for s in range(STEPS)]
+
+
+def clean() -> dict[str, list[tuple[int, float]]]:
+    """What a healthy 20-step run of the tiny model logs (orders of magnitude as measured)."""
+    return {
+        "h01/amplification_max": series(lambda s: 300.0),
+        "h01/near_zero_std_share": series(lambda s: 0.3),
+        "h01/near_tie_adv_share": series(lambda s: 0.1),
+        "h01/adv_abs_max": series(lambda s: 2.47),
+        "h02/env_tokens_with_loss": series(lambda s: 0),
+        "h02/loss_share_tool": series(lambda s: 0),
+        "h02/loss_share_template": series(lambda s: 0),
+        "h02/assistant_tokens_without_loss_share": series(lambda s: 0),
+        "h06/logp_gap_mean": series(lambda s: 3e-6),
+        "h04/budget_cap_share": series(lambda s: 0.02),
+        "h04/dropped_tool_results_share": series(lambda s: 0.0),
+        "h04/question_left_context_share": series(lambda s: 0.0),
+        "h04/prompt_at_cap_share": series(lambda s: 0.0),
+        "h04/no_answer_share": series(lambda s: 0.05),
+        "h05/reward_errors": series(lambda s: 0),
+        "h05/answer_em/constant_group_share": series(lambda s: 0.3 + 0.02 * s),
+        "h05/answer_em/mean": series(lambda s: 0.6 + 0.01 * s),
+        "h05/answer_em/corr_total": series(lambda s: 0.9),
+        "h05/answer_f1/constant_group_share": series(lambda s: 0.3),
+        "h05/answer_f1/mean": series(lambda s: 0.7),
+        "h06/parity_stale": [(s, 0.0) for s in range(0, STEPS, 10)],
+        "h06/parity_sampler_trainer": [(s, 1e-6) for s in range(0, STEPS, 10)],
+        "h07/tool_failure_rate": series(lambda s: 0.05),
+        "h07/tool_calls_mean": series(lambda s: 2.0),
+        "h08/update_weight_ratio": series(lambda s: 1e-3 * min(1, (s + 1) / 10)),
+        "h08/kl_to_start": [(s, 0.02 * s) for s in range(0, STEPS, 10)],
+        "h08/grad_norm_before_clip": series(lambda s: 0.8),
+        "h08/grad_norm_after_clip": series(lambda s: 0.8),
+        "preflight/signal_share_forecast": [(0, 0.95)],
+        "preflight/pass_rate_mean": [(0, 0.64)],
+    }
+
+
+def with_(changes: dict) -> dict:
+    m = clean()
+    m.update(changes)
+    return m
+
+
+FAULTS = {
+    "blind_context": ("h02", {"h06/logp_gap_mean": series(lambda s: 0.8 + 0.01 * s)}),
+    "env_tokens_trained": ("h02", {"h02/env_tokens_with_loss": series(lambda s: 180),
+                                   "h02/loss_share_tool": series(lambda s: 0.3)}),
+    "stale_sampler": ("h06", {"h06/logp_gap_mean": series(lambda s: 0.003 * s),
+                              "h06/parity_stale": [(0, 0.0), (10, 1.0)]}),
+    "std_epsilon": ("h01", {"h01/amplification_max": series(lambda s: 3e6)}),
+    "kl_tool_tokens": ("h03", {"h03/kl_env_tokens": series(lambda s: 40), "h03/kl_negative_share": series(lambda s: 0),
+                               "h02/kl_mask_equals_loss_mask": series(lambda s: 0)}),
+    "kl_flipped": ("h03", {"h03/kl_env_tokens": series(lambda s: 0), "h03/kl_negative_share": series(lambda s: 0.97),
+                           "h02/kl_mask_equals_loss_mask": series(lambda s: 1)}),
+    "tiny_budgets": ("h04", {"h04/budget_cap_share": series(lambda s: 0.9), "h04/no_answer_share": series(lambda s: 0.95),
+                             "h04/dropped_tool_results_share": series(lambda s: 0.4),
+                             "h05/answer_em/constant_group_share": series(lambda s: 1.0),
+                             "h05/answer_em/mean": series(lambda s: 0.0),
+                             "preflight/signal_share_forecast": [(0, 0.0)]}),
+    "first_turn_reward": ("h05", {"h05/answer_em/constant_group_share": series(lambda s: 1.0),
+                                  "h05/answer_em/mean": series(lambda s: 0.0),
+                                  "h05/answer_f1/constant_group_share": series(lambda s: 1.0),
+                                  "h05/answer_f1/mean": series(lambda s: 0.0)}),
+    "tiny_updates": ("h08", {"h08/update_weight_ratio": series(lambda s: 1e-5 * min(1, (s + 1) / 10)),
+                             "h08/kl_to_start": [(0, 0.0), (10, 2e-6)],
+                             "h08/grad_norm_after_clip": series(lambda s: 0.001)}),
+}
+
+
+def test_clean_history_flags_nothing():
+    diag = diagnose_metrics(clean(), {"reward.weights.answer_em": "1.0"})
+    assert [d for d in diag if d["flagged"]] == []
+    assert top_flagged(diag) == "clean"
+    assert {d["hypothesis"] for d in diag} >= {f"h0{i}" for i in range(1, 9)}  # every hypothesis accounted for
+
+
+@pytest.mark.parametrize("fault", sorted(FAULTS))
+def test_fault_fingerprint_names_its_hypothesis_first(fault):
+    want, changes = FAULTS[fault]
+    diag = diagnose_metrics(with_(changes))
+    top = diag[0]
+    assert top["flagged"] and top["hypothesis"] == want, diag[:3]
+    assert top["evidence"] and all(isinstance(v, float) for v in top["evidence"].values())
+    assert top["rank"] == 1 and top["verdict"]
+
+
+def test_stale_sampler_verdict_uses_the_probe_words():
+    diag = diagnose_metrics(with_(FAULTS["stale_sampler"][1]))
+    assert "sampler matches base, not trainer" in diag[0]["verdict"]
+
+
+def test_answer_reward_rule_needs_answers_to_exist():
+    # constant zero answer reward WITH no answers is truncation (h04), not a blind reward (h05)
+    no_answers = with_({**FAULTS["first_turn_reward"][1], "h04/no_answer_share": series(lambda s: 0.9)})
+    assert not any(d["flagged"] and d["hypothesis"] == "h05" for d in diagnose_metrics(no_answers))
+
+
+def test_missing_metrics_are_reported_as_no_data_not_as_healthy():
+    diag = diagnose_metrics({"h08/update_weight_ratio": series(lambda s: 1e-3)})
+    nodata = {d["hypothesis"] for d in diag if d["check"] == "no_data"}
+    assert nodata == {"h01", "h02", "h03", "h04", "h05", "h06", "h07"}
+
+
+@pytest.fixture
+def store(tmp_path, monkeypatch):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    from musique_rl.tracking import ensure_experiment
+
+    return uri, ensure_experiment(uri, "doctor_test")
+
+
+def _log_run(uri, exp_id, history, name):
+    from mlflow.entities import Metric
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(uri)
+    run_id = client.create_run(exp_id, run_name=name).info.run_id
+    metrics = [Metric(k, v, 0, s) for k, h in history.items() for s, v in h]
+    client.log_batch(run_id, metrics=metrics)
+    client.set_terminated(run_id)
+    return run_id
+
+
+def test_diagnosis_round_trips_through_mlflow_and_the_cli(store, capsys):
+    uri, exp_id = store
+    bad = _log_run(uri, exp_id, with_(FAULTS["env_tokens_trained"][1]), "fault-env_tokens_trained-s1")
+    good = _log_run(uri, exp_id, clean(), "clean-s1")
+    diag = diagnose_run(bad, uri)
+    assert top_flagged(diag) == "h02"
+    write_diagnosis(bad, diag, uri)
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(uri)
+    with open(client.download_artifacts(bad, "diagnosis.json")) as fh:
+        saved = json.load(fh)
+    assert saved[0]["hypothesis"] == "h02" and saved == diag
+    assert client.get_run(bad).data.tags["diagnosis"] == "h02"
+
+    assert main(["--run-id", good, "--tracking-uri", uri]) == 0
+    out = capsys.readouterr().out
+    assert "top = clean" in out and "No flagged finding" in out
+    assert main(["--experiment", "doctor_test", "--tracking-uri", uri, "--write"]) == 0
+    out = capsys.readouterr().out
+    assert "top = h02" in out and "flagged: h02 in 1" in out
+    assert client.get_run(good).data.tags["diagnosis"] == "clean"
+    assert main(["--experiment", "nope", "--tracking-uri", uri]) == 2

@@ -1,0 +1,166 @@
+"""MLflow tracking: runs, params, tags, nesting, failures, resume, and never a secret in a param or tag."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+import musique_rl.schema  # noqa: F401  (registers the schema and resolvers)
+from musique_rl import tracking
+from musique_rl.redact import is_secret_key, redact, redact_tree, redact_value
+
+ROOT = Path(__file__).resolve().parent.parent
+TOKEN = "hf_PlantedSecretToken0123456789"
+PASSWORD = "hunter2-planted-pw"
+URI_WITH_PASSWORD = f"http://alice:{PASSWORD}@127.0.0.1:9/corpus.json"
+
+
+@pytest.mark.parametrize(
+    "text,secret",
+    [
+        (URI_WITH_PASSWORD, PASSWORD),
+        (f"postgresql://bob:{PASSWORD}@db.local:5432/mlflow", PASSWORD),
+        (r"env.corpus=http\://alice\:" + PASSWORD + r"@127.0.0.1\:9/c.json", PASSWORD),  # Hydra-escaped
+        (f"model={TOKEN}", TOKEN),
+        ("key sk-ant-api03-abcdefghijklmnopqrstuvwx", "sk-ant-api03-abcdefghijklmnopqrstuvwx"),
+        ("ghp_abcdefghijklmnopqrstuvwxyz0123", "ghp_abcdefghijklmnopqrstuvwxyz0123"),
+        ("https://h/x.json?token=abc123def&x=1", "abc123def"),
+        ("Authorization: Bearer abcdefghijkl.mnop", "abcdefghijkl.mnop"),
+        ("AKIAABCDEFGHIJKLMNOP", "AKIAABCDEFGHIJKLMNOP"),
+    ],
+)
+def test_redact_masks_credential_shapes(text, secret):
+    assert secret not in redact(text)
+
+
+def test_redact_masks_secret_env_values_of_any_shape(monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", "plain-looking-value-42")
+    monkeypatch.setenv("MY_SERVICE_PASSWORD", "correcthorse")
+    assert redact("path/plain-looking-value-42/x and correcthorse") == "path/***/x and ***"
+
+
+def test_redact_keeps_innocent_values():
+    for v in ["Qwen/Qwen2.5-7B-Instruct", "sqlite:///mlflow.db", "bdsaglam/musique,answerable,train[:256]",
+              "http://127.0.0.1:5000", "1e-05", "[q_proj, v_proj]"]:
+        assert redact(v) == v
+    assert not is_secret_key("env.max_tokens_per_turn") and not is_secret_key("env.max_prompt_tokens")
+    assert is_secret_key("hub.hf_token") and is_secret_key("db.password") and is_secret_key("openai.api_key")
+    assert redact_value("hub.hf_token", "anything") == "<redacted>"
+    assert redact_tree({"a": {"api_key": "x1234567"}, "b": [URI_WITH_PASSWORD]}) == {
+        "a": {"api_key": "<redacted>"}, "b": ["http://alice:***@127.0.0.1:9/corpus.json"]}
+
+
+def test_flatten_and_run_name():
+    assert tracking.flatten({"a": {"b": 1, "c": {"d": [1, 2]}}, "e": {}}) == {"a.b": 1, "a.c.d": [1, 2], "e": {}}
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=["+hypothesis=h01", "hypothesis.arm=control", "seed=2"])
+        assert tracking.run_name(cfg) == "h01-control-s2"
+        assert tracking.experiment_name(cfg) == "h01"
+        cfg = compose(config_name="train", overrides=["+fault=stale_sampler"])
+        assert tracking.run_name(cfg) == "fault-stale_sampler-s1"
+        assert tracking.experiment_name(cfg) == "musique_rl"
+
+
+def test_tracking_uri_precedence(monkeypatch, tmp_path):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    assert tracking.tracking_uri(None, tmp_path) == f"sqlite:///{tmp_path.resolve() / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:////x/env.db")
+    assert tracking.tracking_uri(None, tmp_path) == "sqlite:////x/env.db"
+
+
+def _compose(overrides):
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return compose(config_name="train", overrides=overrides)
+
+
+def test_job_logs_params_tags_config_and_resumes(tmp_path, monkeypatch):
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    cfg = _compose(["+hypothesis=h02", "hypothesis.arm=treatment", "seed=3", "mode=eval"])
+    with tracking.job(cfg, output_dir=tmp_path / "job") as t:
+        assert tracking.active() is t
+        t.log_metrics({"reward": 0.5, "skip": None, "flag": True, "note": "x"}, step=4)
+        first = t.run_id
+    client = MlflowClient(uri)
+    run = client.get_run(first)
+    assert run.info.status == "FINISHED"
+    assert client.get_experiment(run.info.experiment_id).name == "h02"
+    assert run.data.params["train.mask_env_tokens"] == "False"  # resolved ${arm:...}
+    assert run.data.params["seed"] == "3"
+    tags = run.data.tags
+    assert (tags["hypothesis"], tags["arm"], tags["seed"], tags["fault"]) == ("h02", "treatment", "3", "none")
+    assert len(tags["git_commit"]) == 40
+    assert set(run.data.metrics) == {"reward"}
+    assert [a.path for a in client.list_artifacts(first, "config")] == ["config/resolved.yaml"]
+    # same job dir again (a requeued SLURM job): the same run continues
+    with tracking.job(cfg, output_dir=tmp_path / "job") as t:
+        assert t.run_id == first
+
+
+def test_job_failure_ends_run_failed_with_traceback(tmp_path, monkeypatch):
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    cfg = _compose(["mode=eval"])
+    with pytest.raises(RuntimeError, match="boom"):
+        with tracking.job(cfg, output_dir=tmp_path / "job") as t:
+            raise RuntimeError(f"boom {TOKEN}")
+    client = MlflowClient(uri)
+    run = client.get_run(t.run_id)
+    assert run.info.status == "FAILED"
+    assert run.data.tags["error"].startswith("RuntimeError: boom") and TOKEN not in run.data.tags["error"]
+    text = open(client.download_artifacts(t.run_id, "error/traceback.txt")).read()
+    assert "RuntimeError" in text and TOKEN not in text
+    # outside a multirun, task_wrapper re-raises: a single run must fail loudly
+    with pytest.raises(ValueError):
+        tracking.task_wrapper(lambda c: (_ for _ in ()).throw(ValueError("x")))(cfg)
+
+
+def test_tracking_disabled_yields_none(tmp_path):
+    cfg = _compose(["tracking.enabled=false"])
+    with tracking.job(cfg, output_dir=tmp_path) as t:
+        assert t is None and tracking.active() is None
+
+
+def test_multirun_nests_jobs_survives_a_failure_and_never_logs_a_secret(tmp_path):
+    """The real launcher (parallel local processes) racing on a fresh sqlite store, a failing job,
+    a planted HF_TOKEN and a URI with a password in a config value and in the override string."""
+    from mlflow.tracking import MlflowClient
+
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    env.update(PYTHONPATH=str(ROOT), HF_TOKEN=TOKEN, TRACKING_APP_FAIL="2", MUSIQUE_RL_LOCAL_PARALLEL="2")
+    cmd = [sys.executable, str(ROOT / "tests" / "tracking_app.py"), "-m", "seed=1,2",
+           f"hydra.sweep.dir={tmp_path / 'sweep'}", f"env.corpus={URI_WITH_PASSWORD}",
+           f"model.name_or_path={TOKEN}"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]  # one failed job does not fail the sweep
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    runs = [r for e in client.search_experiments() for r in client.search_runs([e.experiment_id])]
+    parents = [r for r in runs if r.data.tags.get("sweep_parent") == "true"]
+    jobs = [r for r in runs if r not in parents]
+    assert len(parents) == 1 and len(jobs) == 2
+    parent = parents[0]
+    assert parent.info.status == "FINISHED" and parent.data.tags["failed_jobs"] == "1"
+    assert {r.data.tags["mlflow.parentRunId"] for r in jobs} == {parent.info.run_id}
+    assert {r.data.tags["sweep_id"] for r in jobs} == {parent.data.tags["sweep_id"]}
+    status = {r.data.tags["seed"]: r.info.status for r in jobs}
+    assert status == {"1": "FINISHED", "2": "FAILED"}
+    ok = next(r for r in jobs if r.info.status == "FINISHED")
+    assert "diagnosis.json" in [a.path for a in client.list_artifacts(ok.info.run_id)]
+    assert "plots" in [a.path for a in client.list_artifacts(ok.info.run_id)]
+    for r in runs:
+        for k, v in {**r.data.params, **r.data.tags}.items():
+            assert TOKEN not in v and PASSWORD not in v, (k, v)
+    assert "seed=1,2" in parent.data.tags["overrides"] and "alice:***@" in parent.data.tags["overrides"]
+    assert ok.data.params["env.corpus"] == "http://alice:***@127.0.0.1:9/corpus.json"
+    for r in jobs:  # the config artifact is redacted too
+        text = open(client.download_artifacts(r.info.run_id, "config/resolved.yaml")).read()
+        assert TOKEN not in text and PASSWORD not in text
