@@ -250,13 +250,22 @@ def _grid_from_multirun_yaml(sweep_dir: Path) -> dict[str, list[str]]:
     return grid
 
 
+def _exception_line(text: str) -> str | None:
+    """The exception line ("RuntimeError: ...") closing the last traceback in a log text."""
+    if "Traceback (most recent call last):" not in text:
+        return None
+    lines = text.rsplit("Traceback (most recent call last):", 1)[1].splitlines()[1:]
+    for ln in lines:
+        if ln.strip() and not ln.startswith((" ", "\t")):
+            return ln.strip()[:200]
+    return None
+
+
 def _read_failure(job_dir: Path) -> str:
-    for name in ("traceback.txt", "error.txt"):
-        f = job_dir / name
-        if f.exists():
-            lines = [ln for ln in f.read_text(errors="replace").splitlines() if ln.strip()]
-            if lines:
-                return lines[-1][:200]
+    """Why a job left no metrics: its traceback file (the launcher's), else its Hydra job log."""
+    for f in [job_dir / "traceback.txt", job_dir / "error.txt", *sorted(job_dir.glob("*.log"))]:
+        if f.exists() and (line := _exception_line(f.read_text(errors="replace"))):
+            return line
     return "no metrics.json: the job failed or was killed (see its log)"
 
 

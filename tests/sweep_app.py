@@ -5,7 +5,8 @@ and misbehaves on request, so failure isolation and requeue/resume can be tested
 training: SWEEP_APP_FAIL=<arm>:<seed> raises, SWEEP_APP_KILL=<arm>:<seed> SIGKILLs itself,
 SWEEP_APP_STEPS=N with SWEEP_APP_STEP_S=seconds runs N resumable steps (progress.json in the job
 dir: a requeued job continues from it, like train.resume=auto).
-Run: python tests/sweep_app.py -m +sweep=h02 seed=1,2 hydra.sweep.dir=/tmp/x
+Jobs run inside tracking.task_wrapper as real jobs do (tracking.enabled=false skips MLflow).
+Run: PYTHONPATH=. python tests/sweep_app.py -m +sweep=h02 seed=1,2 hydra.sweep.dir=/tmp/x
 """
 
 import json
@@ -19,7 +20,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from musique_rl import schema  # noqa: F401  (typed schema and the ${arm:..} resolver)
+from musique_rl import schema, tracking  # noqa: F401  (typed schema and the ${arm:..} resolver)
 
 CONF = str(Path(__file__).resolve().parent.parent / "conf")
 
@@ -28,7 +29,12 @@ EFFECT = 0.10
 
 
 @hydra.main(version_base="1.3", config_path=CONF, config_name="train")
-def main(cfg: DictConfig) -> float:
+def main(cfg: DictConfig) -> float | None:
+    # the same MLflow wrapper as app.run: one run per job, FAILED with traceback, resumed on requeue
+    return tracking.task_wrapper(job)(cfg)
+
+
+def job(cfg: DictConfig) -> float:
     out = Path(HydraConfig.get().runtime.output_dir)
     arm, seed = str(cfg.hypothesis.arm.value if hasattr(cfg.hypothesis.arm, "value") else cfg.hypothesis.arm), int(cfg.seed)
     me = f"{arm}:{seed}"
@@ -59,6 +65,8 @@ def main(cfg: DictConfig) -> float:
         "job/host": socket.gethostname(),
     }
     (out / "metrics.json").write_text(json.dumps(metrics))
+    if (tracker := tracking.active()) is not None:
+        tracker.log_metrics(metrics, step=progress["step"])
     return value
 
 

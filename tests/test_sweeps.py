@@ -53,7 +53,7 @@ def run_sweep(tmp_path: Path, *overrides: str, env: dict | None = None, timeout:
     """The stand-in app (tests/sweep_app.py) through the real conf tree, launcher and callback."""
     sweep_dir = tmp_path / "sweep"
     cmd = [sys.executable, str(ROOT / "tests" / "sweep_app.py"), "-m", *overrides,
-           f"hydra.sweep.dir={sweep_dir}", "hydra.callbacks.verdict.readme=false"]
+           f"hydra.sweep.dir={sweep_dir}", "hydra.callbacks.verdict.readme=false", "tracking.enabled=false"]
     full_env = {**os.environ, "PYTHONPATH": str(ROOT), "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'none.db'}",
                 **(env or {})}
     proc = subprocess.run(cmd, cwd=tmp_path, env=full_env, capture_output=True, text=True, timeout=timeout)
@@ -79,9 +79,8 @@ def test_local_sweep_runs_arms_in_parallel_capped_and_prints_its_verdict(tmp_pat
 
 def test_failed_job_leaves_the_others_finished_and_the_verdict_names_it(tmp_path):
     proc, sweep_dir = run_sweep(tmp_path, "+sweep=h02", "seed=1,2,3", env={"SWEEP_APP_FAIL": "treatment:2"})
-    assert proc.returncode != 0  # the sweep reports the failure ...
-    assert "planted failure in treatment:2" in proc.stderr
-    assert len(list(sweep_dir.glob("*/metrics.json"))) == 5  # ... after the other five finished
+    assert proc.returncode == 0, proc.stderr[-3000:]  # tracking.task_wrapper: the sweep goes on
+    assert len(list(sweep_dir.glob("*/metrics.json"))) == 5  # the other five finished
     v = json.loads((sweep_dir / "verdict.json").read_text())
     assert v["missing"] == [{"arm": "treatment", "seed": 2, "status": "FAILED",
                              "reason": "RuntimeError: planted failure in treatment:2",
