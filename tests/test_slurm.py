@@ -1,0 +1,138 @@
+"""A real single-node SLURM (launchers/slurm_local.sh) under hydra/launcher=slurm: sweeps, GPU-shaped
+requests, cancelled jobs, requeue + resume. Slow: the script may install packages (root needed).
+
+Every sweep runs under a subprocess timeout: without accounting submitit would wait forever on a
+cancelled job, and nothing here may hang a CI run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "launchers" / "slurm_local.sh"
+
+
+@pytest.fixture(scope="module")
+def slurm():
+    if os.geteuid() != 0:
+        pytest.skip("launchers/slurm_local.sh installs packages and starts daemons: needs root")
+    was_up = subprocess.run([str(SCRIPT), "status"], capture_output=True).returncode == 0
+    t0 = time.time()
+    up = subprocess.run([str(SCRIPT), "up"], capture_output=True, text=True, timeout=900)
+    assert up.returncode == 0, up.stderr
+    print(f"slurm_local.sh up: {time.time() - t0:.1f} s")
+    yield
+    if not was_up:
+        subprocess.run([str(SCRIPT), "down"], capture_output=True, timeout=120)
+
+
+def sh(*cmd: str) -> str:
+    return subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=60).stdout
+
+
+def sacct_state(job_id: str) -> str:
+    out = sh("sacct", "-n", "-X", "-P", "-j", job_id, "-o", "State")
+    return out.strip().splitlines()[0] if out.strip() else ""
+
+
+def wait(pred, timeout: float, what: str, every: float = 0.5):
+    end = time.time() + timeout
+    while time.time() < end:
+        value = pred()
+        if value:
+            return value
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def test_cluster_runs_gpu_shaped_jobs_and_accounts_for_them(slurm, tmp_path):
+    assert "idle" in sh("sinfo", "-h", "-N", "-o", "%T") or "mixed" in sh("sinfo", "-h", "-N", "-o", "%T")
+    assert "gpu:2" in sh("sinfo", "-h", "-N", "-o", "%G")
+    out = tmp_path / "gpu.out"
+    jid = sh("sbatch", "--parsable", f"--output={out}", "--gpus-per-node=1", "--wrap", "echo CUDA=$CUDA_VISIBLE_DEVICES").strip()
+    wait(lambda: sacct_state(jid) == "COMPLETED", 60, f"job {jid} to complete")
+    assert out.read_text().strip() == "CUDA=0"  # SLURM handed the job one (fake) GPU
+
+
+def stand_in_sweep(tmp_path: Path, *overrides: str, env: dict | None = None) -> subprocess.Popen:
+    """tests/sweep_app.py through hydra/launcher=slurm, tracked in a private MLflow store."""
+    cmd = [sys.executable, str(ROOT / "tests" / "sweep_app.py"), "-m", *overrides, "hydra/launcher=slurm",
+           f"hydra.sweep.dir={tmp_path / 'sweep'}", "hydra.callbacks.verdict.readme=false",
+           "hydra.launcher.mem_gb=1", "hydra.launcher.timeout_min=20"]
+    full_env = {**os.environ, "PYTHONPATH": str(ROOT), "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}",
+                **(env or {})}
+    return subprocess.Popen(cmd, cwd=tmp_path, env=full_env, stdout=open(tmp_path / "sweep.log", "w"),
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def runs_of(tmp_path: Path) -> list:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    return list(client.search_runs([e.experiment_id for e in client.search_experiments()]))
+
+
+def job_ids(job_dir: Path) -> list[str]:
+    p = job_dir / "progress.json"
+    return json.loads(p.read_text())["slurm_job_ids"] if p.exists() else []
+
+
+def test_requeued_job_resumes_from_its_files_into_the_same_mlflow_run(slurm, tmp_path):
+    proc = stand_in_sweep(tmp_path, "+sweep=h02", "seed=1", "hypothesis.arm=control",
+                          env={"SWEEP_APP_STEPS": "10", "SWEEP_APP_STEP_S": "1"})
+    job_dir = tmp_path / "sweep" / "0"
+    try:
+        wait(lambda: (job_dir / "progress.json").exists() and json.loads((job_dir / "progress.json").read_text())["step"] >= 3,
+             120, "the job to reach step 3")
+        jid = job_ids(job_dir)[0]
+        array_id = sh("squeue", "-h", "-o", "%i").split()[0]
+        # what SLURM sends before a preemption/timeout (submitit's own _interrupt does the same)
+        sh("scancel", "--signal=USR2", array_id)
+        proc.wait(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    log = (tmp_path / "sweep.log").read_text()
+    assert proc.returncode == 0, log[-3000:]
+    progress = json.loads((job_dir / "progress.json").read_text())
+    metrics = json.loads((job_dir / "metrics.json").read_text())
+    assert progress["starts"] == 2 and progress["step"] == 10 and job_ids(job_dir) == [jid, jid]
+    assert metrics["job/resumed_from_step"] >= 3  # continued, not restarted from 0
+    submitit_log = "".join(p.read_text() for p in sorted((tmp_path / "sweep" / ".submitit").glob("*/*_log.*")))
+    assert "this job is preempted" in submitit_log and f"Requeued job {jid}" in submitit_log
+    children = [r for r in runs_of(tmp_path) if "mlflow.parentRunId" in r.data.tags]
+    assert len(children) == 1  # one job, one run, across both starts
+    run = children[0]
+    assert run.info.run_id == (job_dir / "mlflow_run_id").read_text().strip()
+    assert run.info.status == "FINISHED" and run.data.metrics["job/starts"] == 2
+
+
+def test_cancelled_job_ends_killed_the_others_finish_and_the_verdict_names_it(slurm, tmp_path):
+    proc = stand_in_sweep(tmp_path, "+sweep=h02", "seed=1,2", env={"SWEEP_APP_STEPS": "6", "SWEEP_APP_STEP_S": "1"})
+    victim = tmp_path / "sweep" / "1"  # control, seed 2
+    try:
+        wait(lambda: job_ids(victim), 120, "control seed 2 to start")
+        task_id = [ln.split()[0] for ln in sh("squeue", "-h", "-o", "%i").splitlines() if ln.endswith("_1")][0]
+        sh("scancel", task_id)
+        # with accounting (slurmdbd) submitit sees the cancellation: the sweep ends, it does not hang
+        proc.wait(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    log = (tmp_path / "sweep.log").read_text()
+    assert proc.returncode != 0  # the launcher reports the dead job after the others ended
+    assert len(list((tmp_path / "sweep").glob("*/metrics.json"))) == 3, log[-3000:]
+    v = json.loads((tmp_path / "sweep" / "verdict.json").read_text())
+    assert [(m["arm"], m["seed"], m["status"]) for m in v["missing"]] == [("control", 2, "KILLED")]
+    assert v["n_pairs"] == 1 and v["status"] == "Inconclusive"
+    parent = [r for r in runs_of(tmp_path) if r.data.tags.get("sweep_parent") == "true"]
+    assert len(parent) == 1 and parent[0].data.tags["verdict"] == "Inconclusive"
