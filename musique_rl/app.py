@@ -16,6 +16,10 @@ def _dispatch(cfg: DictConfig) -> float | None:
         from musique_rl.evaluate import evaluate
 
         return evaluate(cfg)
+    from musique_rl import gpu_job
+
+    if gpu_job.wants_topology(cfg):  # train.backend=vllm: vLLM server + accelerate trainer in this allocation
+        return gpu_job.run(cfg)
     from musique_rl.train import train
 
     return train(cfg)

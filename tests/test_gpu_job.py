@@ -1,0 +1,121 @@
+"""GPU job topology: the exact commands a vLLM-backed job starts (checked as strings: no GPU here),
+and the start / health-check / stop machinery run on loopback with stand-in processes."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+import musique_rl.schema  # noqa: F401
+from musique_rl import gpu_job
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def cfg7b():
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return compose("train", overrides=["model=qwen2.5-7b-instruct", "lora=r16", "train.backend=vllm",
+                                           "+hypothesis=h02", "hypothesis.arm=control", "seed=2"])
+
+
+def test_plan_puts_vllm_on_the_first_gpu_and_trains_on_the_rest(cfg7b, tmp_path):
+    overrides = ["model=qwen2.5-7b-instruct", "lora=r16", "train.backend=vllm", "+hypothesis=h02",
+                 "hypothesis.arm=control", "seed=2"]
+    env = {"MUSIQUE_RL_ACCELERATE_CONFIG": str(tmp_path / "zero3.yaml"), "MUSIQUE_RL_VLLM_MAX_MODEL_LEN": "16384"}
+    topo = gpu_job.plan(cfg7b, gpus=["4", "5", "6", "7"], job_dir=tmp_path / "job", overrides=overrides, env=env)
+    server = " ".join(topo.server_cmd)
+    assert server.startswith("python -m vllm.entrypoints.cli.main serve Qwen/Qwen2.5-7B-Instruct --host 127.0.0.1 --port 8000")
+    for part in ("--tensor-parallel-size 1", "--dtype bfloat16", "--max-model-len 16384", "--gpu-memory-utilization 0.9",
+                 "--logprobs-mode processed_logprobs"):
+        assert part in server
+    assert topo.server_env == {"CUDA_VISIBLE_DEVICES": "4", "VLLM_SERVER_DEV_MODE": "1"}
+    assert topo.health_url == "http://127.0.0.1:8000/health"
+    assert topo.trainer_cmd == ["accelerate", "launch", "--config_file", str(tmp_path / "zero3.yaml"), "--num_processes", "3",
+                                "-m", "musique_rl", *overrides, f"hydra.run.dir={tmp_path / 'job'}"]
+    assert topo.trainer_env == {"CUDA_VISIBLE_DEVICES": "5,6,7", "MUSIQUE_RL_GPU_ROLE": "trainer"}
+    assert topo.notes == [f"accelerate config {tmp_path / 'zero3.yaml'} does not exist (MUSIQUE_RL_ACCELERATE_CONFIG)"]
+    shell = topo.shell()
+    assert "CUDA_VISIBLE_DEVICES=5,6,7 MUSIQUE_RL_GPU_ROLE=trainer accelerate launch" in shell
+    assert "until curl -sf http://127.0.0.1:8000/health" in shell
+
+
+def test_one_gpu_is_refused_with_the_fix_named(cfg7b, tmp_path):
+    with pytest.raises(gpu_job.TopologyError, match="at least 2 GPUs.*CUDA_VISIBLE_DEVICES=0.*gpus_per_node"):
+        gpu_job.plan(cfg7b, gpus=["0"], job_dir=tmp_path, overrides=[], env={})
+
+
+def test_only_the_outer_vllm_training_job_starts_a_topology(cfg7b, monkeypatch):
+    monkeypatch.delenv(gpu_job.ROLE_ENV, raising=False)
+    assert gpu_job.wants_topology(cfg7b)
+    monkeypatch.setenv(gpu_job.ROLE_ENV, "trainer")  # the accelerate-launched processes train
+    assert not gpu_job.wants_topology(cfg7b)
+
+
+def test_visible_gpus_follow_the_allocation():
+    assert gpu_job.visible_gpus({"CUDA_VISIBLE_DEVICES": "2,3"}) == ["2", "3"]
+
+
+def test_dry_run_cli_prints_the_commands(capsys):
+    assert gpu_job.main(["--gpus", "2", "--job-dir", "/tmp/j", "model=qwen3-8b"]) == 0
+    out = capsys.readouterr().out
+    assert "serve Qwen/Qwen3-8B" in out and "--num_processes 1" in out and "CUDA_VISIBLE_DEVICES=1 " in out
+
+
+# ---------------------------------------------------------------- the machinery, on loopback
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def fake_topology(tmp_path: Path, trainer_code: str, server_code: str | None = None) -> gpu_job.Topology:
+    """A stand-in server answering /health on loopback (http.server over a dir holding `health`)."""
+    port = free_port()
+    www = tmp_path / "www"
+    www.mkdir()
+    (www / "health").write_text("ok")
+    server = server_code and [sys.executable, "-c", server_code] or [
+        sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1", "--directory", str(www)]
+    return gpu_job.Topology(
+        server_cmd=server, server_env={"CUDA_VISIBLE_DEVICES": "0"},
+        trainer_cmd=[sys.executable, "-c", trainer_code], trainer_env={"CUDA_VISIBLE_DEVICES": "1,2", "MUSIQUE_RL_GPU_ROLE": "trainer"},
+        health_url=f"http://127.0.0.1:{port}/health", job_dir=tmp_path / "job")
+
+
+def test_execute_waits_for_health_runs_the_trainer_and_stops_the_server(tmp_path):
+    marker = tmp_path / "trained"
+    code = (f"import os, urllib.request; urllib.request.urlopen({'{url}'!r}.format(url=os.environ['H'])); "
+            f"open({str(marker)!r}, 'w').write(os.environ['CUDA_VISIBLE_DEVICES'] + ' ' + os.environ['MUSIQUE_RL_GPU_ROLE'])")
+    topo = fake_topology(tmp_path, code)
+    topo.trainer_env["H"] = topo.health_url
+    pids_before = set(os.listdir("/proc"))
+    assert gpu_job.execute(topo, health_timeout_s=30, poll_s=0.2) == 0
+    assert marker.read_text() == "1,2 trainer"  # it ran after the server answered, on the other GPUs
+    assert not gpu_job._healthy(topo.health_url)  # the server is gone
+    assert (topo.job_dir / "vllm_server.log").exists()
+    assert not any(p.isdigit() and p not in pids_before and "http.server" in _cmdline(p) for p in os.listdir("/proc"))
+
+
+def _cmdline(pid: str) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_text()
+    except OSError:
+        return ""
+
+
+def test_server_that_dies_fails_the_job_with_its_log(tmp_path):
+    topo = fake_topology(tmp_path, "print('never')", server_code="import sys; print('CUDA error: no device'); sys.exit(3)")
+    with pytest.raises(gpu_job.TopologyError, match="exited with code 3(.|\n)*CUDA error: no device"):
+        gpu_job.execute(topo, health_timeout_s=30, poll_s=0.2)
+
+
+def test_failing_trainer_returns_its_code_and_still_stops_the_server(tmp_path):
+    topo = fake_topology(tmp_path, "import sys; sys.exit(7)")
+    assert gpu_job.execute(topo, health_timeout_s=30, poll_s=0.2) == 7
+    assert not gpu_job._healthy(topo.health_url)
