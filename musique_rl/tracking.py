@@ -297,6 +297,14 @@ def _metric_key(key: str) -> str:
 _ACTIVE: list[Tracker] = []
 
 
+def _rank() -> int:
+    """This process's global rank under torchrun / accelerate launch (0 when launched alone)."""
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
+
+
 def active() -> Tracker | None:
     """The tracker of the job running in this process, or None when tracking is off."""
     return _ACTIVE[-1] if _ACTIVE else None
@@ -315,8 +323,8 @@ def _parent_run_id() -> str | None:
 @contextlib.contextmanager
 def job(cfg: DictConfig, output_dir: Path | None = None) -> Iterator[Tracker | None]:
     """Start (or resume) this job's run; end it FINISHED, FAILED (traceback attached) or KILLED."""
-    if not OmegaConf.select(cfg, "tracking.enabled", default=True):
-        yield None
+    if not OmegaConf.select(cfg, "tracking.enabled", default=True) or _rank() != 0:
+        yield None  # tracking off, or a non-zero data-parallel rank: rank 0 logs for all
         return
     import mlflow
 
