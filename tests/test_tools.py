@@ -108,3 +108,15 @@ def test_execute_returns_documents_and_errors_without_raising(toy_record):
     assert res.ok and res.doc_ids == ["4"]
     (missing,) = parse_tool_calls('<tool_call>{"name": "get_document", "arguments": {"id": "77"}}</tool_call>')
     assert "no document with id '77'" in execute(missing, toy_record, ByIdx(), env(get_document_tool=True)).content
+
+
+@pytest.mark.parametrize("fmt, one", [
+    ("hermes", '<tool_call>{"name": "retrieve_documents", "arguments": {"query": "a"}}</tool_call>'),
+    ("llama3_json", '{"name": "retrieve_documents", "parameters": {"query": "a"}};'),
+])
+def test_a_flood_of_calls_is_capped_with_an_error(fmt, one):
+    from musique_rl.tools import MAX_CALLS_PER_TURN
+
+    calls = parse_tool_calls(one * 100_000, fmt)  # once took 85 s (quadratic slicing)
+    assert len(calls) == MAX_CALLS_PER_TURN + 1 and "more than" in calls[-1].error
+    assert all(c.error is None for c in calls[:-1])

@@ -1,0 +1,175 @@
+"""``mode=eval``: run a policy over env.data and report every reward component.
+
+    python -m musique_rl mode=eval policy=oracle env.retriever=golden env.data=../shared/data/musique/train_sample_60.jsonl
+
+The last line of output is one JSON object with every metric; the same object is saved as
+``metrics.json`` in the Hydra run directory, with one line per episode (its components, total,
+and messages, so it can be replayed with policy=replay) in ``episodes.jsonl`` beside it.
+Scoring always reads the last assistant turn: the eval reports the truth even when a planted
+reward fault is configured for training.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from musique_rl.data import load_records
+from musique_rl.rewards import COMPONENTS, as_spec, check_weights, max_total, n_hops, score_episode, total
+
+log = logging.getLogger(__name__)
+
+
+def run_dir() -> Path:
+    """Hydra's run directory, or the working directory outside Hydra (tests, notebooks)."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        return Path(HydraConfig.get().runtime.output_dir)
+    except (ImportError, ValueError):
+        return Path.cwd()
+
+
+def policy_episodes(cfg: Any, records: list[dict]) -> Iterator[dict]:
+    """Episodes of ``cfg.policy`` over ``records`` (replay: over the stored file)."""
+    policy = str(getattr(cfg.policy, "value", cfg.policy))
+    fmt = str(getattr(cfg.model.tool_call_format, "value", cfg.model.tool_call_format)) if "model" in cfg else "hermes"
+    if policy == "oracle":
+        from musique_rl.policies import oracle_episode
+        from musique_rl.retrieval import build_retriever
+
+        retriever = build_retriever(cfg.env, records)
+        return (oracle_episode(r, cfg.env, retriever, fmt) for r in records)
+    if policy == "no_tool":
+        from musique_rl.policies import no_tool_episode
+
+        return (no_tool_episode(r, cfg.env) for r in records)
+    if policy == "replay":
+        from musique_rl.policies import replay_episodes
+
+        if not cfg.replay_path:
+            raise ValueError("policy=replay needs replay_path=<jsonl of {id, messages}> (e.g. an earlier episodes.jsonl)")
+        return replay_episodes(cfg.replay_path, {r["id"]: r for r in records}, fmt)
+    if policy == "model":
+        try:
+            from musique_rl.rollout import run_model_episodes
+        except ImportError as e:
+            raise RuntimeError(
+                f"policy=model needs musique_rl.rollout.run_model_episodes, which is not available ({e}); "
+                "use policy=oracle|no_tool|replay"
+            ) from e
+        return iter(run_model_episodes(cfg, records))
+    raise ValueError(f"policy={policy!r}: choose model, oracle, no_tool or replay")
+
+
+def _mean(xs: Iterable[float]) -> float:
+    xs = list(xs)
+    return sum(xs) / len(xs) if xs else 0.0
+
+
+def score_episodes(episodes: Iterable[dict], records_by_id: dict[str, dict], reward_cfg: Any, total_hint: int | None = None) -> tuple[list[dict], int]:
+    """Score every episode; a failure is logged, counted and kept out of the means (never a 0)."""
+    rows, errors = [], 0
+    reward_cfg = as_spec(reward_cfg)
+    for ep in tqdm(episodes, total=total_hint, desc="eval", unit="episode"):
+        try:
+            record = records_by_id[ep["id"]]
+            comps = score_episode(record, ep["messages"])
+            hops = n_hops(record)
+            rows.append({
+                "id": ep["id"],
+                "n_hops": hops,
+                "components": comps,
+                "reward": total(comps, hops, reward_cfg),
+                "reward_max": max_total(hops, reward_cfg),
+                **{k: ep.get(k) for k in ("stop_reason", "num_turns", "tool_calls", "tool_errors", "dropped_tool_results")},
+                "messages": ep["messages"],
+            })
+        except Exception:
+            errors += 1
+            log.exception("scoring episode %r failed", ep.get("id") if isinstance(ep, dict) else ep)
+    return rows, errors
+
+
+def summarize(rows: list[dict], errors: int, n_records: int, data_stats: dict, cfg: Any) -> dict:
+    m: dict[str, Any] = {
+        "policy": str(getattr(cfg.policy, "value", cfg.policy)),
+        "retriever": str(getattr(cfg.env.retriever, "value", cfg.env.retriever)),
+        "scope": str(getattr(cfg.env.scope, "value", cfg.env.scope)),
+        "reward_name": cfg.reward.name,
+        "n_records": n_records,
+        "n_episodes": len(rows) + errors,
+        "n_scored": len(rows),
+        "reward_errors": errors,
+    }
+    for c in COMPONENTS:
+        m[c] = _mean(r["components"][c] for r in rows)
+    m["reward"] = _mean(r["reward"] for r in rows)
+    m["reward_max"] = _mean(r["reward_max"] for r in rows)  # documented maximum, same episodes
+    by_hops: dict[int, list[float]] = defaultdict(list)
+    for r in rows:
+        by_hops[r["n_hops"]].append(r["reward"])
+    for h in sorted(by_hops):
+        m[f"reward/hops_{h}"] = _mean(by_hops[h])
+        m[f"n_episodes/hops_{h}"] = len(by_hops[h])
+    m["tool_calls_mean"] = _mean(r["tool_calls"] or 0 for r in rows)
+    m["tool_errors"] = sum(r["tool_errors"] or 0 for r in rows)
+    m["turns_mean"] = _mean(r["num_turns"] or 0 for r in rows)
+    for reason, n in sorted(Counter(r["stop_reason"] for r in rows).items(), key=lambda kv: str(kv[0])):
+        m[f"stop_reason/{reason}"] = n
+    for k, v in data_stats.items():
+        m[f"data/{k}"] = v
+    return m
+
+
+def _track(metrics: dict, out: Path) -> None:
+    """Eval metrics (prefixed eval/) and both files into the job's MLflow run, when one is active."""
+    try:
+        from musique_rl.tracking import active
+    except ImportError:
+        return
+    tracker = active()
+    if tracker is None:
+        return
+    try:
+        tracker.log_metrics({f"eval/{k}": v for k, v in metrics.items()}, step=0)
+        tracker.log_artifact(out / "metrics.json")
+        tracker.log_artifact(out / "episodes.jsonl")
+    except Exception:
+        log.exception("logging eval metrics to MLflow failed (metrics.json is saved)")
+
+
+def evaluate(cfg: Any) -> float:
+    """Run ``cfg.policy`` over ``cfg.env.data``; print and save the metrics; return the mean reward."""
+    check_weights(cfg.reward)
+    data_stats: dict = {}
+    records = load_records(cfg.env.data, cfg.env, int(cfg.seed), stats=data_stats)
+    records_by_id = {r["id"]: r for r in records}
+    policy = str(getattr(cfg.policy, "value", cfg.policy))
+    hint = len(records) if policy in ("oracle", "no_tool", "model") else None
+    rows, errors = score_episodes(policy_episodes(cfg, records), records_by_id, cfg.reward, hint)
+    metrics = summarize(rows, errors, len(records), data_stats, cfg)
+
+    out = run_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "episodes.jsonl", "w", encoding="utf-8") as f:
+        for r in rows:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    (out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+    _track(metrics, out)
+
+    print(
+        f"eval {metrics['policy']} on {len(records)} records ({metrics['retriever']}, {metrics['scope']} scope): "
+        f"reward {metrics['reward']:.3f} of max {metrics['reward_max']:.3f} | EM {metrics['answer_em']:.3f} "
+        f"F1 {metrics['answer_f1']:.3f} | retrieval R {metrics['retrieval_recall']:.3f} P {metrics['retrieval_precision']:.3f} "
+        f"| citation R {metrics['citation_recall']:.3f} P {metrics['citation_precision']:.3f} | format {metrics['format']:.3f} "
+        f"| reward errors {errors}\nsaved {out / 'metrics.json'} and {out / 'episodes.jsonl'}"
+    )
+    print(json.dumps(metrics), flush=True)  # the last line: one JSON object with every metric
+    return metrics["reward"]
