@@ -665,14 +665,17 @@ class VerdictCallback(Callback):
         self._done = False
 
     def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
+        from omegaconf import OmegaConf
+
         from musique_rl.tracking import tracking_uri
 
+        if OmegaConf.select(config, "hypothesis", default=None) is None:
+            return  # not a hypothesis sweep (safe to register for every multirun)
         self._sweep_dir = str(config.hydra.sweep.dir)
         self._tracking_uri = tracking_uri(config, Path.cwd())
         atexit.register(self._judge)
 
     def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
-        self._sweep_dir = str(config.hydra.sweep.dir)
         self._judge()
 
     def _judge(self) -> None:
