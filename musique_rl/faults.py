@@ -1,0 +1,83 @@
+"""Planted faults: the one place that turns ``fault=<name>`` into behaviour.
+
+Each fault reproduces a defect from FIELD-NOTES ("Known defects") so the diagnostics can be
+proven to catch it (``+fault=<name>``; never on by default: ``fault`` defaults to ``none``).
+The code that a fault changes asks this module, by name, instead of reading ``cfg.fault``:
+
+| fault              | where it acts                      | what it does                                   |
+|--------------------|------------------------------------|------------------------------------------------|
+| blind_context      | trainer.py ``_compute_loss``       | forward-pass attention mask = loss mask        |
+| env_tokens_trained | rollout.py env_mask (conf sets     | tool/template tokens get env_mask 1 (also the  |
+|                    | train.mask_env_tokens=false)       | real knob of hypothesis h02)                   |
+| stale_sampler      | trainer.py generator               | samples from a frozen copy of the initial model|
+| std_epsilon        | conf only (loss.adv_epsilon=1e-8)  | trainer.py divides by std + adv_epsilon        |
+| kl_tool_tokens     | trainer.py ``_compute_loss``       | KL penalty also on tool/template tokens        |
+| kl_flipped         | trainer.py ``_compute_loss``       | KL penalty with the wrong sign                 |
+| tiny_budgets       | conf only (env budgets)            | rollout.py truncates and drops tool results    |
+| first_turn_reward  | rewards.RewardFunction(read_turn)  | reward parsed from the FIRST assistant turn    |
+| tiny_updates       | conf only (lr x0.01, clip 0.001)   | trainer.py passes them to TRL                  |
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+FAULTS = (
+    "none",
+    "blind_context",
+    "env_tokens_trained",
+    "stale_sampler",
+    "std_epsilon",
+    "kl_tool_tokens",
+    "kl_flipped",
+    "tiny_budgets",
+    "first_turn_reward",
+    "tiny_updates",
+)
+
+
+def active(cfg: Any) -> str:
+    """The planted fault's name ('none' when the run is clean)."""
+    value = cfg.get("fault", "none") if hasattr(cfg, "get") else getattr(cfg, "fault", "none")
+    name = str(getattr(value, "value", value) or "none")
+    if name not in FAULTS:
+        raise ValueError(f"fault={name!r}: expected one of {list(FAULTS)}")
+    return name
+
+
+def is_on(cfg: Any, name: str) -> bool:
+    if name not in FAULTS:
+        raise ValueError(f"unknown fault {name!r}")
+    return active(cfg) == name
+
+
+def env_mask_value(cfg: Any) -> int:
+    """env_mask given to tool-result and template tokens: 0 (out of loss and KL) unless
+    ``train.mask_env_tokens=false`` (hypothesis h02's treatment, and fault env_tokens_trained)."""
+    if is_on(cfg, "env_tokens_trained"):
+        return 1
+    return 0 if bool(cfg.train.mask_env_tokens) else 1
+
+
+def reward_read_turn(cfg: Any) -> str:
+    """Which assistant turn the reward parses: 'last', or 'first' under fault first_turn_reward."""
+    return "first" if is_on(cfg, "first_turn_reward") else "last"
+
+
+def blind_context(cfg: Any) -> bool:
+    """Score assistant tokens with attention restricted to the loss mask (verifiers 0.1.x)."""
+    return is_on(cfg, "blind_context")
+
+
+def stale_sampler(cfg: Any) -> bool:
+    """The generator samples from a frozen copy of the initial weights, never synced."""
+    return is_on(cfg, "stale_sampler")
+
+
+def kl_on_env_tokens(cfg: Any) -> bool:
+    return is_on(cfg, "kl_tool_tokens")
+
+
+def kl_sign(cfg: Any) -> float:
+    """+1 normally; -1 under fault kl_flipped (the penalty rewards moving away from the reference)."""
+    return -1.0 if is_on(cfg, "kl_flipped") else 1.0

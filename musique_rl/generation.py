@@ -1,0 +1,333 @@
+"""Generation backends behind one interface: token ids in, sampled token ids and their log-probs out.
+
+A backend continues a batch of token-id contexts by at most ``max_new_tokens`` each and returns,
+per context, the sampled ids (ending at a stop token if one was sampled), the log-prob of each
+sampled id under the distribution it was drawn from, and whether it stopped on a stop token.
+The rollout (musique_rl/rollout.py) never decodes and re-encodes: what is sampled is what trains.
+
+- ``HFGenerator``: transformers ``generate`` in-process (CPU, tests, single GPUs). Sampling
+  settings are always explicit: ``generate`` would otherwise apply ``top_k=50`` from the
+  model's generation config (FIELD-NOTES), and sampler and trainer would disagree.
+  Log-probs: the temperature / top-k / top-p warpers run inside our own logits processor (the
+  same transformers warper classes ``generate`` uses), which keeps the log-softmax of the final
+  distribution for one step and reads the sampled id from the next step's input, so memory stays
+  O(batch x vocab) instead of ``output_scores``' O(steps x batch x vocab).
+- ``VLLMServerGenerator``: TRL's vLLM server mode (``trl vllm-serve``; TRL syncs the weights,
+  LoRA included, before each rollout). Real code, imported lazily; it cannot run on this CPU
+  machine, so its tests drive it with a stand-in client (tests/test_generation.py).
+
+``build_generator(cfg, ...)`` is the one place a backend is chosen (``train.backend``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Sample:
+    ids: list[int]
+    logprobs: list[float]
+    stopped: bool  # True when the last id is a stop token (not cut by max_new_tokens)
+
+
+@dataclass
+class SamplingSettings:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    stop_ids: list[int] = field(default_factory=list)
+
+    def check(self) -> None:
+        if self.temperature <= 0:
+            raise ValueError(f"train.temperature={self.temperature}: must be > 0 (greedy decoding is greedy=True)")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"train.top_p={self.top_p}: must be in (0, 1]")
+        if self.top_k < 0:
+            raise ValueError(f"train.top_k={self.top_k}: must be >= 0 (0 = off)")
+        if not self.stop_ids:
+            raise ValueError("generation needs at least one stop token id (the tokenizer's eos)")
+
+
+def _truncate(ids: list[int], logprobs: list[float], stop_ids: set[int], limit: int) -> Sample:
+    """Cut a raw continuation at its first stop id (kept) or at ``limit`` tokens."""
+    for i, t in enumerate(ids[:limit]):
+        if t in stop_ids:
+            return Sample(ids[: i + 1], logprobs[: i + 1], True)
+    return Sample(ids[:limit], logprobs[:limit], False)
+
+
+# ---------------------------------------------------------------- HF generate
+class _WarpAndRecord:
+    """A logits processor: applies the sampling warpers, remembers the log-softmax of the result.
+
+    Called once per generated position with ``input_ids`` that end with the id sampled at the
+    previous position, so the log-prob of that id is read from the previous step's distribution.
+    """
+
+    def __init__(self, settings: SamplingSettings, greedy: bool):
+        from transformers import (
+            LogitsProcessorList,
+            TemperatureLogitsWarper,
+            TopKLogitsWarper,
+            TopPLogitsWarper,
+        )
+
+        warpers = []
+        if settings.temperature != 1.0:
+            warpers.append(TemperatureLogitsWarper(settings.temperature))
+        if settings.top_k:
+            warpers.append(TopKLogitsWarper(top_k=settings.top_k))
+        if settings.top_p < 1.0:
+            warpers.append(TopPLogitsWarper(top_p=settings.top_p))
+        self.warpers = LogitsProcessorList(warpers)
+        self.previous: torch.Tensor | None = None
+        self.steps: list[torch.Tensor] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.previous is not None:
+            self.steps.append(self.previous.gather(1, input_ids[:, -1:]).squeeze(1))
+        scores = self.warpers(input_ids, scores)
+        self.previous = torch.log_softmax(scores.float(), dim=-1)
+        return scores
+
+    def finish(self, last_ids: torch.Tensor) -> torch.Tensor:
+        """(batch, steps) log-probs of every generated id."""
+        if self.previous is not None:
+            self.steps.append(self.previous.gather(1, last_ids[:, None]).squeeze(1))
+        return torch.stack(self.steps, dim=1) if self.steps else torch.zeros(last_ids.shape[0], 0)
+
+
+class HFGenerator:
+    """transformers ``generate`` on a model that is either fixed or provided by a trainer.
+
+    ``model_source``: a model, or a zero-argument callable returning a context manager that yields
+    the model to sample from (the trainer binding uses TRL's ``unwrap_model_for_generation``,
+    which unwraps DDP / gathers ZeRO-3 shards and turns gradient checkpointing off: FIELD-NOTES
+    measured generation with checkpointing and ``use_cache=False`` to be very slow on CPU).
+    """
+
+    collective = False  # each process generates its own episodes; nothing to synchronise per turn
+
+    def __init__(self, model_source: Any, tokenizer: Any, settings: SamplingSettings):
+        settings.check()
+        self.model_source = model_source
+        self.tokenizer = tokenizer
+        self.settings = settings
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else settings.stop_ids[0]
+
+    @contextlib.contextmanager
+    def session(self) -> Iterator[HFGenerator]:
+        """Hold the model ready for a whole multi-turn rollout (one unwrap / gather per rollout)."""
+        if callable(self.model_source) and not isinstance(self.model_source, torch.nn.Module):
+            ctx = self.model_source()
+        else:
+            ctx = contextlib.nullcontext(self.model_source)
+        with ctx as model, torch.no_grad():
+            was_training = model.training
+            model.eval()
+            self._model = model
+            try:
+                yield self
+            finally:
+                self._model = None
+                if was_training:
+                    model.train()
+
+    def generate(self, contexts: list[list[int]], max_new_tokens: list[int], greedy: bool = False) -> list[Sample]:
+        if not contexts:
+            return []
+        model = getattr(self, "_model", None)
+        if model is None:
+            raise RuntimeError("HFGenerator.generate must run inside `with generator.session():`")
+        from transformers import GenerationConfig, LogitsProcessorList
+
+        device = next(model.parameters()).device
+        width = max(len(c) for c in contexts)
+        input_ids = torch.full((len(contexts), width), self.pad_id, dtype=torch.long)
+        attention = torch.zeros((len(contexts), width), dtype=torch.long)
+        for i, c in enumerate(contexts):  # left padding: every row's last token is at the right edge
+            input_ids[i, width - len(c) :] = torch.tensor(c, dtype=torch.long)
+            attention[i, width - len(c) :] = 1
+        recorder = _WarpAndRecord(self.settings, greedy)
+        gen_cfg = GenerationConfig(
+            do_sample=not greedy,
+            # The warpers run in `recorder`; generate itself must not warp again.
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            max_new_tokens=max(1, max(max_new_tokens)),
+            eos_token_id=list(self.settings.stop_ids),
+            pad_token_id=self.pad_id,
+            use_cache=True,
+            return_dict_in_generate=True,
+        )
+        out = model.generate(
+            input_ids=input_ids.to(device),
+            attention_mask=attention.to(device),
+            generation_config=gen_cfg,
+            logits_processor=LogitsProcessorList([recorder]),
+        )
+        new = out.sequences[:, width:].cpu()
+        logprobs = recorder.finish(out.sequences[:, -1]).cpu()
+        stop = set(self.settings.stop_ids)
+        return [
+            _truncate(new[i].tolist(), logprobs[i].tolist(), stop, int(max_new_tokens[i])) for i in range(len(contexts))
+        ]
+
+
+# ---------------------------------------------------------------- vLLM server (TRL)
+class VLLMServerGenerator:
+    """TRL's vLLM server client (``trainer.vllm_generation.vllm_client``), one request per turn.
+
+    The client lives on the main process only (TRL's ``VLLMGeneration``), so every turn gathers
+    the contexts of all processes, generates on the main one and scatters the results back: a
+    collective call every process must make the same number of times (``collective = True``:
+    the rollout keeps calling with an empty batch until all processes are done).
+    """
+
+    collective = True
+
+    def __init__(self, trainer: Any, settings: SamplingSettings):
+        settings.check()
+        self.trainer = trainer
+        self.settings = settings
+
+    @contextlib.contextmanager
+    def session(self) -> Iterator[VLLMServerGenerator]:
+        yield self  # TRL syncs the weights before calling rollout_func (GRPOTrainer._generate)
+
+    def any_live(self, local: bool) -> bool:
+        from accelerate.utils import gather_object
+
+        return any(gather_object([bool(local)]))
+
+    def generate(self, contexts: list[list[int]], max_new_tokens: list[int], greedy: bool = False) -> list[Sample]:
+        from accelerate.utils import broadcast_object_list, gather_object
+
+        accelerator = self.trainer.accelerator
+        gathered = gather_object([(list(contexts), list(max_new_tokens))])
+        if accelerator.is_main_process:
+            all_contexts = [c for ctxs, _ in gathered for c in ctxs]
+            all_limits = [m for _, lims in gathered for m in lims]
+            payload = self._request(all_contexts, all_limits, greedy) if all_contexts else []
+        else:
+            payload = None
+        box = [payload]
+        broadcast_object_list(box, from_process=0)
+        start = sum(len(ctxs) for ctxs, _ in gathered[: accelerator.process_index])
+        return box[0][start : start + len(contexts)]
+
+    def _request(self, contexts: list[list[int]], limits: list[int], greedy: bool) -> list[Sample]:
+        client = self.trainer.vllm_generation.vllm_client
+        s = self.settings
+        out = client.generate(
+            prompts=contexts,
+            n=1,
+            temperature=1.0 if greedy else s.temperature,
+            top_p=1.0 if greedy else s.top_p,
+            top_k=1 if greedy else s.top_k,  # vLLM: top_k=1 is greedy
+            max_tokens=max(1, max(limits)),
+            logprobs=0,  # the sampled token's log-prob only ("processed_logprobs" server mode)
+            generation_kwargs={"stop_token_ids": list(s.stop_ids), "skip_special_tokens": False},
+        )
+        return samples_from_vllm(out, limits, set(s.stop_ids))
+
+
+def samples_from_vllm(out: dict, limits: list[int], stop_ids: set[int]) -> list[Sample]:
+    """Parse ``VLLMClient.generate`` output (``completion_ids`` and (seq, len, 1) ``logprobs``)."""
+    samples = []
+    logprobs = out.get("logprobs")
+    for i, ids in enumerate(out["completion_ids"]):
+        lps = [float("nan") if lp is None or lp[0] is None else float(lp[0]) for lp in logprobs[i]] if logprobs else []
+        if len(lps) != len(ids):
+            raise ValueError(
+                f"vLLM returned {len(lps)} log-probs for {len(ids)} tokens (completion {i}); "
+                "start the server with --logprobs-mode processed_logprobs"
+            )
+        samples.append(_truncate(list(ids), lps, stop_ids, int(limits[i])))
+    return samples
+
+
+# ---------------------------------------------------------------- construction
+def sampling_settings(cfg: Any, tokenizer: Any) -> SamplingSettings:
+    stop = [tokenizer.eos_token_id]
+    if tokenizer.pad_token_id is not None and tokenizer.pad_token_id not in stop:
+        stop.append(tokenizer.pad_token_id)  # <|endoftext|> ends a turn too (Qwen's generation config)
+    return SamplingSettings(
+        temperature=float(cfg.train.temperature), top_p=float(cfg.train.top_p), top_k=int(cfg.train.top_k), stop_ids=stop
+    )
+
+
+def build_generator(
+    cfg: Any,
+    tokenizer: Any,
+    *,
+    model: Any = None,
+    trainer: Any = None,
+    frozen: bool = False,
+    temperature: float | None = None,
+    backend: str | None = None,
+) -> HFGenerator | VLLMServerGenerator:
+    """The backend named by ``train.backend``.
+
+    ``trainer``: bind to a GRPOTrainer (current weights every rollout). ``model``: sample from this
+    model as it is (evaluation). ``frozen``: sample from a frozen copy of the weights as they are
+    now (the planted fault ``stale_sampler``: the sampler never sees an update).
+    """
+    settings = sampling_settings(cfg, tokenizer)
+    if temperature is not None:
+        settings.temperature = float(temperature)
+    backend = backend or str(getattr(cfg.train.backend, "value", cfg.train.backend))
+    if backend == "vllm":
+        if trainer is None:
+            raise ValueError("train.backend=vllm samples through the trainer's vLLM server; evaluation uses hf")
+        if frozen:
+            raise ValueError("fault=stale_sampler is implemented for train.backend=hf only")
+        return VLLMServerGenerator(trainer, settings)
+    if backend != "hf":
+        raise ValueError(f"train.backend={backend!r}: expected 'hf' or 'vllm'")
+    if trainer is not None:
+        if frozen:
+            source = trainer.accelerator.unwrap_model(trainer.model)
+            return HFGenerator(frozen_copy(source), tokenizer, settings)
+        return HFGenerator(_trainer_model_source(trainer), tokenizer, settings)
+    if model is None:
+        raise ValueError("build_generator needs a model or a trainer")
+    return HFGenerator(frozen_copy(model) if frozen else model, tokenizer, settings)
+
+
+def frozen_copy(model: Any) -> Any:
+    """A detached copy of ``model`` with gradients off (PEFT adapters merged in if present)."""
+    copy_ = copy.deepcopy(model)
+    # TRL patches a model's forward as an instance attribute whose closure still calls the
+    # ORIGINAL object: a copy must use its class's forward, or it would silently run the original.
+    copy_.__dict__.pop("forward", None)
+    if hasattr(copy_, "merge_and_unload"):
+        copy_ = copy_.merge_and_unload()
+    for p in copy_.parameters():
+        p.requires_grad_(False)
+    return copy_
+
+
+def _trainer_model_source(trainer: Any) -> Callable[[], Any]:
+    def source():
+        from trl.models import unwrap_model_for_generation
+
+        return unwrap_model_for_generation(
+            trainer.model_wrapped,
+            trainer.accelerator,
+            gather_deepspeed3_params=trainer.args.ds3_gather_for_generation,
+            gradient_checkpointing_kwargs=trainer.args.gradient_checkpointing_kwargs,
+        )
+
+    return source

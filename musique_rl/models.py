@@ -1,0 +1,60 @@
+"""The policy model and its tokenizer, from ``model.*``: the embedded tiny model or a hub/local LLM.
+
+Built in ONE place (``load_model``) so training, evaluation and the benchmarks sample the same
+weights with the same tokenizer. ``model.dtype=auto`` means bf16 only where the hardware supports
+it (a CUDA device with bf16), float32 elsewhere: TRL's GRPOConfig defaults to bf16=True, which
+fails on a CPU.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+def bf16_supported() -> bool:
+    return bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
+
+
+def resolve_dtype(model_cfg: Any) -> torch.dtype:
+    """``model.dtype`` as a torch dtype; 'auto' = bf16 where supported, else float32."""
+    name = str(getattr(model_cfg.dtype, "value", model_cfg.dtype))
+    if name == "auto":
+        return torch.bfloat16 if bf16_supported() else torch.float32
+    if name == "bfloat16" and not bf16_supported():
+        raise ValueError(
+            "model.dtype=bfloat16 needs a GPU with bf16 support; this machine has none (use model.dtype=auto or float32)"
+        )
+    if name == "float16" and not torch.cuda.is_available():
+        raise ValueError("model.dtype=float16 needs a GPU (use model.dtype=auto or float32)")
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def load_model(cfg: Any) -> tuple[Any, Any]:
+    """(model, tokenizer) for ``cfg.model``; the tiny model is built, warm-started and cached locally."""
+    name = str(cfg.model.name_or_path)
+    if name == "tiny":
+        from musique_rl.tiny_model import load_tiny
+
+        return load_tiny(cfg)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dtype = resolve_dtype(cfg.model)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name)
+        model = AutoModelForCausalLM.from_pretrained(
+            name, dtype=dtype, attn_implementation=str(cfg.model.attn_implementation)
+        )
+    except OSError as e:
+        raise RuntimeError(
+            f"model.name_or_path={name!r} could not be loaded ({e}). Offline? Point it at a local directory, "
+            "or use the embedded model: model=tiny"
+        ) from e
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    return model, tokenizer

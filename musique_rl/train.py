@@ -1,0 +1,195 @@
+"""``train(cfg)``: data -> model -> rollouts -> GRPO -> held-out eval before and after -> summary.
+
+The summary (also the LAST line of output, as one JSON object, and ``metrics.json`` in the run
+directory) holds:
+  - ``train/reward_first10``, ``train/reward_last10``, ``train/reward_gain``: mean training reward
+    (TRL's per-step ``reward``) of the first and last 10 steps, and their difference;
+  - ``eval/before/<component>``, ``eval/after/<component>``, ``eval/gain/<component>``: the
+    held-out episodes sampled at the training temperature (``train.eval_temperature``), every
+    reward component and the configured ``reward`` total;
+  - the same for the greedy policy: ``eval/before_greedy/...``, ``eval/after_greedy/...``,
+    ``eval/gain_greedy/...``;
+  - where the MLflow run is (``mlflow/run_id``, ``mlflow/uri``) when tracking is on.
+The hypotheses' metrics (conf/hypothesis/*.yaml) name ``train/reward_gain`` and
+``eval/gain/answer_em``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+WINDOW = 10  # steps averaged at each end of the reward curve
+
+
+def run_directory(run_dir: str | Path | None = None) -> Path:
+    """Hydra's run directory (``hydra.run.dir``), or ``run_dir`` when called outside Hydra."""
+    if run_dir is not None:
+        path = Path(run_dir)
+    else:
+        from hydra.core.hydra_config import HydraConfig
+
+        if HydraConfig.initialized():
+            path = Path(HydraConfig.get().runtime.output_dir)
+        else:
+            path = Path("outputs") / time.strftime("%Y-%m-%d/%H-%M-%S")
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+# ---------------------------------------------------------------- held-out evaluation
+def held_out_eval(
+    cfg: Any, model: Any, tokenizer: Any, retriever: Any, records: list[dict], greedy: bool
+) -> tuple[dict[str, float], list[dict]]:
+    """Mean reward components and total over one episode per held-out record.
+
+    Always scored on the LAST assistant turn (the fault first_turn_reward only misleads training).
+    """
+    from musique_rl import rewards
+    from musique_rl.rollout import run_model_episodes
+
+    episodes = run_model_episodes(cfg, records, model=model, tokenizer=tokenizer, retriever=retriever, greedy=greedy)
+    comps = [rewards.score_episode(r, e["messages"]) for r, e in zip(records, episodes, strict=True)]
+    totals = [rewards.total(c, rewards.n_hops(r), cfg.reward) for c, r in zip(comps, records, strict=True)]
+    out = {k: float(np.mean([c[k] for c in comps])) for k in rewards.COMPONENTS}
+    out["reward"] = float(np.mean(totals))
+    stops = Counter(e["stop_reason"] for e in episodes)
+    out.update({f"stop_{k}": v / len(episodes) for k, v in sorted(stops.items())})
+    for e, c, t in zip(episodes, comps, totals, strict=True):
+        e["components"], e["reward"] = c, t
+    return out, episodes
+
+
+def reward_curve(log_history: list[dict]) -> list[float]:
+    """TRL's per-step mean training reward, in step order (one entry per logging step)."""
+    return [float(h["reward"]) for h in log_history if "reward" in h and "step" in h]
+
+
+def summarise(curve: list[float], before: dict, after: dict, before_g: dict, after_g: dict) -> dict[str, Any]:
+    n = min(WINDOW, len(curve))
+    first = float(np.mean(curve[:n])) if n else float("nan")
+    last = float(np.mean(curve[-n:])) if n else float("nan")
+    out: dict[str, Any] = {
+        "train/reward_first10": first,
+        "train/reward_last10": last,
+        "train/reward_gain": last - first,
+        "train/steps": len(curve),
+    }
+    for tag, b, a in (("", before, after), ("_greedy", before_g, after_g)):
+        for k in sorted(set(b) | set(a)):
+            out[f"eval/before{tag}/{k}"] = b.get(k, 0.0)
+            out[f"eval/after{tag}/{k}"] = a.get(k, 0.0)
+            out[f"eval/gain{tag}/{k}"] = a.get(k, 0.0) - b.get(k, 0.0)
+    return out
+
+
+def _print_summary(summary: dict, run_dir: Path) -> None:
+    g = summary
+    lines = [
+        "",
+        "=" * 72,
+        f"training reward   first {WINDOW} steps {g['train/reward_first10']:.3f}  ->  last {WINDOW} "
+        f"{g['train/reward_last10']:.3f}   (gain {g['train/reward_gain']:+.3f}, {g['train/steps']} steps)",
+    ]
+    for tag, label in (("", "sampled"), ("_greedy", "greedy ")):
+        parts = []
+        for k in ("reward", "answer_em", "answer_f1", "citation_f1"):
+            b, a = g.get(f"eval/before{tag}/{k}"), g.get(f"eval/after{tag}/{k}")
+            if b is not None:
+                parts.append(f"{k} {b:.3f} -> {a:.3f}")
+        lines.append(f"held-out {label} " + "   ".join(parts))
+    if g.get("mlflow/run_id"):
+        lines.append(f"MLflow run {g['mlflow/run_id']} at {g['mlflow/uri']}  (make ui)")
+    lines.append(f"run directory {run_dir} (metrics.json, episodes_before.jsonl, episodes_after.jsonl)")
+    lines.append("=" * 72)
+    print("\n".join(lines), flush=True)
+
+
+# ---------------------------------------------------------------- the job
+def train(cfg: Any, run_dir: str | Path | None = None) -> float:
+    """Run one GRPO job (module docstring); returns ``train/reward_gain``."""
+    import transformers
+    from accelerate import PartialState
+
+    from musique_rl import data, faults, rewards, tracking
+    from musique_rl.models import load_model
+    from musique_rl.retrieval import build_retriever
+    from musique_rl.trainer import build_trainer, last_checkpoint
+
+    t0 = time.time()
+    state = PartialState()
+    out_dir = run_directory(run_dir)
+    transformers.set_seed(int(cfg.seed))
+    if str(cfg.model.name_or_path) == "tiny":
+        from musique_rl.tiny_model import cpu_threads_for_tiny
+
+        cpu_threads_for_tiny()
+
+    records = data.load_records(cfg.env.data, cfg.env, int(cfg.seed))
+    eval_records: list[dict] = []
+    if cfg.env.eval_data:
+        eval_records = data.load_records(cfg.env.eval_data, cfg.env, int(cfg.seed))[: int(cfg.train.eval_episodes)]
+    log.info("records: %d train, %d held-out", len(records), len(eval_records))
+    model, tokenizer = load_model(cfg)
+    retriever = build_retriever(cfg.env, records + eval_records)
+    by_id = {r["id"]: r for r in records}
+    reward_fn = rewards.RewardFunction(cfg.reward, by_id, read_turn=faults.reward_read_turn(cfg), seed=int(cfg.seed))
+
+    def evaluate(tag: str, policy_model: Any) -> tuple[dict, dict]:
+        if not eval_records or not state.is_main_process:
+            return {}, {}
+        t = time.time()
+        sampled, eps = held_out_eval(cfg, policy_model, tokenizer, retriever, eval_records, greedy=False)
+        greedy, _ = held_out_eval(cfg, policy_model, tokenizer, retriever, eval_records, greedy=True)
+        with (out_dir / f"episodes_{tag}.jsonl").open("w") as f:
+            for e in eps:
+                f.write(json.dumps(e, default=str) + "\n")
+        print(
+            f"held-out eval {tag}: reward {sampled['reward']:.3f} (sampled), {greedy['reward']:.3f} (greedy), "
+            f"answer EM {sampled['answer_em']:.3f} / {greedy['answer_em']:.3f}  [{time.time() - t:.0f}s]",
+            flush=True,
+        )
+        return sampled, greedy
+
+    before, before_g = evaluate("before", model)
+
+    instruments = None
+    if cfg.diagnostics.enabled:
+        from musique_rl.diagnostics import Instruments
+
+        instruments = Instruments.from_config(cfg, tokenizer=tokenizer)
+    tracker = tracking.active()
+    callbacks = [tracker.callback()] if tracker is not None else []
+    ckpt_dir = out_dir / "checkpoints"
+    trainer = build_trainer(
+        cfg, model, tokenizer, records, retriever, reward_fn, ckpt_dir, instruments=instruments, callbacks=callbacks
+    )
+    resume = last_checkpoint(ckpt_dir, str(cfg.train.resume))
+    if resume:
+        print(f"resuming from {resume}", flush=True)
+    trainer.train(resume_from_checkpoint=resume)
+    trained = trainer.accelerator.unwrap_model(trainer.model)
+    after, after_g = evaluate("after", trained)
+
+    summary = summarise(reward_curve(trainer.state.log_history), before, after, before_g, after_g)
+    summary["time/seconds"] = round(time.time() - t0, 1)
+    if tracker is not None:
+        summary["mlflow/run_id"] = tracker.run_id
+        summary["mlflow/uri"] = tracker.uri
+    if state.is_main_process:
+        (out_dir / "metrics.json").write_text(json.dumps(summary, indent=1, sort_keys=True))
+        if tracker is not None:
+            tracker.log_metrics(
+                {k: v for k, v in summary.items() if isinstance(v, int | float)}, step=trainer.state.global_step
+            )
+        _print_summary(summary, out_dir)
+        print(json.dumps(summary, sort_keys=True), flush=True)  # the last line of output
+    return float(summary["train/reward_gain"])

@@ -1,0 +1,434 @@
+"""TRL's GRPOTrainer, configured from the composed config, with our multi-turn rollouts.
+
+``build_trainer(cfg, ...)`` maps the config onto TRL 1.16 names (``GRPOConfig``: loss_type,
+scale_rewards, beta, epsilon / epsilon_high, num_iterations, learning rate with warmup,
+max_grad_norm, temperature / top_p / top_k; PEFT ``LoraConfig``) and hands TRL our
+``rollout_func`` (musique_rl/rollout.py), which returns ``prompt_ids``, ``completion_ids``,
+``logprobs``, ``env_mask`` and the ``episode`` dicts the reward function reads.
+
+``MusiqueGRPOTrainer`` extends GRPOTrainer at three points, each as small as TRL allows:
+  - ``_calculate_rewards`` (documented hook, unchanged behaviour): keeps the gathered rewards so
+    the advantages can be recomputed with ``loss.adv_epsilon``. TRL 1.16 hard-codes the epsilon
+    in ``advantages / (std_rewards + 1e-4)`` inside the 600-line ``_generate_and_score_completions``;
+    rather than copy that method, ``_generate_and_score_completions`` calls it and replaces the
+    advantages with the same formula and our epsilon (``group_advantages``). Pinned to TRL 1.16.0:
+    tests/test_trainer.py fails if TRL's formula or version changes.
+  - ``_generate_and_score_completions``: also attaches per-token sources (assistant / tool /
+    template) and calls the diagnostics (``instruments.observe_batch``; parity probe after each
+    weight sync).
+  - ``_compute_loss``: calls TRL's loss; adds the planted KL faults and ``instruments.observe_loss``;
+    the planted fault ``blind_context`` gives the forward pass the loss mask as attention mask.
+Every planted fault is switched in musique_rl/faults.py and is off by default.
+
+Reference model for the KL (beta > 0): under PEFT, TRL disables the adapter (no second copy);
+with full fine-tuning, TRL loads a reference copy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from musique_rl import faults
+
+log = logging.getLogger(__name__)
+
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is TRL-experimental; we pin TRL
+
+PINNED_TRL = "1.16.0"
+TRL_ADVANTAGE_LINE = "advantages = advantages / (std_rewards + 1e-4)"  # what group_advantages replaces
+TRL_EPSILON = 1e-4
+
+
+def check_trl_version() -> None:
+    import trl
+
+    if trl.__version__ != PINNED_TRL:
+        raise RuntimeError(
+            f"musique_rl's trainer subclasses private GRPOTrainer methods of TRL {PINNED_TRL}; installed TRL is "
+            f"{trl.__version__}. Install trl=={PINNED_TRL} (pyproject pins it)."
+        )
+
+
+# ---------------------------------------------------------------- advantages
+def group_advantages(
+    rewards: torch.Tensor, num_generations: int, scale_rewards: str, epsilon: float
+) -> torch.Tensor:
+    """TRL 1.16's advantages (``multi_objective_aggregation='sum_then_normalize'``) with a chosen
+    epsilon: reward minus its group mean, divided by (group std | batch std) + epsilon unless
+    ``scale_rewards='none'``; NaN (unscorable) rewards are left out of the statistics and get 0.
+
+    ``rewards`` holds ALL processes' completions in order (groups contiguous), as TRL gathers them,
+    so every group's statistics are over the whole group wherever it was generated.
+    """
+    from trl.trainer.utils import nanstd
+
+    grouped = rewards.view(-1, num_generations)
+    mean = torch.nanmean(grouped, dim=1).repeat_interleave(num_generations)
+    advantages = rewards - mean
+    if scale_rewards == "group":
+        std = nanstd(grouped, dim=1).repeat_interleave(num_generations)
+    elif scale_rewards == "batch":
+        std = nanstd(rewards).expand_as(rewards)
+    elif scale_rewards == "none":
+        std = None
+    else:
+        raise ValueError(f"loss.scale_rewards={scale_rewards!r}: expected group, batch or none")
+    if std is not None:
+        advantages = advantages / (std + epsilon)
+    return torch.nan_to_num(advantages, nan=0.0)
+
+
+# ---------------------------------------------------------------- the trainer
+def _grpo_trainer_class():
+    from trl import GRPOTrainer
+
+    class MusiqueGRPOTrainer(GRPOTrainer):
+        """GRPOTrainer + multi-turn rollouts, configurable advantage epsilon, diagnostics, faults."""
+
+        def setup_musique(
+            self,
+            cfg: Any,
+            engine: Any,
+            generator: Any,
+            instruments: Any = None,
+            sampler_model: Any = None,
+            base_model: Any = None,
+        ) -> None:
+            self.musique_cfg = cfg
+            self.musique_engine = engine
+            self.musique_generator = generator  # read by RolloutEngine.rollout_func
+            self.instruments = instruments
+            self._sampler_model = sampler_model  # None = the sampler is the trained model itself
+            self._base_model = base_model  # frozen start (full fine-tuning), for the parity probe
+            self._adv_epsilon = float(cfg.loss.adv_epsilon)
+            self._last_rewards: torch.Tensor | None = None
+            self._captured_logps: torch.Tensor | None = None
+            self._blind = faults.blind_context(cfg)
+            self._kl_env = faults.kl_on_env_tokens(cfg)
+            self._kl_sign = faults.kl_sign(cfg)
+
+        # -- metrics from our instruments go where TRL's go (averaged per logging step)
+        def _merge_metrics(self, metrics: dict[str, float] | None) -> None:
+            mode = "train" if self.model.training else "eval"
+            for k, v in (metrics or {}).items():
+                self._metrics[mode][k].append(float(v))
+
+        def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+            rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+            self._last_rewards_per_func = rewards_per_func  # gathered over all processes
+            return rewards_per_func
+
+        def _generate_and_score_completions(self, inputs):
+            self._parity_probe()
+            output = super()._generate_and_score_completions(inputs)
+            mode = "train" if self.model.training else "eval"
+            num_generations = self.num_generations if mode == "train" else self.num_generations_eval
+            rpf = self._last_rewards_per_func
+            rewards = (rpf * self.reward_weights.to(rpf.device).unsqueeze(0)).nansum(dim=1)
+            rewards[torch.isnan(rpf).all(dim=1)] = torch.nan
+            n_local = output["completion_ids"].shape[0]
+            local = slice(self.accelerator.process_index * n_local, (self.accelerator.process_index + 1) * n_local)
+            if self._adv_epsilon != TRL_EPSILON:
+                advantages = group_advantages(rewards, num_generations, str(self.scale_rewards), self._adv_epsilon)
+                output["advantages"] = advantages[local].to(output["advantages"].device)
+            self._last_rewards = rewards
+            output["token_sources"] = self._token_sources(output["completion_ids"].shape[1]).to(
+                output["completion_ids"].device
+            )
+            if self.instruments is not None:
+                self._observe_batch(output, rewards[local], num_generations)
+            return output
+
+        def _token_sources(self, width: int) -> torch.Tensor:
+            from musique_rl.diagnostics.ledger import Source
+
+            codes = {"assistant": Source.ASSISTANT, "tool": Source.TOOL, "template": Source.TEMPLATE}
+            episodes = self.musique_engine.last_episodes
+            out = torch.full((len(episodes), width), int(Source.PAD), dtype=torch.long)
+            for i, ep in enumerate(episodes):
+                out[i, : len(ep.sources)] = torch.tensor([int(codes[s]) for s in ep.sources], dtype=torch.long)
+            return out
+
+        def _observe_batch(self, output: dict, rewards: torch.Tensor, num_generations: int) -> None:
+            episodes = self.musique_engine.last_episodes
+            reward_fn = self.reward_funcs[0]
+            comps = getattr(reward_fn, "last_components", None) or []
+            components = {}
+            if comps and any(c is not None for c in comps):
+                names = next(c for c in comps if c is not None).keys()
+                components = {k: [float("nan") if c is None else c[k] for c in comps] for k in names}
+            metrics = self.instruments.observe_batch(
+                rewards=rewards.detach().cpu(),
+                advantages=output["advantages"].detach().cpu(),
+                prompt_mask=output["prompt_mask"].cpu(),
+                completion_mask=output["completion_mask"].cpu(),
+                tool_mask=output["tool_mask"].cpu() if "tool_mask" in output else None,
+                token_sources=output["token_sources"].cpu(),
+                episodes=[ep.as_dict() for ep in episodes],
+                reward_components=components,
+                reward_errors=int(sum(1 for c in comps if c is None)),
+                prompt_ids=output["prompt_ids"].cpu(),
+                completion_ids=output["completion_ids"].cpu(),
+                sampling_logps=output["sampling_per_token_logps"].cpu()
+                if "sampling_per_token_logps" in output
+                else None,
+                trainer_logps=output["old_per_token_logps"].cpu() if "old_per_token_logps" in output else None,
+                step=int(self.state.global_step),
+            )
+            self._merge_metrics(metrics)
+
+        def _parity_probe(self) -> None:
+            """After the weight sync that precedes every rollout: do trainer, sampler and base agree?"""
+            if self.instruments is None or not self.model.training:
+                return
+            if not self.instruments.should_probe(int(self.state.global_step)):
+                return
+            from musique_rl.diagnostics.sync import model_scorer, peft_base_scorer
+
+            temperature = float(self.temperature)
+            model = self.accelerator.unwrap_model(self.model)
+            trainer_scorer = model_scorer(model, temperature)
+            sampler = self._sampler_model if self._sampler_model is not None else None
+            sampler_scorer = model_scorer(sampler, temperature) if sampler is not None else trainer_scorer
+            if hasattr(model, "disable_adapter"):
+                base_scorer = peft_base_scorer(model, temperature)
+            elif self._base_model is not None:
+                base_scorer = model_scorer(self._base_model, temperature)
+            else:
+                base_scorer = None
+            was_training = model.training
+            model.eval()
+            try:
+                self._merge_metrics(
+                    self.instruments.parity_probe(trainer=trainer_scorer, sampler=sampler_scorer, base=base_scorer)
+                )
+            finally:
+                model.train(was_training)
+
+        def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
+            logps, entropies, aux = super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, *args, **kwargs
+            )
+            self._captured_logps = logps
+            return logps, entropies, aux
+
+        def _compute_loss(self, model, inputs):
+            completion_mask = inputs["completion_mask"]
+            tool_mask = inputs.get("tool_mask")
+            loss_mask = completion_mask if tool_mask is None else completion_mask * tool_mask
+            if self._blind:
+                # Planted fault (verifiers 0.1.x): the forward pass's attention mask IS the loss
+                # mask, so prompt and tool tokens are invisible when assistant tokens are scored.
+                inputs = {**inputs, "prompt_mask": torch.zeros_like(inputs["prompt_mask"]), "completion_mask": loss_mask}
+            self._captured_logps = None
+            loss = super()._compute_loss(model, inputs)
+            per_token_logps = self._captured_logps
+            attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+            per_token_kl = kl_mask = kl_penalty = None
+            if self.beta != 0.0 and per_token_logps is not None:
+                ref = inputs["ref_per_token_logps"]
+                per_token_kl = torch.exp(ref - per_token_logps) - (ref - per_token_logps) - 1  # TRL's k3
+                kl_mask = loss_mask
+                if self._kl_env or self._kl_sign < 0:
+                    # Planted faults: KL on environment tokens too, or with the wrong sign. TRL
+                    # has already added +beta*KL on the loss mask; add the difference.
+                    if self._kl_env:
+                        kl_mask = completion_mask.float()
+                        extra_mask = (completion_mask * (1 - tool_mask)) if tool_mask is not None else None
+                        coef = 1.0
+                    else:
+                        extra_mask = loss_mask
+                        coef = -2.0  # +1 (TRL) - 2 = -1: the penalty rewards drifting away
+                    if extra_mask is not None and extra_mask.sum() > 0:
+                        m = extra_mask.float()
+                        loss = loss + coef * self.beta * (per_token_kl * m).sum() / loss_mask.sum().clamp(min=1.0)
+                kl_penalty = self._kl_sign * self.beta * per_token_kl * kl_mask
+            if self.instruments is not None and per_token_logps is not None:
+                self._merge_metrics(
+                    self.instruments.observe_loss(
+                        per_token_logps=per_token_logps.detach(),
+                        loss_mask=loss_mask,
+                        sampling_logps=inputs.get("sampling_per_token_logps"),
+                        token_sources=inputs.get("token_sources"),
+                        per_token_kl=per_token_kl.detach() if per_token_kl is not None else None,
+                        kl_mask=kl_mask,
+                        kl_penalty=kl_penalty.detach() if kl_penalty is not None else None,
+                        attention_mask=attention,
+                        prompt_mask=inputs["prompt_mask"],
+                        completion_mask=inputs["completion_mask"],
+                    )
+                )
+            return loss
+
+    return MusiqueGRPOTrainer
+
+
+# ---------------------------------------------------------------- construction
+def num_processes() -> int:
+    from accelerate import PartialState
+
+    return int(PartialState().num_processes)
+
+
+def grpo_config(cfg: Any, output_dir: str | Path) -> Any:
+    """TRL ``GRPOConfig`` from the composed config (names map one to one; see schema.py)."""
+    from trl import GRPOConfig
+
+    from musique_rl.models import resolve_dtype
+
+    t, loss = cfg.train, cfg.loss
+    world = num_processes()
+    batch = int(t.prompts_per_step) * int(t.num_generations)
+    if batch % world:
+        raise ValueError(
+            f"train.prompts_per_step x train.num_generations = {batch} completions per step cannot be split "
+            f"over {world} processes"
+        )
+    if (batch // world) % int(t.num_generations):
+        raise ValueError(
+            f"each of the {world} processes must hold whole groups: train.prompts_per_step={t.prompts_per_step} "
+            f"must be a multiple of the process count"
+        )
+    bf16 = resolve_dtype(cfg.model) == torch.bfloat16
+    return GRPOConfig(
+        output_dir=str(output_dir),
+        max_steps=int(t.max_steps),
+        per_device_train_batch_size=batch // world,
+        gradient_accumulation_steps=1,
+        num_generations=int(t.num_generations),
+        loss_type=str(getattr(loss.loss_type, "value", loss.loss_type)),
+        scale_rewards=str(getattr(loss.scale_rewards, "value", loss.scale_rewards)),
+        beta=float(loss.beta),
+        epsilon=float(loss.epsilon),
+        epsilon_high=None if loss.epsilon_high is None else float(loss.epsilon_high),
+        num_iterations=int(loss.num_iterations),
+        learning_rate=float(loss.learning_rate),
+        # Constant after warmup: the runs are short (tens of steps) and a decay to 0 would halve the
+        # effective rate; warmup matters (FIELD-NOTES: Adam's first step at 1e-3 broke the tiny model).
+        lr_scheduler_type="constant_with_warmup",
+        warmup_steps=int(loss.warmup_steps),
+        max_grad_norm=float(loss.max_grad_norm),
+        weight_decay=0.0,
+        temperature=float(t.temperature),
+        top_p=float(t.top_p),
+        top_k=int(t.top_k),
+        max_completion_length=int(cfg.env.max_completion_tokens),
+        mask_truncated_completions=False,
+        bf16=bf16,  # GRPOConfig defaults to True, which fails on a CPU
+        fp16=False,
+        gradient_checkpointing=bool(t.gradient_checkpointing),
+        disable_dropout=True,
+        use_vllm=str(getattr(t.backend, "value", t.backend)) == "vllm",
+        vllm_mode="server",
+        vllm_server_host=str(t.vllm_server_host),
+        vllm_server_port=int(t.vllm_server_port),
+        logging_steps=int(t.logging_steps),
+        save_strategy="steps",
+        save_steps=int(t.save_steps),
+        save_total_limit=2,
+        report_to="none",  # MLflow through musique_rl.tracking's callback (config params, not TrainingArguments)
+        seed=int(cfg.seed),
+        data_seed=int(cfg.seed),
+        shuffle_dataset=True,
+        log_completions=False,
+        dataloader_num_workers=0,
+        disable_tqdm=False,
+    )
+
+
+def lora_config(cfg: Any) -> Any:
+    if not cfg.lora.enabled:
+        return None
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=int(cfg.lora.r),
+        lora_alpha=int(cfg.lora.lora_alpha),
+        lora_dropout=float(cfg.lora.lora_dropout),
+        target_modules=list(cfg.lora.target_modules),
+        bias=str(cfg.lora.bias),
+        task_type="CAUSAL_LM",
+    )
+
+
+def prompt_dataset(cfg: Any, records: list[dict]) -> Any:
+    """One row per record: the prompt messages, the user message carrying the record id (the only
+    thing that reaches ``rollout_func`` besides the prompt, FIELD-NOTES)."""
+    from datasets import Dataset
+
+    from musique_rl import prompts
+
+    rows = []
+    for r in records:
+        messages = prompts.build_messages(r, cfg.env)
+        tagged = [{**m, "record_id": r["id"] if m["role"] == "user" else ""} for m in messages]
+        rows.append({"prompt": tagged})
+    return Dataset.from_list(rows)
+
+
+def last_checkpoint(output_dir: str | Path, resume: str) -> str | None:
+    """``train.resume``: auto = the newest checkpoint in the run's checkpoint dir (None if none),
+    never = start fresh, anything else = that checkpoint path."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    if resume == "never":
+        return None
+    if resume == "auto":
+        return get_last_checkpoint(str(output_dir)) if Path(output_dir).is_dir() else None
+    if not Path(resume).is_dir():
+        raise FileNotFoundError(f"train.resume={resume!r}: no such checkpoint directory")
+    return resume
+
+
+def build_trainer(
+    cfg: Any,
+    model: Any,
+    tokenizer: Any,
+    records: list[dict],
+    retriever: Any,
+    reward_fn: Any,
+    output_dir: str | Path,
+    instruments: Any = None,
+    callbacks: list | None = None,
+) -> Any:
+    """The configured MusiqueGRPOTrainer, its rollout engine and generator bound."""
+    from musique_rl.generation import HFGenerator, build_generator, frozen_copy, sampling_settings
+    from musique_rl.rollout import RolloutEngine
+
+    check_trl_version()
+    peft_config = lora_config(cfg)
+    # Frozen copies are made BEFORE TRL patches the model's forward (fused LM head) and wraps it.
+    sampler_model = frozen_copy(model) if faults.stale_sampler(cfg) else None
+    base_model = None
+    if instruments is not None and peft_config is None and getattr(instruments, "enabled", False):
+        small = sum(p.numel() for p in model.parameters()) <= 2e9
+        base_model = sampler_model if sampler_model is not None else (frozen_copy(model) if small else None)
+    engine = RolloutEngine(cfg, tokenizer, retriever, {r["id"]: r for r in records})
+    args = grpo_config(cfg, output_dir)
+    trainer = _grpo_trainer_class()(
+        model=model,
+        reward_funcs=[reward_fn],
+        args=args,
+        train_dataset=prompt_dataset(cfg, records),
+        processing_class=tokenizer,
+        peft_config=peft_config,
+        rollout_func=engine.rollout_func,
+        callbacks=callbacks,
+    )
+    if sampler_model is not None:
+        generator = HFGenerator(sampler_model, tokenizer, sampling_settings(cfg, tokenizer))
+    else:
+        generator = build_generator(cfg, tokenizer, trainer=trainer)
+    trainer.setup_musique(cfg, engine, generator, instruments, sampler_model, base_model)
+    if instruments is not None:
+        with contextlib.suppress(ImportError):
+            from musique_rl.diagnostics.callback import InstrumentsCallback, metrics_sink
+
+            trainer.add_callback(InstrumentsCallback(instruments, sink=metrics_sink(trainer)))
+    return trainer
