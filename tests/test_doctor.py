@@ -162,3 +162,9 @@ def test_diagnosis_round_trips_through_mlflow_and_the_cli(store, capsys):
     assert "top = h02" in out and "flagged: h02 in 1" in out
     assert client.get_run(good).data.tags["diagnosis"] == "clean"
     assert main(["--experiment", "nope", "--tracking-uri", uri]) == 2
+
+
+def test_an_answering_but_always_wrong_policy_is_not_a_blind_reward():
+    wrong = with_({"h05/answer_em/constant_group_share": series(lambda s: 1.0),
+                   "h05/answer_em/mean": series(lambda s: 0.0)})  # F1 still varies: the reward reads answers
+    assert not any(d["flagged"] for d in diagnose_metrics(wrong))

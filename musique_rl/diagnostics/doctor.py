@@ -227,14 +227,20 @@ def _h05(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
                            f"Reward functions raised {sum(errs):.0f} times (up to {max(errs):.0f} per batch): those "
                            "completions were not scored.", {"h05/reward_errors (sum)": sum(errs)}))
     answered = 1 - statistics.fmean(_vals(m.get("h04/no_answer_share")) or [1.0])
-    dead = []
+    # Every answer component present must be dead: an answering policy that is always wrong still
+    # earns partial F1 now and then, a reward that never reads the answer earns none.
+    dead, live = [], 0
     for comp in ("answer_em", "answer_f1"):
         const = _vals(m.get(f"h05/{comp}/constant_group_share"))
         mean = _vals(m.get(f"h05/{comp}/mean"))
         weight = _num(params, f"reward.weights.{comp}", 1.0)
-        if const and mean and weight != 0 and statistics.fmean(const) >= CONSTANT_SHARE and max(mean) < DEAD_MEAN:
+        if not const or not mean or weight == 0:
+            continue
+        if statistics.fmean(const) >= CONSTANT_SHARE and max(mean) < DEAD_MEAN:
             dead.append((comp, statistics.fmean(const), max(mean)))
-    if dead and answered >= ANSWER_PRESENT_MIN:
+        else:
+            live += 1
+    if dead and not live and answered >= ANSWER_PRESENT_MIN:
         ev = {f"h05/{c}/constant_group_share (mean)": s for c, s, _ in dead}
         ev.update({f"h05/{c}/mean (max)": v for c, _, v in dead})
         ev["answered share (1 - h04/no_answer_share)"] = answered
@@ -310,7 +316,9 @@ def _h08(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
         return []
     med = statistics.median(ratio)
     kl = _vals(m.get("h08/kl_to_start"))
-    pre, post = _vals(m.get("h08/grad_norm_before_clip")), _vals(m.get("h08/grad_norm_after_clip"))
+    # the Trainer's own `grad_norm` is the pre-clip norm (clip_grad_norm_'s return value)
+    pre = _vals(m.get("h08/grad_norm_before_clip")) or _vals(m.get("grad_norm"))
+    post = _vals(m.get("h08/grad_norm_after_clip"))
     ev = {"h08/update_weight_ratio (median)": med}
     if kl:
         ev["h08/kl_to_start (last)"] = kl[-1]
@@ -370,6 +378,7 @@ def diagnose_metrics(metrics: Mapping[str, History], params: Mapping[str, str] |
 
 # ---------------------------------------------------------------- MLflow I/O
 _PREFIXES = ("h0", "preflight/")
+_ALSO = ("grad_norm",)  # TRL / Trainer metrics some rules read
 
 
 def read_run_metrics(run_id: str, uri: str | None = None) -> tuple[dict[str, History], dict[str, str], Any]:
@@ -380,7 +389,7 @@ def read_run_metrics(run_id: str, uri: str | None = None) -> tuple[dict[str, His
     run = client.get_run(run_id)
     hist: dict[str, History] = {}
     for key in run.data.metrics:
-        if key.startswith(_PREFIXES):
+        if key.startswith(_PREFIXES) or key in _ALSO:
             pts = client.get_metric_history(run_id, key)
             hist[key] = sorted(((p.step, p.value) for p in pts), key=lambda sv: sv[0])
     return hist, dict(run.data.params), run
