@@ -136,3 +136,77 @@ def test_cancelled_job_ends_killed_the_others_finish_and_the_verdict_names_it(sl
     assert v["n_pairs"] == 1 and v["status"] == "Inconclusive"
     parent = [r for r in runs_of(tmp_path) if r.data.tags.get("sweep_parent") == "true"]
     assert len(parent) == 1 and parent[0].data.tags["verdict"] == "Inconclusive"
+
+
+# ---------------------------------------------------------------- the real tiny training
+# Short runs: the point is the machinery (launcher, tracking, resume, verdict), not learning.
+TINY_RUN = ["train.eval_episodes=8", "train.logging_steps=1"]
+
+
+def real_sweep(tmp_path: Path, *overrides: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "musique_rl", "-m", *overrides, *TINY_RUN, "hydra/launcher=slurm",
+           f"hydra.sweep.dir={tmp_path / 'sweep'}", "hydra.callbacks.verdict.readme=false",
+           "hydra.launcher.mem_gb=3", "hydra.launcher.timeout_min=60"]
+    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=open(tmp_path / "sweep.log", "w"),
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def test_tiny_training_sweep_on_slurm_lands_in_mlflow_under_one_parent(slurm, tmp_path):
+    proc = real_sweep(tmp_path, "+sweep=h02", "seed=1,2", "train.max_steps=2")
+    try:
+        proc.wait(timeout=1800)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    log = (tmp_path / "sweep.log").read_text()
+    assert proc.returncode == 0, log[-4000:]
+    runs = runs_of(tmp_path)
+    parents = [r for r in runs if r.data.tags.get("sweep_parent") == "true"]
+    assert len(parents) == 1
+    parent = parents[0]
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
+    assert sorted((r.data.tags["arm"], r.data.tags["seed"]) for r in children) == [
+        ("control", "1"), ("control", "2"), ("treatment", "1"), ("treatment", "2")]
+    for r in children:
+        assert r.info.status == "FINISHED" and r.data.tags["hypothesis"] == "h02"
+        assert "train/reward_gain" in r.data.metrics and "reward" in r.data.metrics  # summary + TRL's per-step
+        assert r.data.tags["sweep_id"] == parent.data.tags["sweep_id"] and r.data.tags["git_commit"]
+    v = json.loads((tmp_path / "sweep" / "verdict.json").read_text())
+    assert v["source"]["kind"] == "mlflow" and v["n_pairs"] == 2 and v["missing"] == []
+    assert v["status"] in ("Validated", "Invalidated", "Inconclusive") and "h02" in log
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    assert {a.path for a in client.list_artifacts(parent.info.run_id)} >= {"verdict.json", "status.md"}
+    assert client.get_run(parent.info.run_id).data.tags["verdict"] == v["status"]
+
+
+def test_requeued_training_job_resumes_from_its_checkpoint_into_the_same_run(slurm, tmp_path):
+    proc = real_sweep(tmp_path, "+sweep=h02", "seed=1", "hypothesis.arm=control", "train.max_steps=10",
+                      "train.save_steps=2")
+    job_dir = tmp_path / "sweep" / "0"
+    try:
+        wait(lambda: list(job_dir.glob("checkpoints/checkpoint-*")), 900, "the first checkpoint")
+        array_id = sh("squeue", "-h", "-o", "%i").split()[0]
+        sh("scancel", "--signal=USR2", array_id)  # preemption / timeout warning
+        proc.wait(timeout=1200)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    log = (tmp_path / "sweep.log").read_text()
+    assert proc.returncode == 0, log[-4000:]
+    submitit_log = "".join(p.read_text() for p in sorted((tmp_path / "sweep" / ".submitit").glob("*/*_log.*")))
+    assert "this job is preempted" in submitit_log and "Requeued job" in submitit_log
+    metrics = json.loads((job_dir / "metrics.json").read_text())
+    assert metrics["train/steps"] == 10
+    children = [r for r in runs_of(tmp_path) if "mlflow.parentRunId" in r.data.tags]
+    assert len(children) == 1 and children[0].info.status == "FINISHED"  # one job, one run
+    run_id = children[0].info.run_id
+    assert run_id == (job_dir / "mlflow_run_id").read_text().strip() == metrics["mlflow/run_id"]
+    from mlflow.tracking import MlflowClient
+
+    history = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_metric_history(run_id, "reward")
+    steps = [m.step for m in history]
+    # resumed from a checkpoint (step >= 2): step 1 was trained once, not again from scratch
+    assert steps.count(1) == 1 and max(steps) == 10, steps
