@@ -109,7 +109,10 @@ def test_kl_on_tool_tokens_and_flipped_sign():
     leaky = kl_stats(k3, cm, src, kl_penalty=0.04 * k3)  # KL masked by the completion mask only
     assert leaky["h03/kl_env_tokens"] == 4
     flipped = kl_stats(k3, loss, src, kl_penalty=-0.04 * k3)
-    assert flipped["h03/kl_negative_share"] > 0.9
+    assert flipped["h03/kl_negative_share"] == 1.0
+    # policy == reference (step 0): every k3 is exactly 0, so there is no sign to read
+    start = kl_stats(torch.zeros_like(k3), loss, src, kl_penalty=torch.zeros_like(k3))
+    assert "h03/kl_negative_share" not in start and start["h03/kl_model_mean"] == 0.0
 
 
 def _episode(stop, answer=True, dropped=0, in_ctx=True, calls=2, errors=0):

@@ -12,10 +12,9 @@ import torch
 
 from musique_rl.diagnostics.ledger import Source, env_token_mask
 
-# A value is negative only beyond fp32 round-off: exp(x) - x - 1 for |x| ~ 1e-4 carries ~1e-7 error,
-# and the penalty's own scale (beta) is unknown here, so the tolerance is relative to the batch too.
-_ABS_TOL = 1e-7
-_REL_TOL = 1e-3
+# k3 = exp(x) - x - 1 in fp32 carries ~1e-7 absolute round-off near x = 0 (exp rounds to a half ulp
+# of 1.0); a token whose |KL| is below this carries no sign information.
+_SIGN_FLOOR = 1e-6
 
 
 @torch.no_grad()
@@ -31,25 +30,35 @@ def kl_stats(
     kl_mask: (N, T) 1 where the KL term enters the loss.
     token_sources: (N, T) `Source` codes; None = treat every masked token as a model token.
     kl_penalty: (N, T) the term actually added to the per-token loss (beta * kl when correct);
-      its sign is what the 'negative share' checks. None = use per_token_kl.
+      its sign is what `h03/kl_negative_share` checks (reported only once some |kl| > 1e-6).
+      None = use per_token_kl.
     """
     mask = kl_mask.bool()
     kl = per_token_kl.detach().float()
     model = mask if token_sources is None else mask & (token_sources == Source.ASSISTANT)
     env = torch.zeros_like(mask) if token_sources is None else mask & env_token_mask(token_sources)
-    signed = (kl if kl_penalty is None else kl_penalty.detach().float())[mask]
     n_model = model.sum()
-    return {
+    out = {
         "h03/kl_model_mean": float(kl[model].sum() / n_model.clamp(min=1)),
         "h03/kl_model_max": float(kl[model].max()) if n_model else 0.0,
         "h03/kl_env_tokens": float(env.sum()),  # tool/template tokens inside the KL: must be 0
         "h03/kl_env_mean": float(kl[env].mean()) if env.any() else 0.0,
-        "h03/kl_negative_share": _negative_share(signed),
     }
+    share = _negative_share(kl[mask], None if kl_penalty is None else kl_penalty.detach().float()[mask])
+    if share is not None:  # only when some token's KL is large enough to have a sign
+        out["h03/kl_negative_share"] = share
+    return out
 
 
-def _negative_share(signed: torch.Tensor) -> float:
-    if signed.numel() == 0:
-        return 0.0
-    tol = max(_ABS_TOL, _REL_TOL * float(signed.abs().mean()))
-    return float((signed < -tol).float().mean())
+def _negative_share(kl: torch.Tensor, penalty: torch.Tensor | None) -> float | None:
+    """Share of tokens whose KL term enters the loss with a negative sign, among tokens whose KL is
+    clearly non-zero (at step 0 policy = reference and every k3 is exactly 0: no evidence either way).
+
+    With the penalty given, its sign is read where |kl| > _SIGN_FLOOR (a penalty -beta*kl is caught
+    even though kl itself is positive); without it, the estimator's own sign.
+    """
+    informative = kl.abs() > _SIGN_FLOOR
+    if not informative.any():
+        return None
+    signed = kl if penalty is None else penalty
+    return float((signed[informative] < 0).float().mean())

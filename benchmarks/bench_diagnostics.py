@@ -1,0 +1,130 @@
+"""Cost of the instruments: training step time with diagnostics on vs off, side by side in one run.
+
+    python benchmarks/bench_diagnostics.py                 # 2 x (on, off) runs of 12 steps, tiny model
+    python benchmarks/bench_diagnostics.py --steps 20 --repeats 3
+
+Both arms train the same seed on the same data, so they generate the same episodes (the probes
+consume no randomness) and their step times differ only by the instruments and noise; the arms
+are interleaved (on, off, on, off, ...) so a neighbour's load hits both. Two numbers, target
+<= 5% each:
+  - ratio of median step times, on / off (TRL's `step_time`, warm-up steps dropped), end to end
+    including the extra metrics' MLflow logging;
+  - direct accounting: seconds spent inside the instruments (trainer glue, observe_*, parity
+    probe, update meter, trajectory views) per step, over the on-arm's step time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+TIMED: dict[str, float] = defaultdict(float)
+
+
+def _timed(owner: type, name: str) -> None:
+    fn = getattr(owner, name, None)
+    if fn is None or getattr(fn, "_bench_timed", False):
+        return
+
+    def wrapper(*args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            TIMED[f"{owner.__name__}.{name}"] += time.perf_counter() - t
+
+    wrapper._bench_timed = True  # type: ignore[attr-defined]
+    setattr(owner, name, wrapper)
+
+
+def instrument_timers(trainer_cls: type) -> None:
+    from musique_rl.diagnostics.callback import InstrumentsCallback
+    from musique_rl.diagnostics.instruments import Instruments
+
+    # the trainer's glue around the instruments (building their inputs, the probe's forward passes)
+    for name in ("_observe_batch", "_parity_probe"):
+        _timed(trainer_cls, name)
+    _timed(Instruments, "observe_loss")  # called from _compute_loss
+    for name in ("on_pre_optimizer_step", "on_optimizer_step", "on_log"):
+        _timed(InstrumentsCallback, name)
+
+
+def run_once(diagnostics: bool, steps: int, seed: int, store: Path, extra: list[str]) -> dict:
+    from hydra import compose, initialize_config_dir
+
+    import musique_rl.schema  # noqa: F401
+    from musique_rl import tracking
+    from musique_rl import trainer as trainer_mod
+    from musique_rl.train import train
+
+    captured = {}
+    build = trainer_mod.build_trainer
+
+    def capture(*args, **kwargs):
+        t = build(*args, **kwargs)
+        instrument_timers(type(t))
+        captured["trainer"] = t
+        return t
+
+    trainer_mod.build_trainer = capture
+    overrides = [f"train.max_steps={steps}", f"seed={seed}", "env.eval_data=null", "train.save_steps=100000",
+                 f"diagnostics.enabled={str(diagnostics).lower()}",
+                 f"tracking.tracking_uri=sqlite:///{store / 'mlflow.db'}", *extra]
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=overrides)
+    TIMED.clear()
+    run_dir = Path(tempfile.mkdtemp(dir=store))
+    try:
+        with tracking.job(cfg, output_dir=run_dir):
+            train(cfg, run_dir=run_dir)
+    finally:
+        trainer_mod.build_trainer = build
+    history = captured["trainer"].state.log_history
+    times = [h["step_time"] for h in history if "step_time" in h]
+    return {"step_times": times, "timed": dict(TIMED)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--repeats", type=int, default=2, help="(on, off) pairs")
+    ap.add_argument("--warmup", type=int, default=2, help="first steps dropped from each run")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("extra", nargs="*", help="more Hydra overrides for both arms")
+    args = ap.parse_args(argv)
+
+    on, off, share = [], [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        store = Path(tmp)
+        for rep in range(args.repeats):
+            for arm in (True, False):
+                r = run_once(arm, args.steps, args.seed, store, args.extra)
+                times = r["step_times"][args.warmup:]
+                med = statistics.median(times)
+                (on if arm else off).append(med)
+                spent = sum(r["timed"].values())
+                line = f"repeat {rep} diagnostics {'on ' if arm else 'off'}: median step {med:.3f} s over {len(times)} steps"
+                if arm:
+                    per_step = spent / max(len(r["step_times"]), 1)
+                    share.append(per_step / statistics.median(r["step_times"]))
+                    detail = ", ".join(f"{k} {v:.3f}s" for k, v in sorted(r["timed"].items(), key=lambda kv: -kv[1]))
+                    line += f"; inside instruments {per_step * 1000:.1f} ms/step ({detail})"
+                print(line, flush=True)
+    ratio = statistics.median(on) / statistics.median(off)
+    direct = statistics.median(share)
+    print(f"\nstep time, diagnostics on / off (median of per-run medians): {ratio:.3f}  "
+          f"(on {statistics.median(on):.3f} s, off {statistics.median(off):.3f} s; target <= 1.05)")
+    print(f"time inside the instruments / step time (direct accounting): {direct:.1%}  (target <= 5%)")
+    return 0 if direct <= 0.05 else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

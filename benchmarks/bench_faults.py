@@ -1,0 +1,128 @@
+"""Planted-fault proof: every fault's run is diagnosed with its hypothesis; the clean run flags nothing.
+
+    python benchmarks/bench_faults.py                       # 9 faults + clean, seeds 1-3, 20 steps each
+    python benchmarks/bench_faults.py --faults std_epsilon --seeds 1 --steps 10
+
+Runs the real entrypoint (`python -m musique_rl`, tiny model, embedded data) as two Hydra
+multiruns through the default local launcher: the clean config and `+fault=<each>`, x seeds.
+Each job ends with the doctor's `diagnosis.json` and tag `diagnosis` in its MLflow run; this
+script reads those back and prints the fault x seed table of the top flagged hypothesis, with
+the expected one, and exits 0 only when every cell matches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+EXPECTED = {
+    "none": "clean",
+    "blind_context": "h02",
+    "env_tokens_trained": "h02",
+    "stale_sampler": "h06",
+    "std_epsilon": "h01",
+    "kl_tool_tokens": "h03",
+    "kl_flipped": "h03",
+    "tiny_budgets": "h04",
+    "first_turn_reward": "h05",
+    "tiny_updates": "h08",
+}
+
+
+def launch(fault_arg: list[str], seeds: str, steps: int, sweep_dir: Path, uri: str, extra: list[str]) -> float:
+    cmd = [sys.executable, "-m", "musique_rl", "-m", *fault_arg, f"seed={seeds}", f"train.max_steps={steps}",
+           f"hydra.sweep.dir={sweep_dir}", *extra]
+    env = dict(os.environ, MLFLOW_TRACKING_URI=uri, MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR="false")
+    print("$", " ".join(cmd), flush=True)
+    t0 = time.time()
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    (sweep_dir.parent / f"{sweep_dir.name}.log").write_text(proc.stdout + "\n" + proc.stderr)
+    if proc.returncode != 0:
+        print(proc.stderr[-3000:], file=sys.stderr)
+    return time.time() - t0
+
+
+def table(uri: str, sweep_dirs: list[Path]) -> dict[tuple[str, str], dict]:
+    os.environ["MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"] = "false"
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(uri)
+    exps = [e.experiment_id for e in client.search_experiments()]
+    cells: dict[tuple[str, str], dict] = {}
+    for d in sweep_dirs:
+        sweep_id = (d / "sweep_id").read_text().strip() if (d / "sweep_id").exists() else str(d)
+        for r in client.search_runs(exps, f"tags.sweep_id = '{sweep_id}'"):
+            if r.data.tags.get("sweep_parent") == "true":
+                continue
+            key = (r.data.tags.get("fault", "?"), r.data.tags.get("seed", "?"))
+            top, verdict = r.data.tags.get("diagnosis", f"<{r.info.status}>"), ""
+            try:
+                with open(client.download_artifacts(r.info.run_id, "diagnosis.json")) as fh:
+                    diag = json.load(fh)
+                flagged = [x for x in diag if x["flagged"]]
+                verdict = flagged[0]["verdict"] if flagged else "no flagged finding"
+            except Exception:
+                pass
+            cells[key] = {"top": top, "verdict": verdict, "run_id": r.info.run_id, "status": r.info.status}
+    return cells
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--faults", default=",".join(k for k in EXPECTED if k != "none"))
+    ap.add_argument("--seeds", default="1,2,3")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--no-clean", action="store_true", help="skip the clean runs")
+    ap.add_argument("--tracking-uri", default=f"sqlite:///{ROOT / 'mlflow.db'}")
+    ap.add_argument("--out", type=Path, default=ROOT / "multirun" / "bench_faults")
+    ap.add_argument("--read-only", action="store_true", help="only print the table of earlier sweeps in --out")
+    ap.add_argument("extra", nargs="*", help="more Hydra overrides for every job")
+    args = ap.parse_args(argv)
+
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    faults = [f for f in args.faults.split(",") if f]
+    sweeps: list[Path] = []
+    if args.read_only:
+        sweeps = sorted(p for p in args.out.glob("*") if p.is_dir())
+    else:
+        args.out.mkdir(parents=True, exist_ok=True)
+        if not args.no_clean:
+            d = args.out / f"{stamp}-clean"
+            print(f"clean: {launch([], args.seeds, args.steps, d, args.tracking_uri, args.extra):.0f} s", flush=True)
+            sweeps.append(d)
+        if faults:
+            d = args.out / f"{stamp}-faults"
+            secs = launch([f"+fault={','.join(faults)}"], args.seeds, args.steps, d, args.tracking_uri, args.extra)
+            print(f"faults: {secs:.0f} s", flush=True)
+            sweeps.append(d)
+    cells = table(args.tracking_uri, sweeps)
+    seeds = args.seeds.split(",")
+    rows = (["none"] if not args.no_clean else []) + faults
+    width = max(len(r) for r in rows) + 2
+    print(f"\n{'fault':<{width}}{'expected':<10}" + "".join(f"seed {s:<7}" for s in seeds))
+    ok = 0
+    for f in rows:
+        line = f"{f:<{width}}{EXPECTED.get(f, '?'):<10}"
+        for s in seeds:
+            c = cells.get((f, s))
+            top = c["top"] if c else "missing"
+            hit = top == EXPECTED.get(f)
+            ok += hit
+            line += f"{top + (' ok' if hit else ' X'):<12}"
+        print(line)
+    total = len(rows) * len(seeds)
+    print(f"\n{ok}/{total} cells diagnosed as expected (tracking store {args.tracking_uri})")
+    misses = {k: v for k, v in cells.items() if v["top"] != EXPECTED.get(k[0])}
+    for (f, s), c in sorted(misses.items()):
+        print(f"  {f} seed {s}: top={c['top']} run={c['run_id']} status={c['status']}: {c['verdict'][:160]}")
+    return 0 if ok == total else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
