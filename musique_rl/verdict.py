@@ -205,14 +205,23 @@ def judge(sweep: Sweep, *, n_boot: int = 10_000, level: float = 0.95, seed: int 
     # Signed so that the predicted direction is positive: one criterion for both directions.
     s_lo, s_hi = sorted((sign * lo, sign * hi))
     p_beyond = float(np.mean(sign * means > hyp.min_effect))
+    agree = int(np.sum(sign * diffs > 0))
+    verdict["seeds_in_predicted_direction"] = agree
     if s_lo > hyp.min_effect:
         status, confidence = "Validated", p_beyond
     elif s_hi < hyp.min_effect:
         status, confidence = "Invalidated", 1.0 - p_beyond
     else:
         status, confidence = "Inconclusive", max(p_beyond, 1.0 - p_beyond)
-        lean = "validated" if p_beyond >= 0.5 else "invalidated"
-        notes.append(f"the {level:.0%} interval straddles the threshold; {confidence:.0%} of bootstrap means lean {lean}")
+        if s_lo > 0:
+            notes.append(
+                f"the effect has the predicted sign (interval excludes 0; {agree}/{len(pairs)} seeds) but may be "
+                f"smaller than the claimed {hyp.min_effect}: {p_beyond:.0%} of bootstrap means exceed it"
+            )
+        else:
+            lean = "validated" if p_beyond >= 0.5 else "invalidated"
+            notes.append(f"the {level:.0%} interval straddles min_effect {hyp.min_effect}; {confidence:.0%} of "
+                         f"bootstrap means lean {lean}; {agree}/{len(pairs)} seeds in the predicted direction")
     if len(pairs) < 5:
         notes.append(f"only {len(pairs)} seed pairs: a bootstrap over so few values understates the uncertainty")
     verdict.update(status=status, confidence=round(confidence, 4), effect=effect, ci=[lo, hi])
@@ -508,6 +517,8 @@ def summary_line(v: dict[str, Any]) -> str:
         parts.append(f"effect {v['effect']:+.4f} on {h['metric']} (one pair)")
     parts.append(f"predicted {h['direction']} by > {h['min_effect']}")
     parts.append(f"{v['n_pairs']}/{v['n_seeds']} seed pairs")
+    if v.get("seeds_in_predicted_direction") is not None:
+        parts.append(f"{v['seeds_in_predicted_direction']}/{v['n_pairs']} in the predicted direction")
     return "; ".join(parts)
 
 
@@ -566,10 +577,9 @@ def _existing_rows(text: str) -> dict[str, dict[str, str]]:
         return rows
     block = text.split(MARK_START, 1)[1].split(MARK_END, 1)[0]
     for line in block.splitlines():
-        if not line.startswith("| h"):
-            continue
-        cells = _split_row(line)
-        if len(cells) == len(COLUMNS):
+        cells = _split_row(line) if line.startswith("|") else []
+        # rows only: the header's first cell is "hypothesis", a row's starts with an id (h01 ...)
+        if len(cells) == len(COLUMNS) and re.fullmatch(r"h\d+", cells[0].split()[0] if cells[0] else ""):
             rows[cells[0].split()[0]] = dict(zip(COLUMNS, cells, strict=True))
     return rows
 

@@ -51,7 +51,16 @@ def test_noisy_effect_is_inconclusive_and_says_which_way_it_leans():
     v = V.judge(sweep(H_UP, {1: 0.5, 2: 0.5, 3: 0.5}, {1: 0.70, 2: 0.35, 3: 0.56}))
     assert v["status"] == "Inconclusive"
     assert v["ci"][0] < 0.02 < v["ci"][1]
-    assert any("straddles" in n for n in v["notes"])
+    assert any("straddles" in n and "2/3 seeds in the predicted direction" in n for n in v["notes"])
+
+
+def test_right_sign_but_smaller_than_claimed_is_inconclusive_and_says_so():
+    # H02's first CPU sweep: every seed drops, by less than the claimed 0.02 on average
+    v = V.judge(sweep(H_DOWN, {1: 0.0366, 2: 0.0337, 3: 0.0258}, {1: 0.0143, 2: 0.0164, 3: 0.0205}))
+    assert v["status"] == "Inconclusive" and v["seeds_in_predicted_direction"] == 3
+    assert v["ci"][1] < 0  # the drop itself is certain ...
+    assert any("predicted sign (interval excludes 0; 3/3 seeds) but may be smaller than the claimed 0.02" in n
+               for n in v["notes"])  # ... its size is not
 
 
 def test_bootstrap_is_seeded_and_level_widens_the_interval():
@@ -160,6 +169,9 @@ def test_cli_writes_verdict_json_and_only_the_readme_section(multirun, tmp_path,
     section = readme.read_text().split("<!-- verdicts:start -->")[1]
     assert "| h02 Environment tokens in the loss | high | Validated |" in section
     assert "| h03 KL penalty to the reference | medium | Invalidated |" in section
+    table = section.split("<!-- verdicts:end -->")[0]
+    assert table.count("| hypothesis | priority |") == 1  # rewriting keeps one header, 8 rows
+    assert sum(line.startswith("| h0") for line in table.splitlines()) == 8
 
 
 def test_readme_without_markers_gets_them_appended(multirun, tmp_path):
