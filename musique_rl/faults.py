@@ -10,7 +10,8 @@ The code that a fault changes asks this module, by name, instead of reading ``cf
 | env_tokens_trained | rollout.py env_mask (conf sets     | tool/template tokens get env_mask 1 (also the  |
 |                    | train.mask_env_tokens=false)       | real knob of hypothesis h02)                   |
 | stale_sampler      | trainer.py generator               | samples from a frozen copy of the initial model|
-| std_epsilon        | conf only (loss.adv_epsilon=1e-8)  | trainer.py divides by std + adv_epsilon        |
+| std_epsilon        | conf (loss.adv_epsilon=1e-8) and  | trainer.py divides by std + adv_epsilon; the   |
+|                    | trainer.py ``_calculate_rewards``  | rewards carry 1e-6 float noise (reward_jitter) |
 | kl_tool_tokens     | trainer.py ``_compute_loss``       | KL penalty also on tool/template tokens        |
 | kl_flipped         | trainer.py ``_compute_loss``       | KL penalty with the wrong sign                 |
 | tiny_budgets       | conf only (env budgets)            | rollout.py truncates and drops tool results    |
@@ -81,3 +82,16 @@ def kl_on_env_tokens(cfg: Any) -> bool:
 def kl_sign(cfg: Any) -> float:
     """+1 normally; -1 under fault kl_flipped (the penalty rewards moving away from the reference)."""
     return -1.0 if is_on(cfg, "kl_flipped") else 1.0
+
+
+# Float-level noise on each reward (a non-deterministic reward: float32 reductions in varying order,
+# a reward model). TRL's epsilon 1e-4 keeps it at |advantage| ~0.01 in a tied group; the planted
+# epsilon 1e-8 turns it into full-size advantages: the defect std_epsilon stands for. Without the
+# noise the fault would be inert here: the rewards of tied episodes are bit-identical, and
+# (r - mean) / (std + eps) is exactly 0 whatever eps is.
+REWARD_JITTER = 1e-6
+
+
+def reward_jitter(cfg: Any) -> float:
+    """Std of the noise added to every reward under fault std_epsilon (0.0 otherwise)."""
+    return REWARD_JITTER if is_on(cfg, "std_epsilon") else 0.0

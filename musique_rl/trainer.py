@@ -121,6 +121,11 @@ def _grpo_trainer_class():
 
         def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
             rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+            jitter = faults.reward_jitter(self.musique_cfg)
+            if jitter:  # planted fault std_epsilon: float-level reward noise (faults.reward_jitter)
+                gen = torch.Generator().manual_seed(int(self.state.global_step))
+                noise = torch.randn(rewards_per_func.shape, generator=gen, dtype=torch.float64)
+                rewards_per_func = (rewards_per_func.double() + jitter * noise).to(rewards_per_func.dtype)
             self._last_rewards_per_func = rewards_per_func  # gathered over all processes
             return rewards_per_func
 
@@ -205,11 +210,10 @@ def _grpo_trainer_class():
             was_training = model.training
             model.eval()
             try:
-                self._merge_metrics(
-                    self.instruments.parity_probe(trainer=trainer_scorer, sampler=sampler_scorer, base=base_scorer)
-                )
+                metrics = self.instruments.parity_probe(trainer=trainer_scorer, sampler=sampler_scorer, base=base_scorer)
             finally:
                 model.train(was_training)
+            self._merge_metrics(metrics)  # after train() is restored: _merge_metrics files by model.training
 
         def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
             logps, entropies, aux = super()._get_per_token_logps_and_entropies(
