@@ -121,7 +121,7 @@ def screenshot(base_url: str, runs: list[str], experiments: list[str], out: Path
         driver.get(url)
         # the compare view renders client-side: wait until every expected text is on the page
         WebDriverWait(driver, 90).until(lambda d: all(t in d.find_element("tag name", "body").text for t in expect))
-        _close_assistant_panel(driver)
+        _arrange(driver)
         time.sleep(2)  # let charts finish drawing
         driver.save_screenshot(str(out))
         return driver.find_element("tag name", "body").text
@@ -129,24 +129,20 @@ def screenshot(base_url: str, runs: list[str], experiments: list[str], out: Path
         driver.quit()
 
 
-def _close_assistant_panel(driver) -> None:
-    """MLflow 3 opens an 'Assistant' side panel that hides half of the compare view: close it if present."""
+def _arrange(driver) -> None:
+    """Close MLflow 3's Assistant side panel (it hides half of the view) and switch the parameter,
+    metric and tag tables to "Show diff only", so what differs between the two runs is what shows."""
     from selenium.common.exceptions import WebDriverException
 
-    try:
-        driver.execute_script(
-            """
-            const heads = [...document.querySelectorAll('*')].filter(e => e.childElementCount === 0 &&
-                e.textContent.trim() === 'MLflow Assistant');
-            for (const h of heads) {
-              let box = h;
-              for (let i = 0; i < 6 && box; i++, box = box.parentElement) {
-                const btns = [...box.querySelectorAll('button')];
-                if (btns.length) { btns[btns.length - 1].click(); return; }
-              }
-            }""")
-    except WebDriverException:
-        pass
+    for label in ("Close", "Parameters - Show diff only", "Metrics - Show diff only", "Tags - Show diff only"):
+        try:
+            for button in driver.find_elements("css selector", f'button[aria-label="{label}"]'):
+                button.click()
+        except WebDriverException:
+            pass  # a newer UI without that control: the screenshot is still taken
+    # clicking scrolled the view down to the last toggle: back to the top of every scroller
+    driver.execute_script("for (const e of document.querySelectorAll('*')) { if (e.scrollTop) e.scrollTop = 0; }"
+                          " window.scrollTo(0, 0);")
 
 
 def main(argv: list[str] | None = None) -> int:
