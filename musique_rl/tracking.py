@@ -444,10 +444,12 @@ def plot_reward_curves(tracker: Tracker) -> str | None:
     import matplotlib.pyplot as plt
 
     keys = list(tracker.client.get_run(tracker.run_id).data.metrics)
-    comp = sorted(k for k in keys if k.startswith("rewards/") and k.endswith("/mean"))
+    # each reward component's batch mean (instruments h05), else TRL's per-reward-function means
+    comp = sorted(k for k in keys if k.startswith("h05/") and k.endswith("/mean")) or sorted(
+        k for k in keys if k.startswith("rewards/") and k.endswith("/mean"))
     panels = [
         ("total reward", [k for k in ("reward",) if k in keys]),
-        ("reward components (TRL reward functions)", comp),
+        ("reward components (batch mean)", comp),
         ("group signal", [k for k in ("frac_reward_zero_std", "h01/near_zero_std_share") if k in keys]),
     ]
     panels = [(t, ks) for t, ks in panels if ks]
