@@ -10,8 +10,9 @@ The code that a fault changes asks this module, by name, instead of reading ``cf
 | env_tokens_trained | rollout.py env_mask (conf sets     | tool/template tokens get env_mask 1 (also the  |
 |                    | train.mask_env_tokens=false)       | real knob of hypothesis h02)                   |
 | stale_sampler      | trainer.py generator               | samples from a frozen copy of the initial model|
-| std_epsilon        | conf (loss.adv_epsilon=1e-8) and  | trainer.py divides by std + adv_epsilon; the   |
-|                    | trainer.py ``_calculate_rewards``  | rewards carry 1e-6 float noise (reward_jitter) |
+| std_epsilon        | conf (binary reward answer_em,     | trainer.py divides by std + adv_epsilon; the   |
+|                    | adv_epsilon 1e-8) and trainer.py   | rewards carry 1e-6 float noise (reward_jitter),|
+|                    | ``_calculate_rewards``             | so tied groups get noise-made advantages       |
 | kl_tool_tokens     | trainer.py ``_compute_loss``       | KL penalty also on tool/template tokens        |
 | kl_flipped         | trainer.py ``_compute_loss``       | KL penalty with the wrong sign                 |
 | tiny_budgets       | conf only (env budgets)            | rollout.py truncates and drops tool results    |
