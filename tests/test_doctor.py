@@ -168,3 +168,11 @@ def test_an_answering_but_always_wrong_policy_is_not_a_blind_reward():
     wrong = with_({"h05/answer_em/constant_group_share": series(lambda s: 1.0),
                    "h05/answer_em/mean": series(lambda s: 0.0)})  # F1 still varies: the reward reads answers
     assert not any(d["flagged"] for d in diagnose_metrics(wrong))
+
+
+def test_preflight_warning_needs_the_trained_reward_to_confirm_it():
+    hard = {"preflight/signal_share_forecast": [(0, 0.05)], "preflight/pass_rate_mean": [(0, 0.01)]}
+    partial_credit = with_({**hard, "h01/signal_group_share": series(lambda s: 0.8)})
+    assert not any(d["flagged"] for d in diagnose_metrics(partial_credit))
+    no_signal = with_({**hard, "h01/signal_group_share": series(lambda s: 0.1)})
+    assert top_flagged(diagnose_metrics(no_signal)) == "preflight"

@@ -343,10 +343,20 @@ def _preflight(m: Mapping[str, History], params: Mapping[str, str]) -> list[Find
     ev = {k: _vals(m.get(k))[0] for k in ("preflight/pass_rate_mean", "preflight/zero_variance_forecast",
                                            "preflight/signal_share_forecast") if _vals(m.get(k))}
     s = sig[0]
-    if s < MIN_SIGNAL_SHARE:
+    # The forecast is about answer correctness; a partial-credit reward can still spread inside a
+    # group. Flag only when the reward actually trained on confirms it: few signal-carrying groups
+    # over the first steps too.
+    actual = _vals(m.get("h01/signal_group_share"))[:5]
+    if actual:
+        ev["h01/signal_group_share (first steps)"] = statistics.fmean(actual)
+    if s < MIN_SIGNAL_SHARE and (not actual or statistics.fmean(actual) < MIN_SIGNAL_SHARE):
         return [Finding("preflight", "learnability", True, 1 + _mag(MIN_SIGNAL_SHARE / max(s, 1e-3)) / 2,
                         f"Pre-flight: only {s:.0%} of groups are forecast to carry learning signal at this group size "
                         f"(initial pass rate {ev.get('preflight/pass_rate_mean', float('nan')):.2f}).", ev)]
+    if s < MIN_SIGNAL_SHARE:
+        return [Finding("preflight", "learnability", False, 0.0,
+                        f"Pre-flight: only {s:.0%} of groups forecast to carry answer signal, but the reward spreads "
+                        f"in {ev['h01/signal_group_share (first steps)']:.0%} of groups (partial credit).", ev)]
     return [Finding("preflight", "learnability", False, 0.0,
                     f"Pre-flight: {s:.0%} of groups forecast to carry signal.", ev)]
 
