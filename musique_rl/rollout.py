@@ -51,6 +51,7 @@ class ChatTokens:
         if tokenizer.eos_token_id is None:
             raise ValueError("the tokenizer has no eos token: assistant turns could never end")
         self.eos_id = tokenizer.eos_token_id
+        self._prefix: list[int] | None = None
 
     def _render(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
         return list(
@@ -74,10 +75,12 @@ class ChatTokens:
         does the same for its built-in tool loop). Returns (ids, source of each id).
         """
         base = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "x"}]
-        prefix = self._render(base, add_generation_prompt=False)
+        if self._prefix is None:  # the same for every tool turn: rendered once
+            prefix = self._render(base, add_generation_prompt=False)
+            last_eos = max(i for i, t in enumerate(prefix) if t == self.eos_id)
+            self._prefix = prefix[: last_eos + 1]
+        prefix = self._prefix
         full = self._render(base + tool_messages, add_generation_prompt=True)
-        last_eos = max(i for i, t in enumerate(prefix) if t == self.eos_id)
-        prefix = prefix[: last_eos + 1]
         if full[: len(prefix)] != prefix:
             raise ValueError(
                 "the chat template is not prefix-preserving: a conversation's rendering changes when a tool "

@@ -8,7 +8,7 @@ world a tiny model can learn.
 
 The world: a fixed set of people, each with one of every relation (``mother``, ``teacher``, ...)
 pointing at another person; one paragraph per (person, relation) fact, titled with the person:
-``# Ilo Vesk`` / ``The mentor of Ilo Vesk is Ruma Tarn.`` A record is a chain through that world,
+``# Kalon`` / ``The mentor of Kalon is Mirus.`` A record is a chain through that world,
 ``Who is the <r2> of the <r1> of <X>?``, so the facts agree across records (corpus-wide retrieval
 sees one consistent world).
 
@@ -34,16 +34,26 @@ from dataclasses import dataclass
 
 RELATIONS = ("mother", "father", "teacher", "mentor", "spouse", "friend", "neighbor", "boss")
 
-# Two-syllable made-up names: short for a byte-level BPE (mostly one or two tokens each), and
-# never English words, so the model must copy them from the context rather than recall them.
-FIRST_NAMES = (
-    "Alo Bren Cira Dov Esk Fen Gala Hux Ilo Jun Kest Lune Mira Nox Oda Pell Quin Ruma Sev Tova "
-    "Ulla Vesh Wren Yara Zev Amri Bode Cael Dara Ebba Fitz Gwen Hale Ivo Jora Kael Lior Mako Nell Orin"
-).split()
-LAST_NAMES = (
-    "Bena Corr Dusk Ewan Farr Grell Hask Isk Jarr Kell Lorn Marr Nesk Orr Pike Quell Rask Sorn Tarn "
-    "Ulm Vesk Wold Yarr Zorn Abel Brask Coyle Drenn Estor Falk Gorr Holt Imri Jast Kerr Lask Mott Nyle Oste"
-).split()
+# Made-up two-syllable names, one word each: a byte-level BPE gives every one its own token, so
+# copying a person from a document is copying ONE token. Measured: a 2-layer tiny model learned
+# to copy a one-token name within ~400 SFT steps, but copying the second token of two-token names
+# ("Alo Bena") needs an induction circuit it had not formed after 900 steps. Never English words.
+_ONSETS = ("b", "d", "f", "g", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z")
+_VOWELS = ("a", "e", "i", "o", "u")
+_CODAS = ("", "n", "r", "s", "l")
+
+
+def _make_names(n: int, salt: str) -> tuple[str, ...]:
+    rng = random.Random(salt)
+    pool = sorted(
+        {(o1 + v1 + o2 + v2 + c).capitalize() for o1 in _ONSETS for v1 in _VOWELS for o2 in _ONSETS for v2 in _VOWELS
+         for c in _CODAS}
+    )
+    return tuple(sorted(rng.sample(pool, n)))
+
+
+NAMES = _make_names(400, "musique_rl.synthetic.names")  # the people (a person is one name)
+FAMILY_NAMES = _make_names(40, "musique_rl.synthetic.family")  # only in answer aliases ("Kalon Vesu")
 
 SPLITS = ("train", "validation")
 _VALIDATION_BUCKET = 0  # hash(question) % 10 == 0 -> validation (a tenth of the question space)
@@ -55,16 +65,11 @@ class World:
     facts: dict  # (person, relation) -> person
 
 
-def build_world(seed: int, num_people: int = len(FIRST_NAMES) * len(LAST_NAMES)) -> World:
-    """People and one fact per (person, relation); deterministic in ``seed``.
-
-    All 1,600 first x last name combinations by default: no first name predicts a last name, so a
-    policy must copy a name from its context (a tiny model otherwise learns name bigrams of one
-    world and misspells the people of another).
-    """
+def build_world(seed: int, num_people: int = len(NAMES)) -> World:
+    """People and one fact per (person, relation); deterministic in ``seed``. With 400 people and
+    8 relations a world holds 3,200 facts: far more than a tiny model memorises, so it must read."""
     rng = random.Random(f"musique_rl.synthetic.world.{seed}")
-    names = [f"{f} {last}" for f in FIRST_NAMES for last in LAST_NAMES]
-    people = tuple(rng.sample(names, num_people))
+    people = tuple(rng.sample(NAMES, num_people))
     facts = {}
     for p in people:
         for r in RELATIONS:
@@ -102,7 +107,9 @@ def _fact_id(world: World, subject: str, relation: str) -> int:
     return int(hashlib.sha1(f"{subject}|{relation}".encode()).hexdigest()[:6], 16)
 
 
-def _distractor_facts(world: World, chain: list[str], relations: list[str], rng: random.Random) -> list[tuple]:
+def _distractor_facts(
+    world: World, chain: list[str], relations: list[str], rng: random.Random, needed: int
+) -> list[tuple]:
     """(subject, relation) facts in priority order; see the module docstring for why these."""
     hops = len(relations)
     wanted: list[tuple[str, str]] = []
@@ -117,11 +124,10 @@ def _distractor_facts(world: World, chain: list[str], relations: list[str], rng:
     for k in range(hops):
         others = [r for r in RELATIONS if r not in relations]
         wanted.append((chain[k], rng.choice(others)))
-    # 3. Filler: facts about people nowhere near the chain.
-    rest = [p for p in world.people if p not in chain]
-    rng.shuffle(rest)
-    for p in rest:
-        wanted.append((p, rng.choice(RELATIONS)))
+    # 3. Filler: facts about people nowhere near the chain (a few spare for collisions).
+    for p in rng.sample(world.people, min(len(world.people), needed + 8)):
+        if p not in chain:
+            wanted.append((p, rng.choice(RELATIONS)))
     return wanted
 
 
@@ -138,7 +144,7 @@ def _make_record(world: World, rng: random.Random, hops: int, num_paragraphs: in
     supporting = [(chain[k], relations[k]) for k in range(hops)]
     used = set(supporting)
     facts = list(supporting)
-    for f in _distractor_facts(world, chain, relations, rng):
+    for f in _distractor_facts(world, chain, relations, rng, num_paragraphs):
         if len(facts) >= num_paragraphs:
             break
         if f in used:
@@ -152,6 +158,8 @@ def _make_record(world: World, rng: random.Random, hops: int, num_paragraphs: in
         facts.append(f)
     if len(facts) < num_paragraphs:
         return None
+    if any((chain[k], relations[k + 1]) not in used for k in range(hops - 1)):
+        return None  # the wrong-order distractor must exist, or that mistake would retrieve noise
 
     order = list(range(len(facts)))
     rng.shuffle(order)  # paragraph idx order is random, as in MuSiQue
@@ -179,14 +187,14 @@ def _make_record(world: World, rng: random.Random, hops: int, num_paragraphs: in
                 "paragraph_support_idx": position[k],
             }
         )
-    first, last = answer.split(" ", 1)
+    family = FAMILY_NAMES[int(hashlib.sha1(answer.encode()).hexdigest()[:6], 16) % len(FAMILY_NAMES)]
     return {
         "id": _record_id(hops, fact_ids),
         "paragraphs": paragraphs,
         "question": question_text(relations, chain[0]),
         "question_decomposition": decomposition,
         "answer": answer,
-        "answer_aliases": [f"{first[0]}. {last}", last + ", " + first],
+        "answer_aliases": [f"{answer} {family}"],  # the full name; the documents say only the first
         "answerable": True,
     }
 

@@ -41,3 +41,55 @@ def real_records():
     if not path.exists():
         pytest.skip(f"real MuSiQue sample not found at {path}")
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+# ---- issue 4 (tiny model, rollouts, trainer): composed configs and the models they need
+ROOT_DIR = Path(__file__).resolve().parents[1]
+
+
+def compose_cfg(overrides: list[str] | None = None):
+    """The composed main config (conf/train.yaml) with ``overrides``, outside any Hydra run."""
+    from hydra import compose, initialize_config_dir
+
+    import musique_rl.schema  # noqa: F401  (registers the schema)
+
+    with initialize_config_dir(config_dir=str(ROOT_DIR / "conf"), version_base="1.3"):
+        return compose(config_name="train", overrides=list(overrides or []))
+
+
+# Small data and no tracking for tests; the model settings stay the defaults so the warm-started
+# tiny model built here is the one `python -m musique_rl` uses (cached under model.tiny.cache_dir).
+TEST_OVERRIDES = [
+    "env.synthetic.num_train=200",
+    "env.synthetic.num_eval=40",
+    "train.eval_episodes=16",
+    "tracking.enabled=false",
+    "diagnostics.trajectory_views=0",
+]
+
+
+@pytest.fixture(scope="session")
+def tiny_cfg():
+    import torch
+
+    torch.set_num_threads(1)  # see musique_rl.tiny_model.cpu_threads_for_tiny
+    return compose_cfg(TEST_OVERRIDES)
+
+
+@pytest.fixture(scope="session")
+def warm_tiny(tiny_cfg):
+    """(model, tokenizer) of the warm-started default tiny model (built once, then cached on disk).
+    Tests must not modify it: deep-copy the model before training it."""
+    from musique_rl.models import load_model
+
+    return load_model(tiny_cfg)
+
+
+@pytest.fixture(scope="session")
+def raw_tiny():
+    """(model, tokenizer, records, message lists, env configs) of a small UNTRAINED tiny model: a
+    tokenizer in seconds, for tests of token bookkeeping that need no skill."""
+    from musique_rl.tiny_model import build_untrained
+
+    cfg = compose_cfg([*TEST_OVERRIDES, "model.tiny.sft_records=120"])
+    return build_untrained(cfg)

@@ -1,0 +1,97 @@
+"""Framework overhead: our GRPO step vs bare TRL GRPOTrainer, single-step mode, side by side.
+
+    python benchmarks/bench_step_time.py              # 2 x (ours, bare) runs of 8 steps, tiny model
+    python benchmarks/bench_step_time.py --steps 12 --repeats 3
+
+Single-step mode (env.supporting_in_prompt=true: the gold paragraphs in the prompt, one assistant
+turn, no tools) is the task bare TRL can run too. Both arms: the same warm-started tiny model,
+the same prompts (the same records, rendered by the same chat template), 8 prompts x 8
+generations, the same sampling (temperature 1, top_k 0, top_p 1), at most env.max_tokens_per_turn
+new tokens ending at <|im_end|>, the same reward function, loss, learning rate and seed.
+  - ours: MusiqueGRPOTrainer with rollout_func (RolloutEngine, token-exact episodes, env_mask,
+    advantage epsilon, token sources), diagnostics off;
+  - bare: trl.GRPOTrainer generating with its own HF generate path (max_completion_length = the
+    turn budget), rewards from the same RewardFunction reading the record id on the prompt.
+Arms alternate so load from neighbours hits both. Prints the median step time of each (TRL's
+`step_time`, first step dropped as warm-up), mean completion lengths (so equal work is visible),
+and the ratio ours / bare (target <= 1.10x).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def run_arm(arm: str, cfg, model, tok, records, steps: int) -> tuple[list[float], float]:
+    import torch
+    from trl import GRPOTrainer
+
+    from musique_rl import rewards
+    from musique_rl.retrieval import build_retriever
+    from musique_rl.trainer import build_trainer, grpo_config, prompt_dataset
+
+    torch.manual_seed(int(cfg.seed))
+    reward_fn = rewards.RewardFunction(cfg.reward, {r["id"]: r for r in records})
+    with tempfile.TemporaryDirectory() as out:
+        if arm == "ours":
+            tr = build_trainer(cfg, copy.deepcopy(model), tok, records, build_retriever(cfg.env, records), reward_fn, out)
+        else:
+            args = grpo_config(cfg, out)
+            args.max_completion_length = int(cfg.env.max_tokens_per_turn)  # the one turn's budget
+            args.save_strategy = "no"
+            tr = GRPOTrainer(
+                model=copy.deepcopy(model), reward_funcs=[reward_fn], args=args,
+                train_dataset=prompt_dataset(cfg, records), processing_class=tok,
+            )
+        tr.args.save_strategy = "no"
+        tr.train()
+    hist = [h for h in tr.state.log_history if "step_time" in h]
+    times = [h["step_time"] for h in hist][1:]  # the first step pays one-off costs
+    length = statistics.mean(h["completions/mean_length"] for h in hist)
+    return times, length
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=2)
+    args = ap.parse_args()
+
+    from musique_rl.data import load_records
+    from musique_rl.models import load_model
+    from musique_rl.tiny_model import cpu_threads_for_tiny
+    from tests.conftest import compose_cfg
+
+    cpu_threads_for_tiny()
+    cfg = compose_cfg(
+        ["env.supporting_in_prompt=true", "tracking.enabled=false", "diagnostics.enabled=false",
+         f"train.max_steps={args.steps}", "train.save_steps=100000", "env.synthetic.num_train=400"]
+    )
+    model, tok = load_model(cfg)
+    records = load_records(cfg.env.data, cfg.env, int(cfg.seed))
+    times: dict[str, list[float]] = {"ours": [], "bare": []}
+    lengths: dict[str, list[float]] = {"ours": [], "bare": []}
+    for rep in range(args.repeats):
+        for arm in ("ours", "bare"):
+            t, length = run_arm(arm, cfg, model, tok, records, args.steps)
+            times[arm] += t
+            lengths[arm].append(length)
+            print(f"repeat {rep} {arm:4s} median step {statistics.median(t):.3f} s, completion {length:.1f} tokens", flush=True)
+    ours, bare = statistics.median(times["ours"]), statistics.median(times["bare"])
+    print(f"\nsingle-step mode, {cfg.train.prompts_per_step} prompts x {cfg.train.num_generations} generations, "
+          f"{args.steps} steps x {args.repeats} repeats per arm")
+    print(f"ours (rollout_func)   median step {ours:.3f} s, mean completion {statistics.mean(lengths['ours']):.1f} tokens")
+    print(f"bare TRL GRPOTrainer  median step {bare:.3f} s, mean completion {statistics.mean(lengths['bare']):.1f} tokens")
+    print(f"ratio ours / bare: {ours / bare:.2f}x   (target <= 1.10x)")
+
+
+if __name__ == "__main__":
+    main()

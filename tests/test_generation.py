@@ -1,0 +1,176 @@
+"""Generation backends: sampled ids with the log-probs of the distribution they were drawn from.
+
+The vLLM server backend cannot run on this CPU machine (no vLLM, no GPU). Its tests drive the real
+``VLLMServerGenerator`` code with a stand-in for TRL's ``VLLMClient``: they check the request it
+sends (token-id prompts, sampling settings, stop ids, log-probs) and how it parses and cuts the
+answer, not a server's behaviour.
+"""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+
+from musique_rl.generation import (
+    HFGenerator,
+    SamplingSettings,
+    VLLMServerGenerator,
+    build_generator,
+    frozen_copy,
+    samples_from_vllm,
+)
+
+
+def _contexts(tok, n=4):
+    msgs = [[{"role": "user", "content": f"Question: Who is the boss of Alo Bena {i}?"}] for i in range(n)]
+    return [list(tok.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=False)) for m in msgs]
+
+
+def _forward_logprobs(model, context, ids, temperature):
+    seq = torch.tensor([context + ids])
+    with torch.no_grad():
+        logits = model(input_ids=seq).logits[0, len(context) - 1 : -1].float() / temperature
+    return torch.log_softmax(logits, -1).gather(1, torch.tensor(ids)[:, None]).squeeze(1)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_logprobs_are_those_of_the_sampling_distribution(raw_tiny, temperature):
+    """Batched, left-padded generation returns the log-prob of every sampled id under the
+    distribution it was drawn from: a fresh forward pass (logits / temperature) agrees."""
+    model, tok = raw_tiny[0], raw_tiny[1]
+    settings = SamplingSettings(temperature=temperature, stop_ids=[tok.eos_token_id])
+    gen = HFGenerator(model, tok, settings)
+    ctxs = _contexts(tok)
+    ctxs[1] = ctxs[1][3:]  # uneven lengths: real left padding
+    torch.manual_seed(0)
+    with gen.session():
+        samples = gen.generate(ctxs, [12, 12, 5, 12])
+    assert len(samples[2].ids) <= 5
+    for ctx, s in zip(ctxs, samples, strict=True):
+        assert len(s.ids) == len(s.logprobs) > 0
+        ref = _forward_logprobs(model, ctx, s.ids, temperature)
+        assert torch.allclose(torch.tensor(s.logprobs), ref, atol=1e-4), (s.logprobs, ref)
+
+
+def test_top_p_logprobs_are_renormalised_over_the_nucleus(raw_tiny):
+    model, tok = raw_tiny[0], raw_tiny[1]
+    gen = HFGenerator(model, tok, SamplingSettings(temperature=1.0, top_p=0.5, stop_ids=[tok.eos_token_id]))
+    ctx = _contexts(tok, 1)
+    torch.manual_seed(0)
+    with gen.session():
+        s = gen.generate(ctx, [8])[0]
+    full = _forward_logprobs(model, ctx[0], s.ids, 1.0)
+    assert all(a >= b - 1e-5 for a, b in zip(s.logprobs, full.tolist(), strict=True))  # truncated = renormalised up
+
+
+def test_stop_token_ends_a_turn_and_greedy_is_deterministic(warm_tiny, tiny_cfg):
+    model, tok = warm_tiny
+    gen = build_generator(tiny_cfg, tok, model=model)
+    ctx = _contexts(tok, 2)
+    with gen.session():
+        a = gen.generate(ctx, [48, 48], greedy=True)
+        b = gen.generate(ctx, [48, 48], greedy=True)
+    assert [s.ids for s in a] == [s.ids for s in b]
+    for s in a:
+        if s.stopped:
+            assert s.ids[-1] == tok.eos_token_id and tok.eos_token_id not in s.ids[:-1]
+
+
+def test_the_session_restores_training_mode(raw_tiny):
+    model, tok = copy.deepcopy(raw_tiny[0]), raw_tiny[1]
+    model.train()
+    gen = HFGenerator(model, tok, SamplingSettings(stop_ids=[tok.eos_token_id]))
+    with gen.session():
+        assert not model.training
+    assert model.training
+
+
+def test_frozen_copy_never_sees_updates_even_after_trl_patches_forward(raw_tiny):
+    """The stale-sampler fault samples from a copy: it must keep the old weights even when the
+    original's forward was patched by TRL (a closure bound to the original object)."""
+    from trl.trainer.utils import add_fused_lm_head
+
+    model = copy.deepcopy(raw_tiny[0])
+    add_fused_lm_head(model)
+    frozen = frozen_copy(model)
+    x = torch.tensor([[1, 2, 3, 4]])
+    before = frozen(input_ids=x).logits.detach().clone()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.5)
+    assert torch.equal(frozen(input_ids=x).logits, before)
+    assert not torch.allclose(model(input_ids=x).logits, before)
+
+
+def test_bad_sampling_settings_name_the_key():
+    with pytest.raises(ValueError, match="train.temperature"):
+        SamplingSettings(temperature=0.0, stop_ids=[1]).check()
+    with pytest.raises(ValueError, match="train.top_p"):
+        SamplingSettings(top_p=1.5, stop_ids=[1]).check()
+
+
+def test_vllm_backend_needs_the_trainer(tiny_cfg, raw_tiny):
+    cfg = copy.deepcopy(tiny_cfg)
+    cfg.train.backend = "vllm"
+    with pytest.raises(ValueError, match="train.backend=vllm"):
+        build_generator(cfg, raw_tiny[1], model=raw_tiny[0])
+
+
+# ---------------------------------------------------------------- vLLM server boundary
+class FakeClient:
+    """Stands in for trl's VLLMClient.generate: records the request, answers like the server."""
+
+    def __init__(self, completions):
+        self.completions, self.requests = completions, []
+
+    def generate(self, **kwargs):
+        self.requests.append(kwargs)
+        ids = self.completions[: len(kwargs["prompts"])]
+        return {
+            "prompt_ids": kwargs["prompts"],
+            "completion_ids": ids,
+            "logprobs": [[[-0.25] for _ in c] for c in ids],
+            "logprob_token_ids": [[[t] for t in c] for c in ids],
+        }
+
+
+def _fake_trainer(client):
+    from accelerate import PartialState
+
+    state = PartialState()
+    return types.SimpleNamespace(accelerator=state, vllm_generation=types.SimpleNamespace(vllm_client=client))
+
+
+def test_vllm_server_generator_sends_token_ids_and_sampling_settings():
+    client = FakeClient([[5, 6, 99, 7], [8, 9, 10, 11]])
+    settings = SamplingSettings(temperature=0.7, top_p=0.9, top_k=20, stop_ids=[99])
+    gen = VLLMServerGenerator(_fake_trainer(client), settings)
+    with gen.session():
+        out = gen.generate([[1, 2, 3], [4]], [10, 3])
+    req = client.requests[0]
+    assert req["prompts"] == [[1, 2, 3], [4]]  # token ids, never re-tokenised text
+    assert (req["temperature"], req["top_p"], req["top_k"], req["logprobs"]) == (0.7, 0.9, 20, 0)
+    assert req["max_tokens"] == 10 and req["generation_kwargs"]["stop_token_ids"] == [99]
+    assert out[0].ids == [5, 6, 99] and out[0].stopped and out[0].logprobs == [-0.25] * 3
+    assert out[1].ids == [8, 9, 10] and not out[1].stopped  # cut at its own limit
+    assert gen.any_live(True) and not gen.any_live(False)
+
+
+def test_vllm_greedy_and_missing_logprobs_are_explicit():
+    client = FakeClient([[5]])
+    gen = VLLMServerGenerator(_fake_trainer(client), SamplingSettings(temperature=0.7, stop_ids=[99]))
+    gen.generate([[1]], [4], greedy=True)
+    assert client.requests[0]["top_k"] == 1 and client.requests[0]["temperature"] == 1.0
+    with pytest.raises(ValueError, match="logprobs-mode"):
+        samples_from_vllm({"completion_ids": [[1, 2]], "logprobs": [[[-1.0]]]}, [4], {99})
+
+
+def test_vllm_is_imported_lazily():
+    code = "import sys, musique_rl.generation, musique_rl.rollout, musique_rl.trainer; print('vllm' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

@@ -1,0 +1,161 @@
+"""Token-exact multi-turn rollouts: what is sampled is what trains, and only that carries loss."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from musique_rl import prompts
+from musique_rl.generation import Sample, build_generator
+from musique_rl.retrieval import build_retriever
+from musique_rl.rollout import ChatTokens, RolloutEngine
+
+
+class ScriptedGenerator:
+    """A generation backend that 'samples' a scripted episode's assistant turns, token by token
+    as the tokenizer encodes them, so tool turns are guaranteed whatever a model would do."""
+
+    collective = False
+
+    def __init__(self, tokenizer, scripts: dict[tuple, list[str]]):
+        self.tokenizer, self.scripts, self.turn = tokenizer, scripts, {}
+
+    @contextlib.contextmanager
+    def session(self):
+        yield self
+
+    def generate(self, contexts, max_new_tokens, greedy=False):
+        out = []
+        for ctx, limit in zip(contexts, max_new_tokens, strict=True):
+            key = next(k for k in self.scripts if tuple(ctx[: len(k)]) == k)
+            k = self.turn.get(key, 0)
+            self.turn[key] = k + 1
+            ids = self.tokenizer.encode(self.scripts[key][k], add_special_tokens=False) + [self.tokenizer.eos_token_id]
+            stopped = len(ids) <= limit
+            ids = ids[:limit]
+            out.append(Sample(ids, [-0.5] * len(ids), stopped))
+        return out
+
+
+def _cfg(tiny_cfg, **env):
+    cfg = copy.deepcopy(tiny_cfg)
+    for k, v in env.items():
+        OmegaConf.update(cfg, k, v)
+    return cfg
+
+
+def _scripted_run(raw_tiny, cfg, n=6):
+    _, tok, records, episodes, envs = raw_tiny
+    picks = [i for i, e in enumerate(envs) if not e.supporting_in_prompt][:n]
+    recs = [records[i] for i in picks]
+    engine = RolloutEngine(cfg, tok, build_retriever(cfg.env, recs), {r["id"]: r for r in recs})
+    chat = ChatTokens(tok, cfg.env)
+    scripts = {
+        tuple(chat.prompt_ids(prompts.build_messages(records[i], cfg.env))[-int(cfg.env.max_prompt_tokens) :]): [
+            m["content"] for m in episodes[i] if m["role"] == "assistant"
+        ]
+        for i in picks
+    }
+    return engine.run(recs, ScriptedGenerator(tok, scripts)), tok
+
+
+def _check_token_exact(ep, tok, tools):
+    """The episode's ids are the chat template's rendering of its messages; the env_mask=1 runs are
+    exactly the assistant turns (content + eos), each right after an assistant header."""
+    full = list(tok.apply_chat_template(ep.messages, tools=tools, tokenize=True, return_dict=False))
+    ids = ep.prompt_ids + ep.completion_ids
+    assert full[: len(ids)] == ids
+    assert tok.decode(full[len(ids) :]).strip() == ""  # the template only adds a newline after the last eos
+    assert len(ep.env_mask) == len(ep.completion_ids) == len(ep.logprobs) == len(ep.sources)
+    runs, start = [], None
+    for i, m in enumerate([*ep.env_mask, 0]):
+        if m and start is None:
+            start = i
+        if not m and start is not None:
+            runs.append((start, i))
+            start = None
+    turns = [m["content"] for m in ep.messages if m["role"] == "assistant"]
+    assert len(runs) == len(turns) == ep.num_turns
+    header = tok.encode("<|im_start|>assistant\n", add_special_tokens=False)
+    for (a, b), content in zip(runs, turns, strict=True):
+        assert tok.decode(ep.completion_ids[a:b]) == content + tok.eos_token
+        before = (ep.prompt_ids + ep.completion_ids)[len(ep.prompt_ids) + a - len(header) : len(ep.prompt_ids) + a]
+        assert before == header
+        assert set(ep.sources[a:b]) == {"assistant"}
+    env_sources = {s for s, m in zip(ep.sources, ep.env_mask, strict=True) if not m}
+    assert env_sources <= {"tool", "template"}
+
+
+def test_scripted_multi_turn_episodes_are_token_exact(raw_tiny, tiny_cfg):
+    episodes, tok = _scripted_run(raw_tiny, tiny_cfg)
+    tools = prompts.tool_schemas(tiny_cfg.env)
+    assert all(ep.tool_calls == 2 and ep.stop_reason == "answer" for ep in episodes)
+    for ep in episodes:
+        _check_token_exact(ep, tok, tools)
+        assert "tool" in ep.sources and "template" in ep.sources
+
+
+def test_sampled_episodes_of_the_warm_model_are_token_exact(warm_tiny, tiny_cfg):
+    """Real sampling, batched across live episodes: the trained ids are the sampled ids."""
+    from musique_rl.data import load_records
+
+    model, tok = warm_tiny
+    recs = load_records(tiny_cfg.env.eval_data, tiny_cfg.env, 1)[:8]
+    engine = RolloutEngine(tiny_cfg, tok, build_retriever(tiny_cfg.env, recs), {r["id"]: r for r in recs})
+    torch.manual_seed(0)
+    episodes = engine.run(recs * 2, build_generator(tiny_cfg, tok, model=model))
+    assert sum(ep.tool_calls for ep in episodes) > 0
+    for ep in episodes:
+        _check_token_exact(ep, tok, prompts.tool_schemas(tiny_cfg.env))
+
+
+def test_caps_end_episodes_and_count_dropped_tool_results(raw_tiny, tiny_cfg):
+    eps, _ = _scripted_run(raw_tiny, _cfg(tiny_cfg, **{"env.max_completion_tokens": 40}))
+    assert {ep.stop_reason for ep in eps} == {"episode_budget"}
+    assert all(ep.dropped_tool_results >= 1 and len(ep.completion_ids) <= 40 for ep in eps)
+    assert all(not any(m["role"] == "tool" for m in ep.messages) for ep in eps)  # dropped = never shown
+    eps, _ = _scripted_run(raw_tiny, _cfg(tiny_cfg, **{"env.max_turns": 1}))
+    assert {ep.stop_reason for ep in eps} == {"max_turns"} and all(ep.num_turns == 1 for ep in eps)
+    eps, _ = _scripted_run(raw_tiny, _cfg(tiny_cfg, **{"env.max_tokens_per_turn": 5}))
+    assert {ep.stop_reason for ep in eps} == {"turn_budget"} and all(len(ep.completion_ids) == 5 for ep in eps)
+
+
+def test_prompt_cut_to_budget_records_that_the_question_left(raw_tiny, tiny_cfg):
+    eps, _ = _scripted_run(raw_tiny, _cfg(tiny_cfg, **{"env.max_prompt_tokens": 12}))
+    assert all(len(ep.prompt_ids) == 12 and not ep.question_in_context for ep in eps)
+    eps, _ = _scripted_run(raw_tiny, tiny_cfg)
+    assert all(ep.question_in_context for ep in eps)
+
+
+@pytest.mark.parametrize("override", ["train.mask_env_tokens=false", "fault=env_tokens_trained"])
+def test_env_tokens_enter_the_loss_only_when_asked(raw_tiny, tiny_cfg, override):
+    eps, _ = _scripted_run(raw_tiny, tiny_cfg)
+    assert all(0 in ep.env_mask for ep in eps)
+    key, value = override.split("=")
+    eps, _ = _scripted_run(raw_tiny, _cfg(tiny_cfg, **{key: value}))
+    assert all(set(ep.env_mask) == {1} for ep in eps)
+
+
+def test_rollout_func_returns_what_trl_needs_in_order(raw_tiny, tiny_cfg):
+    from musique_rl.trainer import prompt_dataset
+
+    model, tok, records, _, _ = raw_tiny
+    recs = records[:2]
+    engine = RolloutEngine(tiny_cfg, tok, build_retriever(tiny_cfg.env, recs), {r["id"]: r for r in recs})
+    batch = [row["prompt"] for row in prompt_dataset(tiny_cfg, recs) for _ in range(3)]  # B x G, repeated in order
+
+    class Trainer:
+        musique_generator = build_generator(tiny_cfg, tok, model=model)
+
+    out = engine.rollout_func(batch, Trainer())
+    assert set(out) == {"prompt_ids", "completion_ids", "logprobs", "env_mask", "episode"}
+    assert [e["id"] for e in out["episode"]] == [recs[0]["id"]] * 3 + [recs[1]["id"]] * 3
+    keys = ("prompt_ids", "completion_ids", "logprobs", "env_mask", "episode")
+    for p, c, lp, m, e in zip(*(out[k] for k in keys), strict=True):
+        assert len(c) == len(lp) == len(m) > 0 and p
+        assert {"id", "messages", "stop_reason", "num_turns", "tool_calls", "tool_errors",
+                "dropped_tool_results", "question_in_context"} <= set(e)

@@ -1,0 +1,189 @@
+"""TRL GRPOTrainer as configured by us: pinned internals, advantages, parity, LoRA, resume."""
+
+from __future__ import annotations
+
+import copy
+import inspect
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from musique_rl import rewards
+from musique_rl import trainer as trainer_mod
+from musique_rl.data import load_records
+from musique_rl.retrieval import build_retriever
+
+
+def _cfg(tiny_cfg, overrides: dict):
+    cfg = copy.deepcopy(tiny_cfg)
+    base = {"train.max_steps": 1, "train.prompts_per_step": 2, "train.num_generations": 4, "train.save_steps": 1000}
+    for k, v in {**base, **overrides}.items():
+        OmegaConf.update(cfg, k, v, force_add=False)
+    return cfg
+
+
+def _trainer(cfg, model, tok, out, instruments=None):
+    recs = load_records(cfg.env.data, cfg.env, int(cfg.seed))[:40]
+    reward_fn = rewards.RewardFunction(cfg.reward, {r["id"]: r for r in recs})
+    return trainer_mod.build_trainer(
+        cfg, model, tok, recs, build_retriever(cfg.env, recs), reward_fn, out, instruments=instruments
+    )
+
+
+def _batch(tr):
+    """One generation batch as TRL builds it (the dataloader's first B x G prompts)."""
+    tr.model.train()
+    inputs = next(iter(tr.get_train_dataloader()))
+    return tr._generate_and_score_completions(inputs)
+
+
+# ---------------------------------------------------------------- pinned TRL internals
+def test_trl_is_the_pinned_version_and_its_advantage_formula_is_unchanged():
+    """trainer.py replaces TRL's advantages (epsilon 1e-4 hard-coded) and hooks private methods.
+    If this fails, TRL changed: re-read GRPOTrainer and update trainer.py before unpinning."""
+    import trl
+    from trl import GRPOTrainer
+
+    assert trl.__version__ == trainer_mod.PINNED_TRL
+    source = inspect.getsource(GRPOTrainer._generate_and_score_completions)
+    assert trainer_mod.TRL_ADVANTAGE_LINE in source
+    assert "std_rewards = nanstd(rewards.view(-1, num_generations), dim=1)" in source
+    assert "rewards_per_func = self._calculate_rewards(inputs, prompts, completions, completion_ids_list)" in source
+    assert list(inspect.signature(GRPOTrainer._compute_loss).parameters) == ["self", "model", "inputs"]
+    assert list(inspect.signature(GRPOTrainer._get_per_token_logps_and_entropies).parameters)[:5] == [
+        "self", "model", "input_ids", "attention_mask", "logits_to_keep"]
+    assert 'extra_fields.pop("env_mask", None)' in inspect.getsource(GRPOTrainer._generate)
+
+
+def test_group_advantages_match_trl_at_its_epsilon_and_scale_near_ties_otherwise():
+    torch.manual_seed(0)
+    rewards_ = torch.tensor([0.2, 0.2, 0.2, 0.2000001, 1.0, 0.0, 0.5, 0.5, float("nan"), 0.3, 0.3, 0.9])
+    for scale in ("group", "batch", "none"):
+        adv = trainer_mod.group_advantages(rewards_, 4, scale, 1e-4)
+        assert adv.shape == rewards_.shape and not torch.isnan(adv).any()
+    tied = trainer_mod.group_advantages(rewards_, 4, "group", 1e-4)[:4].abs().max()
+    amplified = trainer_mod.group_advantages(rewards_, 4, "group", 1e-12)[:4].abs().max()
+    assert tied < 1e-2 < 1.0 < amplified  # a 1e-7 difference becomes a full-size advantage
+    none = trainer_mod.group_advantages(rewards_, 4, "none", 1e-4)
+    assert torch.allclose(none[4:8], rewards_[4:8] - rewards_[4:8].mean())
+
+
+def test_advantages_equal_trls_own_on_a_real_batch(tiny_cfg, warm_tiny, tmp_path):
+    """At TRL's epsilon our formula reproduces TRL's advantages exactly; at another epsilon the
+    recomputed advantages are what the loss receives."""
+    model, tok = warm_tiny
+    torch.manual_seed(0)
+    tr = _trainer(_cfg(tiny_cfg, {"train.num_generations": 8, "train.prompts_per_step": 4}), copy.deepcopy(model), tok, tmp_path)
+    out = _batch(tr)
+    ours = trainer_mod.group_advantages(tr._last_rewards, 8, "group", 1e-4)
+    assert torch.allclose(out["advantages"], ours, atol=1e-6)
+    tr._adv_epsilon = 0.5
+    torch.manual_seed(0)
+    out = _batch(tr)
+    assert torch.allclose(out["advantages"], trainer_mod.group_advantages(tr._last_rewards, 8, "group", 0.5))
+
+
+# ---------------------------------------------------------------- parity and masks
+def _trainer_logps(tr, out):
+    ids = torch.cat([out["prompt_ids"], out["completion_ids"]], dim=1)
+    mask = torch.cat([out["prompt_mask"], out["completion_mask"]], dim=1)
+    with torch.no_grad():
+        logps, _, _ = tr._get_per_token_logps_and_entropies(tr.model, ids, mask, out["completion_ids"].shape[1])
+    return logps
+
+
+def test_step0_trainer_logprobs_equal_the_samplers(tiny_cfg, warm_tiny, tmp_path):
+    """The trainer scores exactly the sampled tokens with the sampler's distribution: at step 0 the
+    log-probs agree to float precision on every token that carries loss."""
+    model, tok = warm_tiny
+    tr = _trainer(_cfg(tiny_cfg, {}), copy.deepcopy(model), tok, tmp_path)
+    torch.manual_seed(1)
+    out = _batch(tr)
+    loss_mask = (out["completion_mask"] * out["tool_mask"]).bool()
+    assert loss_mask.sum() > 0 and (~loss_mask & out["completion_mask"].bool()).any()  # tool tokens present
+    gap = (_trainer_logps(tr, out) - out["sampling_per_token_logps"]).abs()[loss_mask]
+    assert gap.max() < 1e-4, gap.max()
+    # loss-bearing tokens are exactly the assistant tokens of the ledger
+    from musique_rl.diagnostics.ledger import Source
+
+    assert torch.equal(loss_mask, out["token_sources"] == int(Source.ASSISTANT))
+
+
+def test_blind_context_fault_breaks_parity(tiny_cfg, warm_tiny, tmp_path):
+    """The planted fault (attention mask = loss mask) makes the trainer score tokens without the
+    prompt and tool results: the step-0 parity check that catches it must see a large gap."""
+    from musique_rl.diagnostics import Instruments
+
+    model, tok = warm_tiny
+    cfg = _cfg(tiny_cfg, {"fault": "blind_context"})
+    inst = Instruments.from_config(cfg, tokenizer=tok, artifact_logger=None)
+    tr = _trainer(cfg, copy.deepcopy(model), tok, tmp_path, instruments=inst)
+    torch.manual_seed(1)
+    out = _batch(tr)
+    tr._metrics["train"].clear()
+    tr._compute_loss(tr.model, out)
+    assert tr._metrics["train"]["h06/logp_gap_mean"][-1] > 0.05
+    assert tr._metrics["train"]["h02/attention_coverage"][-1] < 0.9
+
+
+# ---------------------------------------------------------------- updates, LoRA, resume
+def test_full_fine_tuning_changes_parameters_after_one_step(tiny_cfg, warm_tiny, tmp_path):
+    model, tok = warm_tiny
+    tr = _trainer(_cfg(tiny_cfg, {"loss.warmup_steps": 0, "loss.learning_rate": 1e-3}), copy.deepcopy(model), tok, tmp_path)
+    before = {n: p.detach().clone() for n, p in tr.model.named_parameters()}
+    tr.train()
+    changed = [n for n, p in tr.model.named_parameters() if not torch.equal(p, before[n])]
+    assert len(changed) > len(before) // 2
+
+
+def test_lora_parameters_change_after_one_step_and_the_base_does_not(tiny_cfg, warm_tiny, tmp_path):
+    model, tok = warm_tiny
+    cfg = _cfg(tiny_cfg, {"lora.enabled": True, "lora.r": 4, "lora.lora_alpha": 8, "loss.warmup_steps": 0,
+                          "loss.learning_rate": 1e-2, "loss.beta": 0.04})
+    tr = _trainer(cfg, copy.deepcopy(model), tok, tmp_path)
+    assert tr.ref_model is None  # under PEFT the reference is the adapter-disabled model
+    before = {n: p.detach().clone() for n, p in tr.model.named_parameters()}
+    tr.train()
+    lora_b = [n for n in before if "lora_B" in n]
+    assert lora_b and all(not torch.equal(dict(tr.model.named_parameters())[n], before[n]) for n in lora_b)
+    frozen = [n for n in before if "lora_" not in n]
+    assert all(torch.equal(dict(tr.model.named_parameters())[n], before[n]) for n in frozen)
+    assert any("kl" in h for h in tr.state.log_history)
+
+
+def test_stale_sampler_fault_samples_from_the_initial_weights(tiny_cfg, warm_tiny, tmp_path):
+    model, tok = warm_tiny
+    cfg = _cfg(tiny_cfg, {"fault": "stale_sampler", "loss.warmup_steps": 0, "loss.learning_rate": 1e-2})
+    tr = _trainer(cfg, copy.deepcopy(model), tok, tmp_path)
+    tr.train()
+    sampler = tr.musique_generator.model_source
+    x = torch.tensor([tok.encode("Question: Who is the boss of Alo Bena?")])
+    assert torch.equal(sampler(input_ids=x).logits, model(input_ids=x).logits)
+    assert not torch.allclose(tr.model(input_ids=x).logits, model(input_ids=x).logits)
+
+
+def test_resume_continues_at_the_right_step(tiny_cfg, warm_tiny, tmp_path):
+    model, tok = warm_tiny
+    tr = _trainer(_cfg(tiny_cfg, {"train.max_steps": 2, "train.save_steps": 1}), copy.deepcopy(model), tok, tmp_path)
+    tr.train()
+    ckpt = trainer_mod.last_checkpoint(tmp_path, "auto")
+    assert ckpt and ckpt.endswith("checkpoint-2")
+    tr2 = _trainer(_cfg(tiny_cfg, {"train.max_steps": 3, "train.save_steps": 1}), copy.deepcopy(model), tok, tmp_path)
+    tr2.train(resume_from_checkpoint=ckpt)
+    steps = [h["step"] for h in tr2.state.log_history if "reward" in h]
+    assert tr2.state.global_step == 3 and steps[-1] == 3 and steps.count(3) == 1
+    assert trainer_mod.last_checkpoint(tmp_path, "never") is None
+    with pytest.raises(FileNotFoundError, match="train.resume"):
+        trainer_mod.last_checkpoint(tmp_path, str(tmp_path / "nope"))
+
+
+def test_config_reaches_grpo_config(tiny_cfg, tmp_path):
+    cfg = _cfg(tiny_cfg, {"loss.loss_type": "dr_grpo", "loss.scale_rewards": "none", "loss.beta": 0.02,
+                          "loss.epsilon_high": 0.3, "loss.num_iterations": 2, "loss.max_grad_norm": 0.1})
+    args = trainer_mod.grpo_config(cfg, tmp_path)
+    assert (args.loss_type, args.scale_rewards, args.beta, args.epsilon_high, args.num_iterations) == (
+        "dr_grpo", "none", 0.02, 0.3, 2)
+    assert args.max_grad_norm == 0.1 and args.bf16 is False and args.gradient_checkpointing is False
+    assert args.temperature == cfg.train.temperature and args.top_k == 0
+    assert args.per_device_train_batch_size == 8 and args.num_generations == 4
