@@ -8,7 +8,12 @@ from omegaconf import DictConfig
 def run(cfg: DictConfig) -> float | None:
     from musique_rl.tracking import task_wrapper  # the job's MLflow run; a failed sweep job ends FAILED
 
-    return task_wrapper(_dispatch)(cfg)
+    result = task_wrapper(_dispatch)(cfg)
+    from musique_rl import train
+
+    if train.LAST_SUMMARY is not None:  # again after the MLflow run closed (its doctor logs to stdout)
+        train.print_summary_json(train.LAST_SUMMARY)
+    return result
 
 
 def _dispatch(cfg: DictConfig) -> float | None:

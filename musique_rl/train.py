@@ -28,6 +28,12 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 WINDOW = 10  # steps averaged at each end of the reward curve
+LAST_SUMMARY: dict | None = None  # the summary of the last train() in this process (app.run re-prints it)
+
+
+def print_summary_json(summary: dict) -> None:
+    """The summary as ONE line of JSON: the last line of a run's output."""
+    print(json.dumps(summary, sort_keys=True), flush=True)
 
 
 def run_directory(run_dir: str | Path | None = None) -> Path:
@@ -117,15 +123,14 @@ def _print_summary(summary: dict, run_dir: Path) -> None:
 def train(cfg: Any, run_dir: str | Path | None = None) -> float:
     """Run one GRPO job (module docstring); returns ``train/reward_gain``."""
     import transformers
-    from accelerate import PartialState
 
     from musique_rl import data, faults, rewards, tracking
     from musique_rl.models import load_model
     from musique_rl.retrieval import build_retriever
-    from musique_rl.trainer import build_trainer, last_checkpoint
+    from musique_rl.trainer import build_trainer, distributed_state, last_checkpoint
 
     t0 = time.time()
-    state = PartialState()
+    state = distributed_state()
     out_dir = run_directory(run_dir)
     transformers.set_seed(int(cfg.seed))
     if str(cfg.model.name_or_path) == "tiny":
@@ -191,5 +196,7 @@ def train(cfg: Any, run_dir: str | Path | None = None) -> float:
                 {k: v for k, v in summary.items() if isinstance(v, int | float)}, step=trainer.state.global_step
             )
         _print_summary(summary, out_dir)
-        print(json.dumps(summary, sort_keys=True), flush=True)  # the last line of output
+        print_summary_json(summary)  # the last line of output (app.run prints it again after tracking closes)
+        global LAST_SUMMARY
+        LAST_SUMMARY = summary
     return float(summary["train/reward_gain"])

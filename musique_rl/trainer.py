@@ -274,10 +274,20 @@ def _grpo_trainer_class():
 
 
 # ---------------------------------------------------------------- construction
-def num_processes() -> int:
+def distributed_state() -> Any:
+    """accelerate's process state; on a machine without CUDA the processes talk over gloo.
+
+    Why ``cpu=True`` here: launched by torchrun (``accelerate launch`` with
+    launchers/accelerate/cpu_2proc.yaml), accelerate only forms a CPU process group when asked for
+    the CPU; otherwise each process would train alone. (accelerate's own MULTI_CPU launcher needs MPI.)
+    """
     from accelerate import PartialState
 
-    return int(PartialState().num_processes)
+    return PartialState(cpu=not torch.cuda.is_available())
+
+
+def num_processes() -> int:
+    return int(distributed_state().num_processes)
 
 
 def grpo_config(cfg: Any, output_dir: str | Path) -> Any:
@@ -326,6 +336,7 @@ def grpo_config(cfg: Any, output_dir: str | Path) -> Any:
         mask_truncated_completions=False,
         bf16=bf16,  # GRPOConfig defaults to True, which fails on a CPU
         fp16=False,
+        use_cpu=not torch.cuda.is_available(),  # see distributed_state
         gradient_checkpointing=bool(t.gradient_checkpointing),
         disable_dropout=True,
         use_vllm=str(getattr(t.backend, "value", t.backend)) == "vllm",
