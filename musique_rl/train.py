@@ -130,6 +130,7 @@ def train(cfg: Any, run_dir: str | Path | None = None) -> float:
     from musique_rl.trainer import build_trainer, distributed_state, last_checkpoint
 
     t0 = time.time()
+    logging.getLogger("bm25s").setLevel(logging.WARNING)  # one DEBUG line per indexed record otherwise
     state = distributed_state()
     out_dir = run_directory(run_dir)
     transformers.set_seed(int(cfg.seed))

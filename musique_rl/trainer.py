@@ -26,7 +26,6 @@ with full fine-tuning, TRL loads a reference copy.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 from pathlib import Path
@@ -151,14 +150,10 @@ def _grpo_trainer_class():
             return output
 
         def _token_sources(self, width: int) -> torch.Tensor:
-            from musique_rl.diagnostics.ledger import Source
+            """(N, width) diagnostics.Source codes of this process's completion tokens (PAD after)."""
+            from musique_rl.diagnostics.ledger import sources_tensor
 
-            codes = {"assistant": Source.ASSISTANT, "tool": Source.TOOL, "template": Source.TEMPLATE}
-            episodes = self.musique_engine.last_episodes
-            out = torch.full((len(episodes), width), int(Source.PAD), dtype=torch.long)
-            for i, ep in enumerate(episodes):
-                out[i, : len(ep.sources)] = torch.tensor([int(codes[s]) for s in ep.sources], dtype=torch.long)
-            return out
+            return sources_tensor([ep.sources for ep in self.musique_engine.last_episodes], width)
 
         def _observe_batch(self, output: dict, rewards: torch.Tensor, num_generations: int) -> None:
             episodes = self.musique_engine.last_episodes
@@ -434,16 +429,16 @@ def build_trainer(
         processing_class=tokenizer,
         peft_config=peft_config,
         rollout_func=engine.rollout_func,
-        callbacks=callbacks,
     )
     if sampler_model is not None:
         generator = HFGenerator(sampler_model, tokenizer, sampling_settings(cfg, tokenizer))
     else:
         generator = build_generator(cfg, tokenizer, trainer=trainer)
     trainer.setup_musique(cfg, engine, generator, instruments, sampler_model, base_model)
-    if instruments is not None:
-        with contextlib.suppress(ImportError):
-            from musique_rl.diagnostics.callback import InstrumentsCallback, metrics_sink
+    if instruments is not None:  # before the tracking callback: it adds h08/grad_norm_before_clip in on_log
+        from musique_rl.diagnostics.callback import InstrumentsCallback, metrics_sink
 
-            trainer.add_callback(InstrumentsCallback(instruments, sink=metrics_sink(trainer)))
+        trainer.add_callback(InstrumentsCallback(instruments, sink=metrics_sink(trainer)))
+    for callback in callbacks or []:
+        trainer.add_callback(callback)
     return trainer
