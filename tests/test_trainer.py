@@ -187,3 +187,27 @@ def test_config_reaches_grpo_config(tiny_cfg, tmp_path):
     assert args.max_grad_norm == 0.1 and args.bf16 is False and args.gradient_checkpointing is False
     assert args.temperature == cfg.train.temperature and args.top_k == 0
     assert args.per_device_train_batch_size == 8 and args.num_generations == 4
+
+
+def test_kl_faults_flip_the_penalty_or_put_it_on_tool_tokens(tiny_cfg, warm_tiny, tmp_path):
+    """beta > 0 with the policy moved away from its reference: the KL penalty raises the loss;
+    fault kl_flipped lowers it instead; fault kl_tool_tokens adds KL on tool/template tokens."""
+    model, tok = warm_tiny
+    tr = _trainer(_cfg(tiny_cfg, {"loss.beta": 0.04, "lora.enabled": True, "lora.r": 4, "lora.lora_alpha": 8}),
+                  copy.deepcopy(model), tok, tmp_path)
+    with torch.no_grad():  # move the adapter away from zero: policy != reference (adapter disabled)
+        for n, p in tr.model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.05)
+    torch.manual_seed(1)
+    out = _batch(tr)
+    clean = tr._compute_loss(tr.model, out).item()
+    kl = tr._metrics["train"]["kl"][-1]
+    assert kl > 1e-4
+    tr._kl_sign = -1.0  # what faults.kl_sign gives under fault=kl_flipped
+    flipped = tr._compute_loss(tr.model, out).item()
+    assert flipped == pytest.approx(clean - 2 * 0.04 * kl, rel=1e-3, abs=1e-6)
+    tr._kl_sign, tr._kl_env = 1.0, True  # faults.kl_on_env_tokens under fault=kl_tool_tokens
+    assert tr._compute_loss(tr.model, out).item() > clean + 1e-6
+    wired = _trainer(_cfg(tiny_cfg, {"fault": "kl_flipped", "loss.beta": 0.04}), copy.deepcopy(model), tok, tmp_path)
+    assert wired._kl_sign == -1.0 and not wired._kl_env
