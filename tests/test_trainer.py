@@ -26,9 +26,12 @@ def _cfg(tiny_cfg, overrides: dict):
 def _trainer(cfg, model, tok, out, instruments=None):
     recs = load_records(cfg.env.data, cfg.env, int(cfg.seed))[:40]
     reward_fn = rewards.RewardFunction(cfg.reward, {r["id"]: r for r in recs})
-    return trainer_mod.build_trainer(
+    tr = trainer_mod.build_trainer(
         cfg, model, tok, recs, build_retriever(cfg.env, recs), reward_fn, out, instruments=instruments
     )
+    # Trainer's training loop sets this per accumulation window; tests call _compute_loss directly.
+    tr.current_gradient_accumulation_steps = 1
+    return tr
 
 
 def _batch(tr):
