@@ -221,6 +221,7 @@ def _grpo_trainer_class():
             completion_mask = inputs["completion_mask"]
             tool_mask = inputs.get("tool_mask")
             loss_mask = completion_mask if tool_mask is None else completion_mask * tool_mask
+            real_prompt_mask = inputs["prompt_mask"]  # the true masks, for the coverage instrument
             if self._blind:
                 # Planted fault (verifiers 0.1.x): the forward pass's attention mask IS the loss
                 # mask, so prompt and tool tokens are invisible when assistant tokens are scored.
@@ -259,8 +260,8 @@ def _grpo_trainer_class():
                         kl_mask=kl_mask,
                         kl_penalty=kl_penalty.detach() if kl_penalty is not None else None,
                         attention_mask=attention,
-                        prompt_mask=inputs["prompt_mask"],
-                        completion_mask=inputs["completion_mask"],
+                        prompt_mask=real_prompt_mask,
+                        completion_mask=completion_mask,
                     )
                 )
             return loss
