@@ -83,8 +83,17 @@ def chat_template() -> str:
 
 # ---------------------------------------------------------------- tokenizer
 def _byte_level_tokenizer(vocab_size: int | None, texts: list[str] | None):
-    """A ``tokenizers.Tokenizer``: byte-level BPE with Qwen's split; trained on ``texts`` if given."""
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    """A ``tokenizers.Tokenizer``: byte-level BPE (isolating_pattern split); trained on ``texts`` if given."""
+    from tokenizers import (
+        AddedToken,
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        trainers,
+    )
 
     tok = Tokenizer(models.BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
     tok.normalizer = normalizers.NFC()
@@ -95,15 +104,17 @@ def _byte_level_tokenizer(vocab_size: int | None, texts: list[str] | None):
         ]
     )
     tok.decoder = decoders.ByteLevel()
-    specials = SPECIAL_TOKENS + TAG_TOKENS
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size or 0,
         min_frequency=2,
-        special_tokens=specials,
+        special_tokens=SPECIAL_TOKENS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(texts or [""], trainer=trainer)
+    # Tags are added, NOT special (as Qwen's <tool_call>): one token each, yet kept by
+    # decode(skip_special_tokens=True), which TRL uses for the completions it logs and rewards.
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TAG_TOKENS])
     return tok
 
 

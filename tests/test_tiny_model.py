@@ -29,6 +29,8 @@ def test_tokenizer_reloads_exactly_and_keeps_its_pre_tokenizer(raw_tiny, tmp_pat
     assert again.chat_template == tok.chat_template == tiny_model.chat_template()
     assert again.eos_token == "<|im_end|>" and again.pad_token == "<|endoftext|>"
     assert [again.decode([i]) for i in again.encode("ID: 13")][-2:] == ["1", "3"]  # digits one by one
+    final = tiny_model.final_text(["Kalon"], ["3"], "Kalon")
+    assert again.decode(again.encode(final), skip_special_tokens=True) == final  # tags are not special
 
 
 def test_a_name_is_one_token_the_same_wherever_it_appears(raw_tiny):
