@@ -16,6 +16,18 @@ import torch
 log = logging.getLogger(__name__)
 
 
+def process_state() -> Any:
+    """accelerate's process state; on a machine without CUDA the processes talk over gloo.
+
+    Why ``cpu=True`` there: launched by torchrun (``accelerate launch`` with
+    launchers/accelerate/cpu_2proc.yaml), accelerate forms a CPU process group only when asked for
+    the CPU; otherwise each process would train alone. (accelerate's own MULTI_CPU launcher needs MPI.)
+    """
+    from accelerate import PartialState
+
+    return PartialState(cpu=not torch.cuda.is_available())
+
+
 def bf16_supported() -> bool:
     return bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
 

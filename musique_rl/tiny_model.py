@@ -24,6 +24,7 @@ measured that ``AutoTokenizer`` on a directory holding a qwen2 ``config.json`` r
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
@@ -31,7 +32,6 @@ import math
 import os
 import random
 import shutil
-import sys
 import tempfile
 import time
 from importlib import resources
@@ -333,12 +333,24 @@ def cache_key(cfg: Any) -> str:
 
 
 def _source_digest() -> str:
-    from musique_rl import synthetic, tools
+    """Digest of the code whose output the build caches: the data generator, the scripted
+    episodes, the tool-result rendering, the token assembly, the tokenizer, the model and the
+    warm start. Loading, caching and locking code is left out, so editing it keeps the cache."""
+    import inspect
 
-    h = hashlib.sha1()
-    for module in (synthetic, tools, sys.modules[__name__]):
-        h.update(Path(module.__file__).read_bytes())
-    return h.hexdigest()[:12]
+    from musique_rl import rollout, synthetic, tools
+
+    parts = [
+        Path(synthetic.__file__).read_text(),
+        *(inspect.getsource(f) for f in (tools.format_documents, tools.execute, tools.parse_tool_calls,
+                                           rollout.ChatTokens)),
+        *(inspect.getsource(f) for f in (tool_call_text, final_text, _fact_of, scripted_episode, _names_text,
+                                           warm_start_episodes, episode_tokens, isolating_pattern,
+                                           _byte_level_tokenizer, _wrap, build_untrained, build_model,
+                                           warm_start, _build)),
+        repr((SPECIAL_TOKENS, TAG_TOKENS, BPE_EPISODES, SINGLE_STEP_SHARE, WARM_START_WORLD_SEED)),
+    ]
+    return hashlib.sha1("\n".join(parts).encode()).hexdigest()[:12]
 
 
 def build_model(tiny: Any, tokenizer: Any, seed: int = 0) -> Any:
@@ -413,24 +425,39 @@ def load_tiny(cfg: Any) -> tuple[Any, Any]:
 
     if cfg.model.tiny is None:
         raise ValueError("model=tiny needs model.tiny (the architecture and warm-start settings)")
+    from musique_rl.models import process_state
+
     root = Path(str(cfg.model.tiny.cache_dir)).expanduser()
     path = root / f"tiny-{cache_key(cfg)}"
-    if not (path / "build.json").exists():
-        root.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=".building-", dir=root))
-        try:
-            _build(cfg, tmp)
-            try:
-                os.replace(tmp, path)
-            except OSError:  # another run finished the same build first: use theirs
-                shutil.rmtree(tmp, ignore_errors=True)
-        finally:
-            if tmp.exists() and tmp != path:
-                shutil.rmtree(tmp, ignore_errors=True)
+    with process_state().main_process_first():  # data parallel: one process builds, the others load
+        if not (path / "build.json").exists():
+            root.mkdir(parents=True, exist_ok=True)
+            # Jobs of a sweep start together: one builds, the others wait on the lock and load.
+            with open(root / f"{path.name}.lock", "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                try:
+                    if not (path / "build.json").exists():
+                        _build_into(cfg, root, path)
+                finally:
+                    fcntl.flock(lock, fcntl.LOCK_UN)
     tokenizer = load_tokenizer(path / "tokenizer")
     model = Qwen2ForCausalLM.from_pretrained(str(path / "model"))
     log.info("tiny model %s: %d parameters", path.name, sum(p.numel() for p in model.parameters()))
     return model, tokenizer
+
+
+def _build_into(cfg: Any, root: Path, path: Path) -> None:
+    """Build in a temporary directory renamed into place: a killed build leaves no half model."""
+    tmp = Path(tempfile.mkdtemp(prefix=".building-", dir=root))
+    try:
+        _build(cfg, tmp)
+        try:
+            os.replace(tmp, path)
+        except OSError:  # another run finished the same build first: use theirs
+            shutil.rmtree(tmp, ignore_errors=True)
+    finally:
+        if tmp.exists() and tmp != path:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def cpu_threads_for_tiny() -> None:

@@ -271,15 +271,10 @@ def _grpo_trainer_class():
 
 # ---------------------------------------------------------------- construction
 def distributed_state() -> Any:
-    """accelerate's process state; on a machine without CUDA the processes talk over gloo.
+    """accelerate's process state (see models.process_state: gloo on CPU-only machines)."""
+    from musique_rl.models import process_state
 
-    Why ``cpu=True`` here: launched by torchrun (``accelerate launch`` with
-    launchers/accelerate/cpu_2proc.yaml), accelerate only forms a CPU process group when asked for
-    the CPU; otherwise each process would train alone. (accelerate's own MULTI_CPU launcher needs MPI.)
-    """
-    from accelerate import PartialState
-
-    return PartialState(cpu=not torch.cuda.is_available())
+    return process_state()
 
 
 def num_processes() -> int:

@@ -109,3 +109,30 @@ def test_warm_start_is_decent_but_improvable(tiny_cfg, warm_tiny):
     pass1, pass8 = float(em.mean()), float(em.max(axis=0).mean())
     assert 0.35 < reward < 0.85, reward
     assert pass8 > pass1 + 0.2, (pass1, pass8)
+
+
+def test_concurrent_loads_build_once(tiny_cfg, raw_tiny, tmp_path, monkeypatch):
+    """Jobs of a sweep start together on a fresh machine: one builds the warm start, the others wait
+    for it and load the result (a lock beside the cache), instead of all training the same model."""
+    import threading
+
+    calls = []
+
+    def fake_build(cfg, out):  # the real build takes minutes; its output layout is what matters
+        calls.append(out)
+        time.sleep(1.0)
+        raw_tiny[1].save_pretrained(str(out / "tokenizer"))
+        raw_tiny[0].save_pretrained(str(out / "model"))
+        (out / "build.json").write_text("{}")
+
+    monkeypatch.setattr(tiny_model, "_build", fake_build)
+    cfg = copy.deepcopy(tiny_cfg)
+    cfg.model.tiny.cache_dir = str(tmp_path)
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(tiny_model.load_tiny(cfg))) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1 and len(results) == 3
+    assert not list(tmp_path.glob(".building-*"))  # the build dir was renamed into place
