@@ -69,7 +69,9 @@ def pick_runs(uri: str) -> tuple[list[str], list[str]]:
     exps = [e.experiment_id for e in client.search_experiments()]
     runs = client.search_runs(exps, "attributes.status = 'FINISHED'", order_by=["attributes.start_time DESC"])
     runs = [r for r in runs if r.data.tags.get("sweep_parent") != "true" and r.data.tags.get("mode", "train") == "train"]
-    clean = next((r for r in runs if r.data.tags.get("fault") == "none"), None)
+    # prefer a plain clean run (no hypothesis arm) over a hypothesis sweep's job
+    clean = next((r for r in runs if r.data.tags.get("fault") == "none" and r.data.tags.get("hypothesis") == "none"),
+                 next((r for r in runs if r.data.tags.get("fault") == "none"), None))
     faulted = next((r for r in runs if r.data.tags.get("fault", "none") != "none"), None)
     if clean is None or faulted is None:
         raise SystemExit(f"need a finished clean run and a finished faulted run in {uri}; pass --runs or --demo")
