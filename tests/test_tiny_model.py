@@ -126,6 +126,11 @@ def test_concurrent_loads_build_once(tiny_cfg, raw_tiny, tmp_path, monkeypatch):
         (out / "build.json").write_text("{}")
 
     monkeypatch.setattr(tiny_model, "_build", fake_build)
+    # transformers' from_pretrained patches torch's init functions process-wide while it loads, so
+    # concurrent loads in threads would corrupt them for later tests (jobs are processes, not threads)
+    from transformers import Qwen2ForCausalLM
+
+    monkeypatch.setattr(Qwen2ForCausalLM, "from_pretrained", classmethod(lambda cls, path: raw_tiny[0]))
     cfg = copy.deepcopy(tiny_cfg)
     cfg.model.tiny.cache_dir = str(tmp_path)
     results = []
