@@ -175,9 +175,17 @@ class RolloutEngine:
         self.last_episodes: list[Episode] = []
 
     # -- construction of one episode
-    def start(self, record: dict) -> Episode:
-        messages = prompts.build_messages(record, self.env)
-        ids = self.chat.prompt_ids(messages)
+    def start(self, record: dict, rendered: dict | None = None) -> Episode:
+        """A fresh episode; ``rendered`` caches the prompt per record id within one rollout (the G
+        generations of a group share it: rendering the chat template is ~0.5 ms a prompt on CPU)."""
+        if rendered is not None and record["id"] in rendered:
+            messages, ids = rendered[record["id"]]
+            messages = [dict(m) for m in messages]
+        else:
+            messages = prompts.build_messages(record, self.env)
+            ids = self.chat.prompt_ids(messages)
+            if rendered is not None:
+                rendered[record["id"]] = ([dict(m) for m in messages], ids)
         limit = int(self.env.max_prompt_tokens)
         in_context = True
         if len(ids) > limit:
@@ -228,7 +236,8 @@ class RolloutEngine:
 
     def run(self, records: list[dict], generator: Any, greedy: bool = False) -> list[Episode]:
         """Episodes for ``records`` (one per entry, in order), batched across live episodes per turn."""
-        episodes = [self.start(r) for r in records]
+        rendered: dict = {}
+        episodes = [self.start(r, rendered) for r in records]
         per_turn = int(self.env.max_tokens_per_turn)
         budget = int(self.env.max_completion_tokens)
         with generator.session() as gen:
