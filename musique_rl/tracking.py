@@ -320,6 +320,25 @@ def _parent_run_id() -> str | None:
     return None
 
 
+def _fluent_uri_state() -> tuple[str | None, str | None]:
+    from mlflow.tracking._tracking_service import utils
+
+    return getattr(utils, "_tracking_uri", None), os.environ.get("MLFLOW_TRACKING_URI")
+
+
+def _restore_fluent_uri(state: tuple[str | None, str | None]) -> None:
+    """Undo the job's `mlflow.set_tracking_uri`. That call also writes $MLFLOW_TRACKING_URI, so a
+    plain set_tracking_uri(previous) would pin the next job of this process to this job's store;
+    mlflow has no public "unset", hence the private global."""
+    from mlflow.tracking._tracking_service import utils
+
+    utils._tracking_uri, env = state
+    if env is None:
+        os.environ.pop("MLFLOW_TRACKING_URI", None)
+    else:
+        os.environ["MLFLOW_TRACKING_URI"] = env
+
+
 @contextlib.contextmanager
 def job(cfg: DictConfig, output_dir: Path | None = None) -> Iterator[Tracker | None]:
     """Start (or resume) this job's run; end it FINISHED, FAILED (traceback attached) or KILLED."""
@@ -353,8 +372,14 @@ def job(cfg: DictConfig, output_dir: Path | None = None) -> Iterator[Tracker | N
         client.update_run(run_id, status="RUNNING")
         for k, v in tags.items():
             client.set_tag(run_id, k, v)
+        # A requeued job: what ended the previous attempt is history now, not this run's state.
+        prev = client.get_run(run_id).data.tags
+        for stale in ("error", "interrupted"):
+            if stale in prev:
+                client.delete_tag(run_id, stale)
+        client.set_tag(run_id, "resumes", int(prev.get("resumes", 0)) + 1)
     tracker = Tracker(run_id, exp_id, uri)
-    prev_uri = mlflow.get_tracking_uri()
+    prev_uri = _fluent_uri_state()
     status = "FINISHED"
     _ACTIVE.append(tracker)
     try:
@@ -364,8 +389,12 @@ def job(cfg: DictConfig, output_dir: Path | None = None) -> Iterator[Tracker | N
         mlflow.set_tracking_uri(uri)
         mlflow.start_run(run_id=run_id)
         yield tracker
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, SystemExit) as exc:
+        # Ctrl-C, or submitit's exit after a preemption / timeout signal (it requeues the job,
+        # which resumes into this run): stopped from outside, not failed.
         status = "KILLED"
+        with contextlib.suppress(Exception):
+            tracker.set_tag("interrupted", f"{type(exc).__name__}: {exc}"[:500])
         raise
     except BaseException as exc:
         status = "FAILED"
@@ -381,7 +410,7 @@ def job(cfg: DictConfig, output_dir: Path | None = None) -> Iterator[Tracker | N
             mlflow.end_run(status=status)
         else:
             client.set_terminated(run_id, status)
-        mlflow.set_tracking_uri(prev_uri)
+        _restore_fluent_uri(prev_uri)
 
 
 def _log_config(tracker: Tracker, cfg: DictConfig) -> None:

@@ -146,7 +146,12 @@ def _grpo_trainer_class():
                 output["completion_ids"].device
             )
             if self.instruments is not None:
+                had_probe = self.instruments.has_probe
                 self._observe_batch(output, rewards[local], num_generations)
+                if not had_probe:
+                    # The probe sequences come from the first batch, after this step's pre-rollout
+                    # probe found none: probe now, so step 0 has its baseline (all gaps ~0).
+                    self._parity_probe()
             return output
 
         def _token_sources(self, width: int) -> torch.Tensor:

@@ -202,6 +202,8 @@ def test_requeued_training_job_resumes_from_its_checkpoint_into_the_same_run(slu
     assert metrics["train/steps"] == 10
     children = [r for r in runs_of(tmp_path) if "mlflow.parentRunId" in r.data.tags]
     assert len(children) == 1 and children[0].info.status == "FINISHED"  # one job, one run
+    tags = children[0].data.tags
+    assert "error" not in tags and "interrupted" not in tags and tags["resumes"] == "1", tags
     run_id = children[0].info.run_id
     assert run_id == (job_dir / "mlflow_run_id").read_text().strip() == metrics["mlflow/run_id"]
     from mlflow.tracking import MlflowClient

@@ -104,6 +104,30 @@ def test_job_logs_params_tags_config_and_resumes(tmp_path, monkeypatch):
         assert t.run_id == first
 
 
+def test_preempted_job_ends_killed_and_its_resume_clears_the_interruption(tmp_path, monkeypatch):
+    """submitit exits a preempted job with SystemExit after requeueing it: KILLED, not FAILED; the
+    requeued attempt resumes the same run and leaves no stale error/interrupted tag behind."""
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    cfg = _compose(["mode=eval"])
+    client = MlflowClient(uri)
+    with pytest.raises(SystemExit):
+        with tracking.job(cfg, output_dir=tmp_path / "job") as t:
+            raise SystemExit(-1)
+    run = client.get_run(t.run_id)
+    assert run.info.status == "KILLED"
+    assert run.data.tags["interrupted"] == "SystemExit: -1" and "error" not in run.data.tags
+    client.set_tag(t.run_id, "error", "RuntimeError: from an older attempt")
+    with tracking.job(cfg, output_dir=tmp_path / "job") as resumed:
+        assert resumed.run_id == t.run_id
+    run = client.get_run(t.run_id)
+    assert run.info.status == "FINISHED"
+    assert "interrupted" not in run.data.tags and "error" not in run.data.tags
+    assert run.data.tags["resumes"] == "1"
+
+
 def test_job_failure_ends_run_failed_with_traceback(tmp_path, monkeypatch):
     from mlflow.tracking import MlflowClient
 

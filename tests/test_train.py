@@ -50,6 +50,12 @@ def test_train_runs_end_to_end_and_writes_the_summary(tiny_cfg, warm_tiny, tmp_p
     assert summary["train/steps"] == 2
     assert (tmp_path / "episodes_before.jsonl").exists() and (tmp_path / "checkpoints").is_dir()
     assert any("held-out sampled" in line for line in out)
+    # the instruments report from the first step on, the sampler/trainer parity probe included
+    state = json.loads(max((tmp_path / "checkpoints").glob("checkpoint-*/trainer_state.json")).read_text())
+    first = next(h for h in state["log_history"] if h.get("step") == 1 and "reward" in h)
+    for key in ("h01/adv_abs_max", "h02/env_tokens_with_loss", "h06/parity_sampler_trainer", "h08/update_weight_ratio"):
+        assert key in first, sorted(first)
+    assert first["h06/parity_stale"] == 0.0
 
 
 def test_cli_help_lists_the_train_settings():
