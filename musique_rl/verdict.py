@@ -19,6 +19,13 @@ so that the predicted direction is positive and [lo, hi] its interval:
 Confidence = share of bootstrap means on the side of min_effect that the status names
 (for Inconclusive: the larger side, with the lean stated in the notes).
 
+Design check: a paired comparison means something only if the arms differ in the hypothesis'
+knob and nothing else, and every seed ran the same configuration. The runs' params (the
+flattened resolved config) are compared: the keys the arms differ in are reported
+(``arms_differ_in``), and a sweep whose runs of one arm differ in anything but the seed (for
+example a default edited while the sweep ran) is ``Confounded``: reported Inconclusive with the
+keys named, whatever the numbers say.
+
 Output: ``verdict.json`` (sweep dir, or --out), the status table of all hypotheses between
 ``<!-- verdicts:start -->`` / ``<!-- verdicts:end -->`` in README.md (only there), and both as
 artifacts of the sweep's MLflow parent run.
@@ -94,6 +101,7 @@ class Run:
     value: float | None
     source: str  # MLflow run id or job directory
     reason: str = ""  # why there is no value
+    params: dict[str, str] | None = None  # the flattened resolved config (None: unknown)
 
     @property
     def usable(self) -> bool:
@@ -123,6 +131,47 @@ def bootstrap_mean_ci(
     alpha = (1.0 - level) / 2.0
     lo, hi = np.quantile(means, [alpha, 1.0 - alpha])
     return float(lo), float(hi), means
+
+
+IGNORED_PARAMS = ("seed", "hypothesis.arm")  # what legitimately differs between the jobs of a sweep
+
+
+def design_check(runs: list[Run]) -> tuple[dict[str, list[str]], list[str]]:
+    """(keys the arms differ in -> [control value, treatment value], confounds as sentences).
+
+    Confound: within one arm, runs disagree on a param other than the seed (or a param that
+    merely repeats the seed), so the arm is not one configuration.
+    """
+    known = [r for r in runs if r.params is not None]
+    confounds: list[str] = []
+    canonical: dict[str, dict[str, str]] = {}
+    for arm in ARMS:
+        mine = [r for r in known if r.arm == arm]
+        if not mine:
+            continue
+        keys = sorted(set().union(*(r.params for r in mine)) - set(IGNORED_PARAMS))
+        varying = []
+        for k in keys:
+            values = {r.seed: r.params.get(k) for r in mine}
+            if len(set(values.values())) > 1 and not all(v == str(seed) for seed, v in values.items()):
+                by_value: dict[str | None, list[int]] = {}
+                for seed, v in sorted(values.items()):
+                    by_value.setdefault(v, []).append(seed)
+                varying.append(f"{k} (" + "; ".join(f"{v} on seed {','.join(map(str, ss))}" for v, ss in by_value.items()) + ")")
+        if varying:
+            confounds.append(f"the {arm} runs differ in " + ", ".join(varying))
+        canonical[arm] = {k: mine[0].params.get(k) for k in keys}
+    differ: dict[str, list[str]] = {}
+    if len(canonical) == 2:
+        c, t = canonical["control"], canonical["treatment"]
+        for k in sorted(set(c) | set(t)):
+            if c.get(k) != t.get(k) and not (c.get(k) is not None and t.get(k) is not None and _is_seed_key(k, runs)):
+                differ[k] = [str(c.get(k)), str(t.get(k))]
+    return differ, confounds
+
+
+def _is_seed_key(key: str, runs: list[Run]) -> bool:
+    return all(r.params is None or r.params.get(key) == str(r.seed) for r in runs)
 
 
 def judge(sweep: Sweep, *, n_boot: int = 10_000, level: float = 0.95, seed: int = 0) -> dict[str, Any]:
@@ -185,6 +234,11 @@ def judge(sweep: Sweep, *, n_boot: int = 10_000, level: float = 0.95, seed: int 
         )
     if duplicates:
         notes.append(f"duplicate runs for {', '.join(sorted(set(duplicates)))}: kept the one with a value (the last seen)")
+    differ, confounds = design_check(list(by_cell.values()))
+    verdict["arms_differ_in"] = differ
+    verdict["confounds"] = confounds
+    if differ:
+        notes.append("arms differ in " + ", ".join(f"{k} ({c} vs {t})" for k, (c, t) in differ.items()))
 
     if len(pairs) < 2:
         if len(pairs) == 1:
@@ -224,6 +278,10 @@ def judge(sweep: Sweep, *, n_boot: int = 10_000, level: float = 0.95, seed: int 
                          f"bootstrap means lean {lean}; {agree}/{len(pairs)} seeds in the predicted direction")
     if len(pairs) < 5:
         notes.append(f"only {len(pairs)} seed pairs: a bootstrap over so few values understates the uncertainty")
+    if confounds:
+        notes.insert(0, f"Confounded ({'; '.join(confounds)}): the numbers would have said {status}; rerun the sweep "
+                        "on one configuration")
+        status, confidence = "Inconclusive", 0.0
     verdict.update(status=status, confidence=round(confidence, 4), effect=effect, ci=[lo, hi])
     return verdict
 
@@ -307,11 +365,12 @@ def load_multirun(sweep_dir: str | Path) -> Sweep:
             value = metrics.get(hyp.metric)
             if value is None:
                 runs.append(Run(arm, seed, "FINISHED", None, str(job_dir),
-                                f"metrics.json has no {hyp.metric!r} (has {', '.join(sorted(metrics)[:8])} ...)"))
+                                f"metrics.json has no {hyp.metric!r} (has {', '.join(sorted(metrics)[:8])} ...)",
+                                params=_job_params(cfg)))
             else:
-                runs.append(Run(arm, seed, "FINISHED", float(value), str(job_dir)))
+                runs.append(Run(arm, seed, "FINISHED", float(value), str(job_dir), params=_job_params(cfg)))
         else:
-            runs.append(Run(arm, seed, "FAILED", None, str(job_dir), _read_failure(job_dir)))
+            runs.append(Run(arm, seed, "FAILED", None, str(job_dir), _read_failure(job_dir), params=_job_params(cfg)))
     if hyp is None:
         if grid.get("+sweep") or grid.get("sweep") or grid.get("hypothesis"):
             name = (grid.get("+sweep") or grid.get("sweep") or grid.get("hypothesis"))[0]
@@ -320,6 +379,19 @@ def load_multirun(sweep_dir: str | Path) -> Sweep:
             raise VerdictError(f"{sweep_dir} holds no job (no */.hydra/config.yaml) and names no hypothesis")
     seeds = [int(s) for s in grid.get("seed", [])]
     return Sweep(hyp, runs, seeds, source={"kind": "files", "sweep_dir": str(sweep_dir)})
+
+
+def _job_params(cfg: Any) -> dict[str, str]:
+    """A job's saved config as the params MLflow would hold (resolved where our resolvers can)."""
+    from omegaconf import OmegaConf
+
+    from musique_rl import schema, tracking
+
+    schema.register()
+    try:
+        return tracking.config_params(cfg)
+    except Exception:  # e.g. a ${hydra:...} interpolation outside a Hydra run: compare unresolved
+        return {k: str(v) for k, v in tracking.flatten(OmegaConf.to_container(cfg, resolve=False)).items()}
 
 
 def load_hypothesis_file(name: str) -> Hypothesis:
@@ -433,7 +505,8 @@ def load_mlflow(
                 reason += f": {err[:200]}"
         elif value is None:
             reason = f"run has no metric {hyp.metric!r}"
-        out.append(Run(r.data.tags[TAG_ARM], int(r.data.tags[TAG_SEED]), status, value, r.info.run_id, reason))
+        out.append(Run(r.data.tags[TAG_ARM], int(r.data.tags[TAG_SEED]), status, value, r.info.run_id, reason,
+                       params=dict(r.data.params) or None))
     seeds = sorted({int(r.data.tags[TAG_SEED]) for r in jobs})
     source = {
         "kind": "mlflow",
@@ -526,6 +599,8 @@ def table_row(v: dict[str, Any]) -> dict[str, str]:
     h = v["hypothesis"]
     where = v["source"].get("sweep_dir") or v["source"].get("sweep_id") or ""
     notes = summary_line(v)
+    if v.get("confounds"):
+        notes = "CONFOUNDED: " + "; ".join(v["confounds"]) + "; " + notes
     if v["missing"]:
         notes += "; missing " + ", ".join(f"{m['arm']}/seed {m['seed']} ({m['status']})" for m in v["missing"])
     notes += f"; {where} {v['generated_at'][:10]}".rstrip()

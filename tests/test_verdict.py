@@ -98,6 +98,31 @@ def test_whole_arm_missing_reports_the_other_arm():
     assert any("control mean 0.5500 over 2 seed(s)" in n for n in v["notes"])
 
 
+def test_arms_that_differ_in_more_than_the_knob_are_named_and_a_drifting_arm_is_confounded():
+    """The h03 sweep of session 1: the learning-rate default was edited while it ran, so two control
+    seeds trained at 2e-4 and everything else at 1e-3. The numbers said Invalidated; the design
+    check must refuse to judge and name the key and the seeds."""
+    values = ({1: 0.17, 2: 0.22, 3: 0.30}, {1: 0.29, 2: 0.32, 3: 0.38})
+    clean = sweep(H_DOWN, *values)
+    for r in clean.runs:
+        r.params = {"seed": str(r.seed), "env.seed": str(r.seed), "hypothesis.arm": r.arm,
+                    "loss.beta": "0.04" if r.arm == "treatment" else "0.0", "loss.learning_rate": "0.001"}
+    v = V.judge(clean)
+    assert v["status"] == "Invalidated" and v["confounds"] == []
+    assert v["arms_differ_in"] == {"loss.beta": ["0.0", "0.04"]}  # seed-derived keys are not a difference
+    assert "arms differ in loss.beta (0.0 vs 0.04)" in v["notes"]
+    drifted = sweep(H_DOWN, *values)
+    for r, c in zip(drifted.runs, clean.runs, strict=True):
+        r.params = dict(c.params)
+        if r.arm == "control" and r.seed in (1, 2):
+            r.params["loss.learning_rate"] = "0.0002"
+    v = V.judge(drifted)
+    assert v["status"] == "Inconclusive" and v["confidence"] == 0.0
+    assert v["confounds"] == ["the control runs differ in loss.learning_rate (0.0002 on seed 1,2; 0.001 on seed 3)"]
+    assert v["notes"][0].startswith("Confounded") and "would have said Invalidated" in v["notes"][0]
+    assert V.table_row(v)["notes"].startswith("CONFOUNDED: the control runs differ in loss.learning_rate")
+
+
 # ---------------------------------------------------------------- multirun directories
 def make_job(sweep_dir: Path, num: int, hyp: str, arm: str, seed: int, metrics: dict | None):
     job = sweep_dir / str(num)
