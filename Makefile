@@ -9,7 +9,7 @@ HYP ?= h01
 ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help setup train test test-slow sweep ui cfg lint bench clean
+.PHONY: help setup train test test-slow sweep ui ui-check cfg lint bench clean
 
 help: ## Show this menu
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  \033[36m%-10s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -37,7 +37,11 @@ sweep: $(STAMP) ## Run a named hypothesis sweep and its verdict: make sweep SWEE
 	$(BIN)/python -m musique_rl -m +sweep=$(SWEEP) $(ARGS)
 
 ui: $(STAMP) ## MLflow UI on http://127.0.0.1:5000 over the local store
-	$(BIN)/mlflow ui --host 127.0.0.1 --port 5000 --backend-store-uri $${MLFLOW_TRACKING_URI:-sqlite:///mlflow.db}
+	MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false $(BIN)/mlflow ui --host 127.0.0.1 --port 5000 --backend-store-uri $${MLFLOW_TRACKING_URI:-sqlite:///mlflow.db}
+
+ui-check: $(STAMP) ## Headless-browser check of the compare view (installs chromium if missing): compare.png
+	bash launchers/install_browser.sh
+	$(BIN)/python launchers/mlflow_compare_screenshot.py --out compare.png $(ARGS)
 
 cfg: $(STAMP) ## Print the composed, resolved config of a hypothesis: make cfg HYP=h01
 	$(BIN)/python -m musique_rl --cfg job --resolve +hypothesis=$(HYP) $(ARGS)

@@ -6,7 +6,7 @@
 
 It starts `mlflow server --workers 1` on 127.0.0.1 (a free port, job execution off) over the
 tracking store (`--tracking-uri`, else $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db), drives
-Debian's headless Chromium through Selenium (`apt-get install chromium chromium-driver`), waits
+Debian's headless Chromium through Selenium (launchers/install_browser.sh installs it), waits
 until both run names and a diagnostic metric are on the page, saves the screenshot and stops the
 server. Exit status 0 only when the compare view really shows both runs.
 """
@@ -111,7 +111,7 @@ def screenshot(base_url: str, runs: list[str], experiments: list[str], out: Path
     chromium = shutil.which("chromium") or "/usr/bin/chromium"
     driver_bin = shutil.which("chromedriver") or "/usr/bin/chromedriver"
     if not Path(chromium).exists() or not Path(driver_bin).exists():
-        raise SystemExit("needs Debian's chromium and chromium-driver: apt-get install chromium chromium-driver")
+        raise SystemExit("needs Debian's chromium and chromium-driver: run launchers/install_browser.sh (apt-get, as root)")
     opts = webdriver.ChromeOptions()
     opts.binary_location = chromium
     for f in CHROMIUM_FLAGS:
