@@ -735,8 +735,24 @@ except ImportError:  # pragma: no cover - hydra is a hard dependency
     Callback = object  # type: ignore[misc,assignment]
 
 
+def _swept_values(config: Any, key: str) -> list[str]:
+    """The values a multirun sweeps `key` over: the sweeper's params (named sweeps) or the
+    command line's `key=a,b` (a grid written by hand)."""
+    from omegaconf import OmegaConf
+
+    params = OmegaConf.select(config, "hydra.sweeper.params", default=None) or {}
+    text = params.get(key)
+    for override in OmegaConf.select(config, "hydra.overrides.task", default=None) or []:
+        name, _, value = str(override).partition("=")
+        if name.lstrip("+~") == key:
+            text = value
+    return [v.strip() for v in str(text).split(",")] if text is not None else []
+
+
 class VerdictCallback(Callback):
-    """Judges the sweep when it ends (``hydra.callbacks.verdict``, set by sweeps/*.yaml).
+    """Judges the sweep when it ends (``hydra.callbacks.verdict``: conf/train.yaml registers it for
+    every multirun, README table off; sweeps/_base.yaml turns the README table on). It judges
+    only a multirun of a hypothesis that sweeps both arms.
 
     Hydra calls ``on_multirun_end`` only when every job succeeded: the basic sweeper re-raises
     the first failed job's exception first. So the verdict is also registered at exit, which runs
@@ -756,6 +772,9 @@ class VerdictCallback(Callback):
 
         if OmegaConf.select(config, "hypothesis", default=None) is None:
             return  # not a hypothesis sweep (safe to register for every multirun)
+        if set(_swept_values(config, "hypothesis.arm")) != set(ARMS):
+            log.info("verdict skipped: the multirun does not sweep hypothesis.arm=control,treatment")
+            return
         self._sweep_dir = str(config.hydra.sweep.dir)
         self._tracking_uri = tracking_uri(config, Path.cwd())
         atexit.register(self._judge)

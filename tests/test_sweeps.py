@@ -77,6 +77,22 @@ def test_local_sweep_runs_arms_in_parallel_capped_and_prints_its_verdict(tmp_pat
     assert v["status"] == "Validated" and v["n_pairs"] == 2 and v["effect"] == pytest.approx(0.10)
 
 
+def test_a_grid_written_by_hand_is_judged_only_when_it_sweeps_both_arms(tmp_path):
+    both = tmp_path / "both"
+    both.mkdir()
+    proc, sweep_dir = run_sweep(both, "+hypothesis=h01", "hypothesis.arm=control,treatment", "seed=1,2",
+                                env={"SWEEP_APP_STEPS": "1", "SWEEP_APP_STEP_S": "0"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    v = json.loads((sweep_dir / "verdict.json").read_text())
+    assert v["hypothesis"]["id"] == "h01" and v["n_pairs"] == 2
+    one = tmp_path / "one"
+    one.mkdir()
+    proc, sweep_dir = run_sweep(one, "+hypothesis=h01", "seed=1,2", env={"SWEEP_APP_STEPS": "1", "SWEEP_APP_STEP_S": "0"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len(list(sweep_dir.glob("*/metrics.json"))) == 2
+    assert not (sweep_dir / "verdict.json").exists()  # one arm: nothing to pair, no verdict pretending otherwise
+
+
 def test_failed_job_leaves_the_others_finished_and_the_verdict_names_it(tmp_path):
     proc, sweep_dir = run_sweep(tmp_path, "+sweep=h02", "seed=1,2,3", env={"SWEEP_APP_FAIL": "treatment:2"})
     assert proc.returncode == 0, proc.stderr[-3000:]  # tracking.task_wrapper: the sweep goes on
