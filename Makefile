@@ -9,7 +9,7 @@ HYP ?= h01
 ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help setup train test test-slow sweep ui ui-check cfg lint bench clean
+.PHONY: help setup train test test-slow sweep slurm-up slurm-down ui ui-check cfg lint bench clean
 
 help: ## Show this menu
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  \033[36m%-10s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -35,6 +35,12 @@ test-slow: $(STAMP) ## Slow end-to-end suite (learning runs, faults, SLURM)
 
 sweep: $(STAMP) ## Run a named hypothesis sweep and its verdict: make sweep SWEEP=h02
 	$(BIN)/python -m musique_rl -m +sweep=$(SWEEP) $(ARGS)
+
+slurm-up: ## Start a single-node SLURM cluster on localhost (installs slurm-wlm, munge, MariaDB; root)
+	bash launchers/slurm_local.sh up
+
+slurm-down: ## Stop the local SLURM cluster
+	bash launchers/slurm_local.sh down
 
 ui: $(STAMP) ## MLflow UI on http://127.0.0.1:5000 over the local store
 	MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false $(BIN)/mlflow ui --host 127.0.0.1 --port 5000 --backend-store-uri $${MLFLOW_TRACKING_URI:-sqlite:///mlflow.db}
