@@ -22,6 +22,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import functools
+import json
 import logging
 import math
 import os
@@ -405,7 +406,7 @@ def job(cfg: DictConfig, output_dir: Path | None = None) -> Iterator[Tracker | N
     finally:
         _ACTIVE.pop()
         if status == "FINISHED" and str(getattr(cfg.get("mode"), "value", cfg.get("mode"))) == "train":
-            finish_train_run(tracker)
+            finish_train_run(tracker, out)
         if mlflow.active_run() is not None and mlflow.active_run().info.run_id == run_id:
             mlflow.end_run(status=status)
         else:
@@ -427,8 +428,9 @@ def _log_config(tracker: Tracker, cfg: DictConfig) -> None:
     tracker.log_text(OmegaConf.to_yaml(redact_tree(resolved_container(cfg))), "config/resolved.yaml")
 
 
-def finish_train_run(tracker: Tracker) -> None:
-    """Reward-curve plots and the doctor's diagnosis.json; neither may fail the run."""
+def finish_train_run(tracker: Tracker, out_dir: Path | None = None) -> None:
+    """Reward-curve plots and the doctor's diagnosis.json (an artifact of the run, and a copy in
+    the job's output dir beside metrics.json for scripts); neither may fail the run."""
     try:
         plot_reward_curves(tracker)
     except Exception:
@@ -438,6 +440,8 @@ def finish_train_run(tracker: Tracker) -> None:
 
         diagnosis = diagnose_run(tracker.run_id, uri=tracker.uri)
         write_diagnosis(tracker.run_id, diagnosis, uri=tracker.uri)
+        if out_dir is not None and out_dir.is_dir():
+            (out_dir / "diagnosis.json").write_text(json.dumps(diagnosis, indent=2))
         log.info("doctor:\n%s", format_diagnosis(diagnosis))
     except Exception:
         log.exception("doctor failed")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -179,6 +180,9 @@ def test_multirun_nests_jobs_survives_a_failure_and_never_logs_a_secret(tmp_path
     assert status == {"1": "FINISHED", "2": "FAILED"}
     ok = next(r for r in jobs if r.info.status == "FINISHED")
     assert "diagnosis.json" in [a.path for a in client.list_artifacts(ok.info.run_id)]
+    job_dir = tmp_path / "sweep" / "0"  # seed=1: a copy beside metrics.json, the same ranked list
+    with open(client.download_artifacts(ok.info.run_id, "diagnosis.json")) as fh:
+        assert json.loads((job_dir / "diagnosis.json").read_text()) == json.load(fh)
     assert "plots" in [a.path for a in client.list_artifacts(ok.info.run_id)]
     for r in runs:
         for k, v in {**r.data.params, **r.data.tags}.items():
