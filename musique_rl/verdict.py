@@ -102,6 +102,7 @@ class Run:
     source: str  # MLflow run id or job directory
     reason: str = ""  # why there is no value
     params: dict[str, str] | None = None  # the flattened resolved config (None: unknown)
+    code: str | None = None  # git commit the job ran, "+dirty" with uncommitted changes (None: unknown)
 
     @property
     def usable(self) -> bool:
@@ -168,6 +169,21 @@ def design_check(runs: list[Run]) -> tuple[dict[str, list[str]], list[str]]:
             if c.get(k) != t.get(k) and not (c.get(k) is not None and t.get(k) is not None and _is_seed_key(k, runs)):
                 differ[k] = [str(c.get(k)), str(t.get(k))]
     return differ, confounds
+
+
+def code_notes(runs: list[Run]) -> list[str]:
+    """Warnings about the code the runs executed. Not a confound by itself (a docs-only commit
+    changes nothing), but the reader should know the runs are not one code version."""
+    notes = []
+    commits = sorted({r.code.removesuffix("+dirty")[:7] for r in runs if r.code})
+    if len(commits) > 1:
+        notes.append(f"the runs span {len(commits)} commits ({', '.join(commits)}): check that the code between them "
+                     "does not change training")
+    dirty = sorted(f"{r.arm}/seed {r.seed}" for r in runs if r.code and r.code.endswith("+dirty"))
+    if dirty:
+        notes.append(f"{len(dirty)} run(s) ran with uncommitted changes ({', '.join(dirty)}): git cannot recover "
+                     "their exact code")
+    return notes
 
 
 def _is_seed_key(key: str, runs: list[Run]) -> bool:
@@ -239,6 +255,7 @@ def judge(sweep: Sweep, *, n_boot: int = 10_000, level: float = 0.95, seed: int 
     verdict["confounds"] = confounds
     if differ:
         notes.append("arms differ in " + ", ".join(f"{k} ({c} vs {t})" for k, (c, t) in differ.items()))
+    notes.extend(code_notes(list(by_cell.values())))
 
     if len(pairs) < 2:
         if len(pairs) == 1:
@@ -505,8 +522,10 @@ def load_mlflow(
                 reason += f": {err[:200]}"
         elif value is None:
             reason = f"run has no metric {hyp.metric!r}"
+        sha = r.data.tags.get("git_commit")
+        code = None if sha in (None, "unknown") else sha + ("+dirty" if r.data.tags.get("git_dirty") == "true" else "")
         out.append(Run(r.data.tags[TAG_ARM], int(r.data.tags[TAG_SEED]), status, value, r.info.run_id, reason,
-                       params=dict(r.data.params) or None))
+                       params=dict(r.data.params) or None, code=code))
     seeds = sorted({int(r.data.tags[TAG_SEED]) for r in jobs})
     source = {
         "kind": "mlflow",

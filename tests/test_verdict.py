@@ -123,6 +123,18 @@ def test_arms_that_differ_in_more_than_the_knob_are_named_and_a_drifting_arm_is_
     assert V.table_row(v)["notes"].startswith("CONFOUNDED: the control runs differ in loss.learning_rate")
 
 
+def test_runs_from_several_commits_or_a_dirty_tree_are_pointed_out_without_overruling_the_numbers():
+    s = sweep(H_DOWN, {1: 0.50, 2: 0.55, 3: 0.45}, {1: 0.40, 2: 0.46, 3: 0.33})
+    for r in s.runs:
+        r.code = "a" * 40
+    assert not any("commit" in n for n in V.judge(s)["notes"])
+    s.runs[0].code = "b" * 40 + "+dirty"
+    v = V.judge(s)
+    assert v["status"] == "Validated"
+    assert "the runs span 2 commits (aaaaaaa, bbbbbbb)" in " ".join(v["notes"])
+    assert "1 run(s) ran with uncommitted changes (control/seed 1)" in " ".join(v["notes"])
+
+
 # ---------------------------------------------------------------- multirun directories
 def make_job(sweep_dir: Path, num: int, hyp: str, arm: str, seed: int, metrics: dict | None):
     job = sweep_dir / str(num)
