@@ -129,7 +129,6 @@ def _grpo_trainer_class():
             return rewards_per_func
 
         def _generate_and_score_completions(self, inputs):
-            self._parity_probe()
             output = super()._generate_and_score_completions(inputs)
             mode = "train" if self.model.training else "eval"
             num_generations = self.num_generations if mode == "train" else self.num_generations_eval
@@ -146,12 +145,11 @@ def _grpo_trainer_class():
                 output["completion_ids"].device
             )
             if self.instruments is not None:
-                had_probe = self.instruments.has_probe
                 self._observe_batch(output, rewards[local], num_generations)
-                if not had_probe:
-                    # The probe sequences come from the first batch, after this step's pre-rollout
-                    # probe found none: probe now, so step 0 has its baseline (all gaps ~0).
-                    self._parity_probe()
+                # After scoring, not before the rollout: the weights are still those the sampler was
+                # synced to, and the first batch has supplied the probe sequences, so step 0 gets
+                # its baseline too.
+                self._parity_probe()
             return output
 
         def _token_sources(self, width: int) -> torch.Tensor:
@@ -189,7 +187,8 @@ def _grpo_trainer_class():
             self._merge_metrics(metrics)
 
         def _parity_probe(self) -> None:
-            """After the weight sync that precedes every rollout: do trainer, sampler and base agree?"""
+            """After the weight sync that preceded this rollout (and before the update that follows
+            it): do trainer, sampler and base agree?"""
             if self.instruments is None or not self.model.training:
                 return
             if not self.instruments.should_probe(int(self.state.global_step)):

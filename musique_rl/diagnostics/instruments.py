@@ -108,11 +108,6 @@ class Instruments:
             **kwargs,
         )
 
-    @property
-    def has_probe(self) -> bool:
-        """True once a batch has supplied the fixed probe sequences."""
-        return self._probe is not None
-
     def should_probe(self, step: int) -> bool:
         """True on the steps that get a parity probe and a trajectory view (0, k, 2k, ...)."""
         return self.enabled and step % self.parity_probe_every == 0
