@@ -154,7 +154,7 @@ def design_check(runs: list[Run]) -> tuple[dict[str, list[str]], list[str]]:
         varying = []
         for k in keys:
             values = {r.seed: r.params.get(k) for r in mine}
-            if len(set(values.values())) > 1 and not all(v == str(seed) for seed, v in values.items()):
+            if len(set(values.values())) > 1 and not _is_seed_key(k, mine):
                 by_value: dict[str | None, list[int]] = {}
                 for seed, v in sorted(values.items()):
                     by_value.setdefault(v, []).append(seed)
@@ -166,7 +166,7 @@ def design_check(runs: list[Run]) -> tuple[dict[str, list[str]], list[str]]:
     if len(canonical) == 2:
         c, t = canonical["control"], canonical["treatment"]
         for k in sorted(set(c) | set(t)):
-            if c.get(k) != t.get(k) and not (c.get(k) is not None and t.get(k) is not None and _is_seed_key(k, runs)):
+            if c.get(k) != t.get(k) and not _is_seed_key(k, known):
                 differ[k] = [str(c.get(k)), str(t.get(k))]
     return differ, confounds
 
@@ -187,7 +187,8 @@ def code_notes(runs: list[Run]) -> list[str]:
 
 
 def _is_seed_key(key: str, runs: list[Run]) -> bool:
-    return all(r.params is None or r.params.get(key) == str(r.seed) for r in runs)
+    """The param merely repeats each run's seed (e.g. a data seed set to ${seed})."""
+    return all(r.params.get(key) == str(r.seed) for r in runs)
 
 
 def judge(sweep: Sweep, *, n_boot: int = 10_000, level: float = 0.95, seed: int = 0) -> dict[str, Any]:
@@ -375,7 +376,7 @@ def load_multirun(sweep_dir: str | Path) -> Sweep:
             hyp = this
         elif this.id != hyp.id:
             raise VerdictError(f"{sweep_dir} mixes hypotheses {hyp.id} and {this.id} ({cfg_path})")
-        arm, seed = str(h.get("arm")), int(cfg.get("seed"))
+        arm, seed, params = str(h.get("arm")), int(cfg.get("seed")), _job_params(cfg)
         metrics_path = job_dir / "metrics.json"
         if metrics_path.exists():
             metrics = _flatten(json.loads(metrics_path.read_text()))
@@ -383,11 +384,11 @@ def load_multirun(sweep_dir: str | Path) -> Sweep:
             if value is None:
                 runs.append(Run(arm, seed, "FINISHED", None, str(job_dir),
                                 f"metrics.json has no {hyp.metric!r} (has {', '.join(sorted(metrics)[:8])} ...)",
-                                params=_job_params(cfg)))
+                                params=params))
             else:
-                runs.append(Run(arm, seed, "FINISHED", float(value), str(job_dir), params=_job_params(cfg)))
+                runs.append(Run(arm, seed, "FINISHED", float(value), str(job_dir), params=params))
         else:
-            runs.append(Run(arm, seed, "FAILED", None, str(job_dir), _read_failure(job_dir), params=_job_params(cfg)))
+            runs.append(Run(arm, seed, "FAILED", None, str(job_dir), _read_failure(job_dir), params=params))
     if hyp is None:
         if grid.get("+sweep") or grid.get("sweep") or grid.get("hypothesis"):
             name = (grid.get("+sweep") or grid.get("sweep") or grid.get("hypothesis"))[0]
