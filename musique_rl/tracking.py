@@ -358,12 +358,13 @@ def job(cfg: DictConfig, output_dir: Path | None = None) -> Iterator[Tracker | N
     parent = _parent_run_id()
     if parent:
         tags["mlflow.parentRunId"] = parent
-    run_id = None
+    run_id, prev_tags = None, {}
     if id_file is not None and id_file.exists():
         old = id_file.read_text().strip()
         with contextlib.suppress(Exception):
-            if client.get_run(old).info.experiment_id == exp_id:
-                run_id = old  # a requeued / resumed job continues its run
+            prev = client.get_run(old)
+            if prev.info.experiment_id == exp_id:
+                run_id, prev_tags = old, prev.data.tags  # a requeued / resumed job continues its run
     if run_id is None:
         run_id = client.create_run(exp_id, tags=tags, run_name=tags["mlflow.runName"]).info.run_id
         if id_file is not None:
@@ -374,11 +375,10 @@ def job(cfg: DictConfig, output_dir: Path | None = None) -> Iterator[Tracker | N
         for k, v in tags.items():
             client.set_tag(run_id, k, v)
         # A requeued job: what ended the previous attempt is history now, not this run's state.
-        prev = client.get_run(run_id).data.tags
         for stale in ("error", "interrupted"):
-            if stale in prev:
+            if stale in prev_tags:
                 client.delete_tag(run_id, stale)
-        client.set_tag(run_id, "resumes", int(prev.get("resumes", 0)) + 1)
+        client.set_tag(run_id, "resumes", int(prev_tags.get("resumes", 0)) + 1)
     tracker = Tracker(run_id, exp_id, uri)
     prev_uri = _fluent_uri_state()
     status = "FINISHED"
