@@ -125,13 +125,13 @@ def train(cfg: Any, run_dir: str | Path | None = None) -> float:
     import transformers
 
     from musique_rl import data, faults, rewards, tracking
-    from musique_rl.models import load_model
+    from musique_rl.models import load_model, process_state
     from musique_rl.retrieval import build_retriever
-    from musique_rl.trainer import build_trainer, distributed_state, last_checkpoint
+    from musique_rl.trainer import build_trainer, last_checkpoint
 
     t0 = time.time()
     logging.getLogger("bm25s").setLevel(logging.WARNING)  # one DEBUG line per indexed record otherwise
-    state = distributed_state()
+    state = process_state()
     out_dir = run_directory(run_dir)
     transformers.set_seed(int(cfg.seed))
     if str(cfg.model.name_or_path) == "tiny":

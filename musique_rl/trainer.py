@@ -274,15 +274,10 @@ def _grpo_trainer_class():
 
 
 # ---------------------------------------------------------------- construction
-def distributed_state() -> Any:
-    """accelerate's process state (see models.process_state: gloo on CPU-only machines)."""
-    from musique_rl.models import process_state
-
-    return process_state()
-
-
 def num_processes() -> int:
-    return int(distributed_state().num_processes)
+    from musique_rl.models import process_state  # gloo on CPU-only machines
+
+    return int(process_state().num_processes)
 
 
 def grpo_config(cfg: Any, output_dir: str | Path) -> Any:
@@ -331,7 +326,7 @@ def grpo_config(cfg: Any, output_dir: str | Path) -> Any:
         mask_truncated_completions=False,
         bf16=bf16,  # GRPOConfig defaults to True, which fails on a CPU
         fp16=False,
-        use_cpu=not torch.cuda.is_available(),  # see distributed_state
+        use_cpu=not torch.cuda.is_available(),  # see models.process_state
         gradient_checkpointing=bool(t.gradient_checkpointing),
         disable_dropout=True,
         use_vllm=str(getattr(t.backend, "value", t.backend)) == "vllm",

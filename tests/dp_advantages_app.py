@@ -36,11 +36,12 @@ class ScriptedRewards:
 
 def main(out: Path) -> None:
     from musique_rl.data import load_records
+    from musique_rl.models import process_state
     from musique_rl.tiny_model import build_untrained
-    from musique_rl.trainer import build_trainer, distributed_state
+    from musique_rl.trainer import build_trainer
     from tests.conftest import TEST_OVERRIDES, compose_cfg
 
-    state = distributed_state()
+    state = process_state()
     cfg = compose_cfg(
         [*TEST_OVERRIDES, "model.tiny.sft_records=60", "train.prompts_per_step=4", f"train.num_generations={G}",
          "loss.adv_epsilon=0.5", "diagnostics.enabled=false"]
