@@ -11,8 +11,10 @@ def run(cfg: DictConfig) -> float | None:
     result = task_wrapper(_dispatch)(cfg)
     from musique_rl import train
 
-    if train.LAST_SUMMARY is not None:  # again after the MLflow run closed (its doctor logs to stdout)
-        train.print_summary_json(train.LAST_SUMMARY)
+    # Consumed, so a later job of the same process that fails cannot re-print this job's summary.
+    summary, train.LAST_SUMMARY = train.LAST_SUMMARY, None
+    if summary is not None:  # again after the MLflow run closed (its doctor logs to stdout)
+        train.print_summary_json(summary)
     return result
 
 
