@@ -9,7 +9,7 @@ HYP ?= h01
 ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help setup train test test-slow sweep slurm-up slurm-down ui ui-check cfg lint bench clean
+.PHONY: help setup train test test-slow warm-start sweep slurm-up slurm-down ui ui-check cfg lint bench clean
 
 help: ## Show this menu
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  \033[36m%-10s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -32,6 +32,9 @@ test: $(STAMP) ## Fast test suite (under 10 minutes on 2 cores)
 
 test-slow: $(STAMP) ## Slow end-to-end suite (learning runs, faults, SLURM)
 	$(BIN)/python -m pytest -q -m slow
+
+warm-start: $(STAMP) ## Rebuild the shipped tiny warm start (SFT until its quality gate holds, ~6 min); commit musique_rl/warm_starts/
+	$(BIN)/python -m musique_rl.warm_start --ship $(ARGS)
 
 sweep: $(STAMP) ## Run a named hypothesis sweep and its verdict: make sweep SWEEP=h02
 	$(BIN)/python -m musique_rl -m +sweep=$(SWEEP) $(ARGS)

@@ -38,10 +38,12 @@ def main() -> None:
     from musique_rl.retrieval import build_retriever
     from musique_rl.rollout import RolloutEngine
     from musique_rl.tiny_model import cpu_threads_for_tiny
+    from musique_rl.warm_start import ensure
     from tests.conftest import compose_cfg
 
     cpu_threads_for_tiny()
     cfg = compose_cfg(["tracking.enabled=false"])
+    ensure(cfg)
     model, tok = load_model(cfg)
     recs = load_records(cfg.env.data, cfg.env, 1)[: args.prompts]
     batch = [r for r in recs for _ in range(args.generations)]  # B x G, as TRL hands them over

@@ -68,6 +68,7 @@ def main() -> None:
     from musique_rl.data import load_records
     from musique_rl.models import load_model
     from musique_rl.tiny_model import cpu_threads_for_tiny
+    from musique_rl.warm_start import ensure
     from tests.conftest import compose_cfg
 
     cpu_threads_for_tiny()
@@ -75,6 +76,7 @@ def main() -> None:
         ["env.supporting_in_prompt=true", "tracking.enabled=false", "diagnostics.enabled=false",
          f"train.max_steps={args.steps}", "train.save_steps=100000", "env.synthetic.num_train=400"]
     )
+    ensure(cfg)
     model, tok = load_model(cfg)
     records = load_records(cfg.env.data, cfg.env, int(cfg.seed))
     times: dict[str, list[float]] = {"ours": [], "bare": []}

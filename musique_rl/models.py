@@ -47,12 +47,20 @@ def resolve_dtype(model_cfg: Any) -> torch.dtype:
 
 
 def load_model(cfg: Any) -> tuple[Any, Any]:
-    """(model, tokenizer) for ``cfg.model``; the tiny model is built, warm-started and cached locally."""
+    """(model, tokenizer) for ``cfg.model``. The tiny model's warm start must exist (shipped, or built by
+    ``musique_rl.warm_start.ensure``, which jobs call first): this layer loads, it does not train."""
     name = str(cfg.model.name_or_path)
     if name == "tiny":
-        from musique_rl.tiny_model import load_tiny
+        from musique_rl import tiny_model
 
-        return load_tiny(cfg)
+        path = tiny_model.locate(cfg)
+        if path is None:
+            raise FileNotFoundError(
+                f"model=tiny: no warm start for these model.tiny settings (tiny-{tiny_model.build_key(cfg)} is neither "
+                f"in {tiny_model.SHIPPED_DIR} nor in {tiny_model.cache_root(cfg)}). Build it with "
+                "`python -m musique_rl.warm_start` (training and eval jobs build it themselves)"
+            )
+        return tiny_model.load_tiny(path)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dtype = resolve_dtype(cfg.model)

@@ -150,3 +150,116 @@ def replay_episodes(path: str, records_by_id: dict[str, dict], tool_call_format:
         log.warning("replay: %d episode(s) in %s name records not in env.data; skipped", missing, path)
     if not yielded:
         raise ValueError(f"replay_path={path!r}: no episode matches a record of env.data ({missing} unknown ids)")
+
+
+# ---------------------------------------------------------------- the noisy oracle (warm-start data)
+def _fact_of(doc_text: str) -> tuple[str, str, str] | None:
+    """(relation, subject, object) of a synthetic paragraph 'The r of S is O.' (None otherwise)."""
+    if not doc_text.startswith("The ") or " of " not in doc_text or " is " not in doc_text:
+        return None
+    head, obj = doc_text[4:].rstrip(".").split(" is ", 1)
+    rel, subj = head.split(" of ", 1)
+    return rel, subj, obj
+
+
+def noisy_final_text(path: list[str], cited: list[str], answer: str) -> str:
+    """The noisy oracle's final turn: the chain as the thought, the answer after a space.
+
+    A space after ``<think>`` and ``<answer>``: names then tokenize as they do inside sentences
+    (" Alo", not "Alo"), so copying a name from a document is copying the same token ids."""
+    return final_text(" " + " -> ".join(path), cited, " " + answer)
+
+
+def noisy_oracle_episode(record: dict, env_cfg: Any, retriever: Any, rng: Any, noise: float) -> list[dict]:
+    """Messages of one noisy-oracle episode over a SYNTHETIC record: the warm start's SFT data.
+
+    With probability ``noise`` the episode takes ONE wrong decision, each depending on the context:
+    ``swap`` queries two adjacent relations in the wrong order; ``stale`` re-uses the previous
+    entity after a hop instead of the one just retrieved. Later hops continue from whatever the
+    tool returned, so the trajectory stays coherent and ends on a wrong answer. In single-step
+    mode (``env.supporting_in_prompt``) the wrong decision is answering with an intermediate
+    entity of the chain. A policy trained on these samples the right chain about ``1 - noise`` of
+    the time: GRPO has choices to sharpen (docs/warm_start.md).
+    """
+    decomposition = record["question_decomposition"]
+    hops = len(decomposition)
+    relations = [step["question"].split("Who is the ", 1)[1].split(" of ", 1)[0] for step in decomposition]
+    entity = decomposition[0]["question"].split(" of ", 1)[1].rstrip("?")
+    messages = build_messages(record, env_cfg)
+    error = None
+    if rng.random() < noise:
+        error = rng.choice(["swap", "stale"]) if hops > 1 else None
+
+    if env_cfg.supporting_in_prompt:
+        path = [entity] + [s["answer"] for s in decomposition]
+        cited = [str(s["paragraph_support_idx"]) for s in decomposition]
+        # the wrong decision answers an intermediate entity: hop 1..hops-1's answer (path[stop + 1])
+        stop = hops - 1 if error is None else rng.randrange(0, hops - 1)
+        messages.append({"role": "assistant", "content": noisy_final_text(path[: stop + 2], cited[: stop + 1], path[stop + 1])})
+        return messages
+
+    order = list(range(hops))
+    swap_at = stale_at = None
+    if error == "swap":
+        swap_at = rng.randrange(hops - 1)
+        order[swap_at], order[swap_at + 1] = order[swap_at + 1], order[swap_at]
+    elif error == "stale":
+        stale_at = rng.randrange(1, hops)
+    path, cited = [entity], []
+    previous = entity
+    for k in range(hops):
+        subject = previous if k == stale_at else path[-1]
+        # The sub-question as query (as the decomposition words it): relation and entity then
+        # follow a space, tokenized exactly as in the question and the documents.
+        text = tool_call_text("retrieve_documents", {"query": f"Who is the {relations[order[k]]} of {subject}?"}, "hermes")
+        messages.append({"role": "assistant", "content": text})
+        result = execute(parse_tool_calls(text)[0], record, retriever, env_cfg)
+        messages.append({"role": "tool", "content": result.content})
+        fact = None
+        for doc_id in result.doc_ids[:1]:  # the top document is the one read
+            doc = next(p for p in record["paragraphs"] if str(p["idx"]) == doc_id)
+            fact = _fact_of(doc["paragraph_text"])
+            cited.append(doc_id)
+        previous = path[-1]
+        if fact is None:
+            break
+        path.append(fact[2])
+    messages.append({"role": "assistant", "content": noisy_final_text(path, cited, path[-1])})
+    return messages
+
+
+def noisy_oracle_dataset(
+    env_cfg: Any, n_records: int, noise: float, single_step_share: float, worlds: list[int], rng_seed: int = 0
+) -> tuple[list[dict], list[list[dict]], list]:
+    """(records, message lists, env config per episode) of ``n_records`` noisy-oracle episodes over
+    the synthetic train split, taken in turn from each world of ``worlds``; ``single_step_share`` of
+    them are posed single-step (gold paragraphs in the prompt, no tool: hypothesis h07's
+    treatment), the rest with the tool. Prefix-stable: the first k do not depend on ``n_records``.
+
+    Why several worlds: in one world a fact ("The boss of Kalon is Mirus") is the same in every
+    record, so a model can answer from memory instead of reading the documents, and fails in the
+    worlds RL runs draw (one per seed). Across worlds the same question has different answers:
+    reading is the only strategy that fits the data."""
+    import random
+
+    from omegaconf import OmegaConf
+
+    from musique_rl.retrieval import build_retriever
+    from musique_rl.synthetic import generate_records
+
+    syn = env_cfg.synthetic
+    per_world = [
+        generate_records("train", -(-n_records // len(worlds)), seed=w, hops=list(syn.hops), num_paragraphs=int(syn.num_paragraphs))
+        for w in worlds
+    ]
+    records = [per_world[i % len(worlds)][i // len(worlds)] for i in range(n_records)]
+    tool_env = OmegaConf.merge(env_cfg, {"supporting_in_prompt": False})
+    single_env = OmegaConf.merge(env_cfg, {"supporting_in_prompt": True})
+    retriever = build_retriever(tool_env, records)
+    rng = random.Random(rng_seed)
+    episodes, envs = [], []
+    for rec in records:
+        env = single_env if rng.random() < single_step_share else tool_env
+        episodes.append(noisy_oracle_episode(rec, env, retriever, rng, noise))
+        envs.append(env)
+    return records, episodes, envs

@@ -285,22 +285,18 @@ def run_model_episodes(
     cfg: Any,
     records: list[dict],
     *,
-    model: Any = None,
-    tokenizer: Any = None,
+    model: Any,
+    tokenizer: Any,
     retriever: Any = None,
     greedy: bool = False,
     temperature: float | None = None,
 ) -> list[dict]:
-    """Episode dicts of the configured model over ``records`` (``policy=model`` in evaluate.py).
+    """Episode dicts of ``model`` over ``records`` (held-out eval, ``policy=model``, the warm-start gate).
 
     Sampled at ``train.eval_temperature`` (default: ``train.temperature``) unless ``greedy``.
     """
     from musique_rl.generation import build_generator
 
-    if model is None or tokenizer is None:
-        from musique_rl.models import load_model
-
-        model, tokenizer = load_model(cfg)
     if retriever is None:
         from musique_rl.retrieval import build_retriever
 

@@ -121,6 +121,11 @@ class TinyModelConfig:
     sft_epochs: float = 3.0
     sft_learning_rate: float = 3e-3
     sft_noise: float = 0.5  # share of SFT trajectories that take a plausible wrong decision
+    sft_single_step_share: float = 0.25  # of SFT episodes posed single-step (gold paragraphs, no tool: h07)
+    sft_max_rounds: int = 3  # extra SFT epochs while the quality gate fails
+    sft_extra_lr_scale: float = 1.0  # an extra epoch's peak rate / sft_learning_rate (then linear decay to 0)
+    # episode shapes the warm start must pass the gate for (tool | single_step); others are measured
+    gate_shapes: List[str] = field(default_factory=lambda: ["tool"])
     cache_dir: str = "${oc.env:MUSIQUE_RL_CACHE,${oc.env:HOME}/.cache/musique_rl}"
 
 

@@ -1,39 +1,33 @@
-"""The embedded CPU model (``model=tiny``): a locally built tokenizer, a small Qwen2, a warm start.
+"""The embedded CPU model (``model=tiny``): a locally built tokenizer, a small Qwen2, and where its
+warm start lives. This module builds and loads; ``musique_rl/warm_start.py`` trains the warm start.
 
-Nothing is downloaded. ``load_tiny(cfg)`` returns ``(model, tokenizer)``:
+Nothing is downloaded:
   1. a byte-level BPE tokenizer (HF ``tokenizers``) trained on rendered warm-start conversations,
      with Qwen's special tokens and Qwen2.5's chat template (TRL ships it as
      ``trl/chat_templates/qwen2_5.jinja``): tool schemas in the system turn, hermes
      ``<tool_call>`` JSON, tool results as ``<tool_response>`` inside a user turn;
   2. a ``Qwen2ForCausalLM`` built from ``model.tiny`` (hidden size, layers, heads);
-  3. a warm start by TRL's ``SFTTrainer`` on scripted "noisy-oracle" trajectories over the train
-     split: most follow the question decomposition, ``model.tiny.sft_noise`` of them take one
-     plausible wrong decision that depends on the context (relations in the wrong order, or the
-     question's entity re-used after the first hop). The result samples the right chain about
-     half the time and the wrong ones otherwise, so GRPO has choices to sharpen (FIELD-NOTES:
-     GRPO only sharpens what the policy already samples; a warm start that simply cannot copy
-     an id gained +0.03).
-The result is cached under ``model.tiny.cache_dir/tiny-<hash>`` where the hash covers every input
-of the build (tiny config, synthetic data config, retrieval settings, this file's BUILD_VERSION),
-so the next run loads it in a second.
+  3. its warm start, a directory ``tiny-<key>`` holding ``model/``, ``tokenizer/`` and
+     ``build.json`` (quality gate, weights hash). ``<key>`` (``build_key``) hashes every input of
+     the build: the ``model.tiny`` settings, the environment settings the data is rendered with,
+     the chat template, and the rendered text of the first warm-start conversations (so a change
+     to prompts, tools or the synthetic world changes the key, while a refactor does not).
 
-Why the tokenizer is loaded as ``PreTrainedTokenizerFast`` from its own directory: FIELD-NOTES
-measured that ``AutoTokenizer`` on a directory holding a qwen2 ``config.json`` returns
-``Qwen2Tokenizer``, which replaces the saved pre-tokenizer (a warm model fell from 0.45 to 0.00).
+Where a warm start is found (``locate``): first ``musique_rl/warm_starts/tiny-<key>`` shipped in
+the repository (the default's warm start is committed: built once, gated, and the SAME weights on
+every machine, since SFT on different CPUs and GPUs gave different models), then the cache
+``model.tiny.cache_dir/tiny-<key>`` where non-default settings are built on first use.
+
+Why the tokenizer is loaded as ``PreTrainedTokenizerFast`` from its own directory:
+``AutoTokenizer`` on a directory holding a qwen2 ``config.json`` returns ``Qwen2Tokenizer``, which
+replaces the saved pre-tokenizer (a warm model fell from 0.45 to 0.00; docs/warm_start.md).
 """
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import logging
-import math
-import os
-import random
-import shutil
-import tempfile
-import time
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -42,7 +36,13 @@ from omegaconf import OmegaConf
 
 log = logging.getLogger(__name__)
 
-BUILD_VERSION = "1"  # bump when the build recipe changes: invalidates every cached tiny model
+BUILD_VERSION = "2"  # bump when the build recipe changes (SFT schedule, gate): a new key, a rebuild
+SHIPPED_DIR = Path(__file__).resolve().parent / "warm_starts"  # warm starts committed to the repository
+FINGERPRINT_EPISODES = 16  # rendered conversations hashed into the key (the data's behaviour, not its code)
+BPE_EPISODES = 1000  # warm-start conversations the tokenizer is trained on
+# The synthetic worlds of the warm-start data: many (policies.noisy_oracle_dataset says why), none of
+# them a world a run draws (a run's world is its seed: 1, 2, ...) or the gate's (warm_start.py).
+WARM_START_WORLDS = list(range(1000, 1016))
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # Added (not special) tokens, as in Qwen2.5/Qwen3: each is one token, kept when decoding.
@@ -155,204 +155,6 @@ def load_tokenizer(path: str | Path) -> Any:
     return tok
 
 
-# ---------------------------------------------------------------- scripted warm-start episodes
-def tool_call_text(query: str) -> str:
-    """One hermes tool call, exactly as Qwen2.5's template renders ``tool_calls``."""
-    return '<tool_call>\n{"name": "retrieve_documents", "arguments": ' + json.dumps({"query": query}) + "}\n</tool_call>"
-
-
-def final_text(path: list[str], cited: list[str], answer: str) -> str:
-    """The final turn in the format the rewards parse (prompts.ANSWER_FORMAT)."""
-    # A space after <think> and <answer>: names then tokenize as they do inside sentences
-    # (" Alo", not "Alo"), so copying a name from a document is copying the same token ids.
-    return f"<think> {' -> '.join(path)}</think>\n<cite>{', '.join(cited)}</cite>\n<answer> {answer}</answer>"
-
-
-def _fact_of(doc_text: str) -> tuple[str, str, str] | None:
-    """(relation, subject, object) of a synthetic paragraph 'The r of S is O.' (None otherwise)."""
-    if not doc_text.startswith("The ") or " of " not in doc_text or " is " not in doc_text:
-        return None
-    head, obj = doc_text[4:].rstrip(".").split(" is ", 1)
-    rel, subj = head.split(" of ", 1)
-    return rel, subj, obj
-
-
-def scripted_episode(record: dict, env_cfg: Any, retriever: Any, rng: random.Random, noise: float) -> list[dict]:
-    """Messages of one noisy-oracle episode over a synthetic record (module docstring).
-
-    With probability ``noise`` the episode takes ONE wrong decision, each depending on the context:
-    ``swap`` queries two adjacent relations in the wrong order; ``stale`` re-uses the previous
-    entity after a hop instead of the one just retrieved. Later hops continue from whatever the
-    tool returned, so the trajectory stays coherent and ends on a wrong answer.
-    In single-step mode (``env.supporting_in_prompt``) the wrong decision is answering with an
-    intermediate entity of the chain.
-    """
-    from musique_rl import prompts, tools
-
-    decomposition = record["question_decomposition"]
-    hops = len(decomposition)
-    relations = [step["question"].split("Who is the ", 1)[1].split(" of ", 1)[0] for step in decomposition]
-    entity = decomposition[0]["question"].split(" of ", 1)[1].rstrip("?")
-    messages = prompts.build_messages(record, env_cfg)
-    error = None
-    if rng.random() < noise:
-        error = rng.choice(["swap", "stale"]) if hops > 1 else None
-
-    if env_cfg.supporting_in_prompt:
-        by_idx = {p["idx"]: p for p in record["paragraphs"]}
-        path = [entity] + [s["answer"] for s in decomposition]
-        cited = [str(s["paragraph_support_idx"]) for s in decomposition]
-        stop = hops - 1 if error is None else rng.randrange(1, hops)  # answer an intermediate entity
-        answer = path[stop + 1]
-        cited = cited[: stop + 1]
-        assert all(int(c) in by_idx for c in cited)
-        messages.append({"role": "assistant", "content": final_text(path[: stop + 2], cited, answer)})
-        return messages
-
-    order = list(range(hops))
-    swap_at = stale_at = None
-    if error == "swap":
-        swap_at = rng.randrange(hops - 1)
-        order[swap_at], order[swap_at + 1] = order[swap_at + 1], order[swap_at]
-    elif error == "stale":
-        stale_at = rng.randrange(1, hops)
-    path, cited = [entity], []
-    previous = entity
-    for k in range(hops):
-        subject = previous if k == stale_at else path[-1]
-        # The sub-question as query (as the decomposition words it): relation and entity then
-        # follow a space, tokenized exactly as in the question and the documents.
-        query = f"Who is the {relations[order[k]]} of {subject}?"
-        messages.append({"role": "assistant", "content": tool_call_text(query)})
-        call = tools.parse_tool_calls(messages[-1]["content"])[0]
-        result = tools.execute(call, record, retriever, env_cfg)
-        messages.append({"role": "tool", "content": result.content})
-        fact = None
-        for doc_id in result.doc_ids:
-            doc = next(p for p in record["paragraphs"] if str(p["idx"]) == doc_id)
-            fact = _fact_of(doc["paragraph_text"])
-            cited.append(doc_id)
-            break  # the top document is the one read
-        previous = path[-1]
-        if fact is None:
-            break
-        path.append(fact[2])
-    messages.append({"role": "assistant", "content": final_text(path, cited, path[-1])})
-    return messages
-
-
-# ---------------------------------------------------------------- warm-start data
-BPE_EPISODES = 1000  # warm-start conversations the tokenizer is trained on
-SINGLE_STEP_SHARE = 0.25  # of warm-start episodes posed single-step (env.supporting_in_prompt, h07)
-WARM_START_WORLD_SEED = 0  # the synthetic world of the warm-start data (see load_tiny)
-
-
-def _names_text() -> str:
-    """Every name once with its leading space, so the BPE gives each its own token whatever world a
-    run draws its people from."""
-    from musique_rl.synthetic import NAMES, RELATIONS
-
-    return " " + " ".join([*NAMES, *RELATIONS])
-
-
-def warm_start_episodes(cfg: Any, rng: random.Random) -> tuple[list[dict], list[list[dict]], Any]:
-    """(records, message lists, env config per episode) of the noisy-oracle warm start."""
-    from musique_rl.retrieval import build_retriever
-    from musique_rl.synthetic import generate_records
-
-    tiny, syn = cfg.model.tiny, cfg.env.synthetic
-    records = generate_records(
-        "train", int(tiny.sft_records), seed=WARM_START_WORLD_SEED, hops=list(syn.hops),
-        num_paragraphs=int(syn.num_paragraphs),
-    )
-    tool_env = OmegaConf.merge(cfg.env, {"supporting_in_prompt": False})
-    single_env = OmegaConf.merge(cfg.env, {"supporting_in_prompt": True})
-    retriever = build_retriever(tool_env, records)
-    episodes, envs = [], []
-    for rec in records:
-        env = single_env if rng.random() < SINGLE_STEP_SHARE else tool_env
-        episodes.append(scripted_episode(rec, env, retriever, rng, float(tiny.sft_noise)))
-        envs.append(env)
-    return records, episodes, envs
-
-
-def episode_tokens(
-    tokenizer: Any, env_cfg: Any, messages: list[dict], chat: Any = None
-) -> tuple[list[int], list[int]]:
-    """(input_ids, assistant_masks) of a finished episode, assembled exactly as a rollout builds it:
-    prompt ids, then each assistant turn's ids + eos (mask 1), then each tool turn's ids (mask 0)."""
-    from musique_rl.rollout import ChatTokens
-
-    chat = chat or ChatTokens(tokenizer, env_cfg)
-    head = 0
-    while head < len(messages) and messages[head]["role"] in ("system", "user"):
-        head += 1
-    ids = chat.prompt_ids(messages[:head])
-    mask = [0] * len(ids)
-    i = head
-    while i < len(messages):
-        m = messages[i]
-        if m["role"] == "assistant":
-            turn = tokenizer.encode(m["content"], add_special_tokens=False) + [tokenizer.eos_token_id]
-            ids += turn
-            mask += [1] * len(turn)
-            i += 1
-        else:
-            j = i
-            while j < len(messages) and messages[j]["role"] == "tool":
-                j += 1
-            env_ids, _ = chat.tool_turn(messages[i:j])
-            ids += env_ids
-            mask += [0] * len(env_ids)
-            i = j
-    return ids, mask
-
-
-# ---------------------------------------------------------------- build, warm start, cache
-def cache_key(cfg: Any) -> str:
-    """Hash of everything the built model depends on (not the run seed: the warm start is a fixed
-    artifact, like a downloaded checkpoint; seeds vary the RL run)."""
-    from musique_rl import prompts
-
-    tiny = OmegaConf.to_container(cfg.model.tiny, resolve=True)
-    tiny.pop("cache_dir", None)
-    env = cfg.env
-    parts = {
-        "build": BUILD_VERSION,
-        "tiny": tiny,
-        "hops": list(env.synthetic.hops),
-        "num_paragraphs": int(env.synthetic.num_paragraphs),
-        "retriever": str(getattr(env.retriever, "value", env.retriever)),
-        "top_n": int(env.top_n),
-        "prompts": [prompts.SYSTEM_PROMPT, prompts.SYSTEM_PROMPT_NO_TOOLS, prompts.tool_schemas(OmegaConf.merge(env, {"supporting_in_prompt": False}))],
-        # the code that writes the warm-start data: any change to it must rebuild
-        "sources": _source_digest(),
-        "template": chat_template(),
-    }
-    return hashlib.sha1(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:12]
-
-
-def _source_digest() -> str:
-    """Digest of the code whose output the build caches: the data generator, the scripted
-    episodes, the tool-result rendering, the token assembly, the tokenizer, the model and the
-    warm start. Loading, caching and locking code is left out, so editing it keeps the cache."""
-    import inspect
-
-    from musique_rl import rollout, synthetic, tools
-
-    parts = [
-        Path(synthetic.__file__).read_text(),
-        *(inspect.getsource(f) for f in (tools.format_documents, tools.execute, tools.parse_tool_calls,
-                                           rollout.ChatTokens)),
-        *(inspect.getsource(f) for f in (tool_call_text, final_text, _fact_of, scripted_episode, _names_text,
-                                           warm_start_episodes, episode_tokens, isolating_pattern,
-                                           _byte_level_tokenizer, _wrap, build_untrained, build_model,
-                                           warm_start, _build)),
-        repr((SPECIAL_TOKENS, TAG_TOKENS, BPE_EPISODES, SINGLE_STEP_SHARE, WARM_START_WORLD_SEED)),
-    ]
-    return hashlib.sha1("\n".join(parts).encode()).hexdigest()[:12]
-
-
 def build_model(tiny: Any, tokenizer: Any, seed: int = 0) -> Any:
     """A fresh ``Qwen2ForCausalLM`` from ``model.tiny`` (tied embeddings: the copy mechanism a
     tiny model needs works best when reading and writing a token share one vector)."""
@@ -381,85 +183,6 @@ def build_model(tiny: Any, tokenizer: Any, seed: int = 0) -> Any:
     return model
 
 
-def warm_start(cfg: Any, model: Any, tokenizer: Any, rows: list[tuple[list[int], list[int]]], out_dir: Path) -> dict:
-    """Supervised fine-tuning with TRL's SFTTrainer on pre-tokenized episodes (loss on assistant ids)."""
-    from datasets import Dataset
-    from trl import SFTConfig, SFTTrainer
-
-    tiny = cfg.model.tiny
-    data = Dataset.from_dict({"input_ids": [r[0] for r in rows], "assistant_masks": [r[1] for r in rows]})
-    batch = 16
-    total_steps = -(-len(rows) // batch) * int(math.ceil(float(tiny.sft_epochs)))
-    args = SFTConfig(
-        output_dir=str(out_dir),
-        num_train_epochs=float(tiny.sft_epochs),
-        learning_rate=float(tiny.sft_learning_rate),
-        # Warmup, a long constant stretch, then a cosine decay over the last quarter. Copying a name
-        # from the context is learned in a sudden transition (~400 steps at 2e-2, batch 16, on three
-        # seeds); a cosine schedule from the start had decayed the rate before it and came too late.
-        lr_scheduler_type="warmup_stable_decay",
-        lr_scheduler_kwargs={"num_decay_steps": max(1, total_steps // 4)},
-        warmup_steps=30,
-        per_device_train_batch_size=batch,
-        weight_decay=0.0,
-        logging_steps=20,
-        save_strategy="no",
-        report_to="none",
-        bf16=False,
-        max_length=None,
-        seed=0,
-        data_seed=0,
-        dataloader_num_workers=0,
-        disable_tqdm=False,
-    )
-    trainer = SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer)
-    result = trainer.train()
-    return {"sft_loss": float(result.training_loss), "sft_steps": int(result.global_step), "sft_rows": len(rows)}
-
-
-def load_tiny(cfg: Any) -> tuple[Any, Any]:
-    """(model, tokenizer) of ``model=tiny``: from the cache, or built and warm-started (seconds to a
-    minute or two on 2 CPU cores) and then cached. Safe for concurrent runs: the build goes to a
-    temporary directory that is renamed into place."""
-    from transformers import Qwen2ForCausalLM
-
-    if cfg.model.tiny is None:
-        raise ValueError("model=tiny needs model.tiny (the architecture and warm-start settings)")
-    from musique_rl.models import process_state
-
-    root = Path(str(cfg.model.tiny.cache_dir)).expanduser()
-    path = root / f"tiny-{cache_key(cfg)}"
-    with process_state().main_process_first():  # data parallel: one process builds, the others load
-        if not (path / "build.json").exists():
-            root.mkdir(parents=True, exist_ok=True)
-            # Jobs of a sweep start together: one builds, the others wait on the lock and load.
-            with open(root / f"{path.name}.lock", "w") as lock:
-                fcntl.flock(lock, fcntl.LOCK_EX)
-                try:
-                    if not (path / "build.json").exists():
-                        _build_into(cfg, root, path)
-                finally:
-                    fcntl.flock(lock, fcntl.LOCK_UN)
-    tokenizer = load_tokenizer(path / "tokenizer")
-    model = Qwen2ForCausalLM.from_pretrained(str(path / "model"))
-    log.info("tiny model %s: %d parameters", path.name, sum(p.numel() for p in model.parameters()))
-    return model, tokenizer
-
-
-def _build_into(cfg: Any, root: Path, path: Path) -> None:
-    """Build in a temporary directory renamed into place: a killed build leaves no half model."""
-    tmp = Path(tempfile.mkdtemp(prefix=".building-", dir=root))
-    try:
-        _build(cfg, tmp)
-        try:
-            os.replace(tmp, path)
-        except OSError:  # another run finished the same build first: use theirs
-            shutil.rmtree(tmp, ignore_errors=True)
-    finally:
-        if tmp.exists() and tmp != path:
-            shutil.rmtree(tmp, ignore_errors=True)
-
-
 def cpu_threads_for_tiny() -> None:
     """One intra-op thread for the tiny model on CPU. Measured on the 2-core VM (loaded by other
     jobs): an SFT step of 16 x 177 tokens took 0.13 s with 1 thread and 0.98 s with 2; ops this
@@ -470,53 +193,102 @@ def cpu_threads_for_tiny() -> None:
         torch.set_num_threads(1)
 
 
-def build_untrained(cfg: Any) -> tuple[Any, Any, list, list, list]:
-    """(model, tokenizer, records, episodes, env configs) before the warm start: a freshly
-    initialised model and the tokenizer trained on the warm-start conversations (seconds)."""
-    rng = random.Random(0)
-    records, episodes, envs = warm_start_episodes(cfg, rng)
-    renderer = render_tokenizer()
-    texts = [  # 1,000 conversations hold every merge worth having; the names text covers the rest
-        renderer.apply_chat_template(m, tools=_tools_for(env), tokenize=False)
-        for m, env in zip(episodes[:BPE_EPISODES], envs[:BPE_EPISODES], strict=True)
-    ]
-    tokenizer = build_tokenizer(texts + [_names_text()] * 8, int(cfg.model.tiny.vocab_size))
-    return build_model(cfg.model.tiny, tokenizer), tokenizer, records, episodes, envs
+# ---------------------------------------------------------------- the warm-start data
+def names_text() -> str:
+    """Every name once with its leading space, so the BPE gives each its own token whatever world a
+    run draws its people from."""
+    from musique_rl.synthetic import NAMES, RELATIONS
+
+    return " " + " ".join([*NAMES, *RELATIONS])
 
 
-def _build(cfg: Any, out: Path) -> None:
-    t0 = time.time()
-    cpu_threads_for_tiny()
-    model, tokenizer, records, episodes, envs = build_untrained(cfg)
-    from musique_rl.rollout import ChatTokens
-
-    chats = {}  # one per env variant: ChatTokens renders the constant part of a tool turn once
-    rows = []
-    for m, env in zip(episodes, envs, strict=True):
-        chat = chats.setdefault(bool(env.supporting_in_prompt), ChatTokens(tokenizer, env))
-        rows.append(episode_tokens(tokenizer, env, m, chat))
-    for (ids, _), m, env in zip(rows[:16], episodes, envs, strict=False):
-        # the assembled ids must be exactly the chat template's rendering of the same messages
-        full = list(tokenizer.apply_chat_template(m, tools=_tools_for(env), tokenize=True, return_dict=False))
-        end = max(i for i, t in enumerate(full) if t == tokenizer.eos_token_id)  # the template adds "\n" after it
-        if full[: end + 1] != ids:
-            raise AssertionError("tiny model build: rollout token assembly differs from the chat template")
-    report = warm_start(cfg, model, tokenizer, rows, out / "sft")
-    shutil.rmtree(out / "sft", ignore_errors=True)
-    tokenizer.save_pretrained(str(out / "tokenizer"))  # its own directory: no model config.json beside it
-    model.save_pretrained(str(out / "model"))
-    report.update(
-        params=sum(p.numel() for p in model.parameters()),
-        vocab=len(tokenizer),
-        seconds=round(time.time() - t0, 1),
-        key=out.name,
-        config=OmegaConf.to_container(cfg.model.tiny, resolve=True),
-    )
-    (out / "build.json").write_text(json.dumps(report, indent=1, default=str))
-    log.info("tiny model built: %s", report)
-
-
-def _tools_for(env_cfg: Any) -> list[dict] | None:
+def tools_for(env_cfg: Any) -> list[dict] | None:
     from musique_rl import prompts
 
     return prompts.tool_schemas(env_cfg) or None
+
+
+def warm_start_conversations(cfg: Any, n_records: int | None = None) -> tuple[list[dict], list[list[dict]], list]:
+    """(records, message lists, env config per episode) of the noisy-oracle SFT data (the first
+    ``n_records`` of it: the generator, the retriever and the rng stream are prefix-stable)."""
+    from musique_rl.policies import noisy_oracle_dataset
+
+    tiny = cfg.model.tiny
+    return noisy_oracle_dataset(
+        cfg.env, int(n_records if n_records is not None else tiny.sft_records), float(tiny.sft_noise),
+        float(tiny.sft_single_step_share), worlds=WARM_START_WORLDS,
+    )
+
+
+def render_texts(episodes: list[list[dict]], envs: list) -> list[str]:
+    """The conversations as the chat template renders them (tool schemas in the system turn)."""
+    renderer = render_tokenizer()
+    return [renderer.apply_chat_template(m, tools=tools_for(e), tokenize=False) for m, e in zip(episodes, envs, strict=True)]
+
+
+# ---------------------------------------------------------------- where a warm start lives
+def build_settings(cfg: Any) -> dict:
+    """Every setting the built warm start depends on (not the run seed: the warm start is a fixed
+    artifact, like a downloaded checkpoint; seeds vary the RL run)."""
+    tiny = OmegaConf.to_container(cfg.model.tiny, resolve=True)
+    tiny.pop("cache_dir", None)
+    env = cfg.env
+    return {
+        "build": BUILD_VERSION,
+        "tiny": tiny,
+        "hops": list(env.synthetic.hops),
+        "num_paragraphs": int(env.synthetic.num_paragraphs),
+        "retriever": str(getattr(env.retriever, "value", env.retriever)),
+        "top_n": int(env.top_n),
+        "max_turns": int(env.max_turns),
+        "max_tokens_per_turn": int(env.max_tokens_per_turn),
+    }
+
+
+def build_key(cfg: Any) -> str:
+    """``build_settings`` plus the rendered text of the first warm-start conversations, hashed."""
+    _, episodes, envs = warm_start_conversations(cfg, FINGERPRINT_EPISODES)
+    parts = {"settings": build_settings(cfg), "template": chat_template(), "texts": render_texts(episodes, envs)}
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+def cache_root(cfg: Any) -> Path:
+    return Path(str(cfg.model.tiny.cache_dir)).expanduser()
+
+
+def locate(cfg: Any, key: str | None = None) -> Path | None:
+    """The built warm start for ``cfg`` (shipped first, then the cache), or None."""
+    name = f"tiny-{key or build_key(cfg)}"
+    for path in (SHIPPED_DIR / name, cache_root(cfg) / name):
+        if (path / "build.json").exists():
+            return path
+    return None
+
+
+def weights_hash(path: str | Path) -> str:
+    """sha256 of a warm start's weight files (the same hash = the same start, bit for bit)."""
+    h = hashlib.sha256()
+    for f in sorted((Path(path) / "model").glob("*.safetensors")):
+        h.update(f.read_bytes())
+    return h.hexdigest()[:12]
+
+
+def load_tiny(path: str | Path) -> tuple[Any, Any]:
+    """(model, tokenizer) of a built warm start directory (``locate``)."""
+    from transformers import Qwen2ForCausalLM
+
+    path = Path(path)
+    tokenizer = load_tokenizer(path / "tokenizer")
+    model = Qwen2ForCausalLM.from_pretrained(str(path / "model"))
+    log.info("tiny model %s: %d parameters", path.name, sum(p.numel() for p in model.parameters()))
+    return model, tokenizer
+
+
+def build_untrained(cfg: Any, n_records: int | None = None) -> tuple[Any, Any, list, list, list]:
+    """(model, tokenizer, records, episodes, env configs) before the warm start: a freshly
+    initialised model and the tokenizer trained on the warm-start conversations (seconds)."""
+    records, episodes, envs = warm_start_conversations(cfg, n_records)
+    # 1,000 conversations hold every merge worth having; the names text covers the rest
+    texts = render_texts(episodes[:BPE_EPISODES], envs[:BPE_EPISODES])
+    tokenizer = build_tokenizer(texts + [names_text()] * 8, int(cfg.model.tiny.vocab_size))
+    return build_model(cfg.model.tiny, tokenizer), tokenizer, records, episodes, envs

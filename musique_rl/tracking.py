@@ -221,6 +221,17 @@ def run_tags(cfg: DictConfig) -> dict[str, str]:
     return {k: redact_value(k, v)[:_TAG_MAX] for k, v in tags.items()}
 
 
+def tag_provenance(tracker: Tracker, origin: dict[str, Any]) -> None:
+    """Tag what a run's figures depend on besides code and config (``warm_start.provenance``): every
+    ``warm_start/*`` and ``machine/*`` value, plus ``warm_start_hash`` and one ``machine`` string that
+    the verdict compares across the runs of a sweep."""
+    for k, v in origin.items():
+        tracker.set_tag(k, v)
+    tracker.set_tag("warm_start_hash", origin.get("warm_start/hash", "none"))
+    tracker.set_tag("machine", f"{origin.get('machine/cpu')} | {origin.get('machine/torch_threads')} threads | "
+                               f"{origin.get('machine/device')}")
+
+
 def run_name(cfg: DictConfig) -> str:
     hyp = OmegaConf.select(cfg, "hypothesis.id", default=None)
     fault = str(getattr(cfg.get("fault"), "value", cfg.get("fault") or "none"))

@@ -97,6 +97,17 @@ def summarise(curve: list[float], before: dict, after: dict, before_g: dict, aft
     return out
 
 
+def gate_line(summary: dict) -> str:
+    """The warm start's gate numbers in a few words (empty for models without a gate)."""
+    parts = []
+    for shape in ("tool", "single_step"):
+        k = f"warm_start/gate/{shape}/"
+        if k + "sampled_em" in summary:
+            parts.append(f"{shape}: sampled EM {summary[k + 'sampled_em']:.2f}, pass@8 {summary[k + 'pass8']:.2f}, "
+                         f"greedy {summary[k + 'greedy_em']:.2f}")
+    return "; ".join(parts) or "no gate"
+
+
 def _print_summary(summary: dict, run_dir: Path) -> None:
     g = summary
     lines = [
@@ -112,6 +123,8 @@ def _print_summary(summary: dict, run_dir: Path) -> None:
             if b is not None:
                 parts.append(f"{k} {b:.3f} -> {a:.3f}")
         lines.append(f"held-out {label} " + "   ".join(parts))
+    lines.append(f"warm start {g.get('warm_start/hash')} ({gate_line(g)}); machine {g.get('machine/cpu')}, "
+                 f"{g.get('machine/torch_threads')} torch thread(s), {g.get('machine/device')}")
     if g.get("mlflow/run_id"):
         lines.append(f"MLflow run {g['mlflow/run_id']} at {g['mlflow/uri']}  (make ui)")
     lines.append(f"run directory {run_dir} (metrics.json, episodes_before.jsonl, episodes_after.jsonl)")
@@ -128,6 +141,7 @@ def train(cfg: Any, run_dir: str | Path | None = None) -> float:
     from musique_rl.models import load_model, process_state
     from musique_rl.retrieval import build_retriever
     from musique_rl.trainer import build_trainer, last_checkpoint
+    from musique_rl.warm_start import provenance
 
     t0 = time.time()
     logging.getLogger("bm25s").setLevel(logging.WARNING)  # one DEBUG line per indexed record otherwise
@@ -144,6 +158,7 @@ def train(cfg: Any, run_dir: str | Path | None = None) -> float:
     if cfg.env.eval_data:
         eval_records = data.load_records(cfg.env.eval_data, cfg.env, int(cfg.seed))[: int(cfg.train.eval_episodes)]
     log.info("records: %d train, %d held-out", len(records), len(eval_records))
+    origin = provenance(cfg)  # builds the tiny warm start first if it is neither shipped nor cached
     model, tokenizer = load_model(cfg)
     retriever = build_retriever(cfg.env, records + eval_records)
     by_id = {r["id"]: r for r in records}
@@ -173,6 +188,8 @@ def train(cfg: Any, run_dir: str | Path | None = None) -> float:
 
         instruments = Instruments.from_config(cfg, tokenizer=tokenizer)
     tracker = tracking.active()
+    if tracker is not None:
+        tracking.tag_provenance(tracker, origin)
     callbacks = [tracker.callback()] if tracker is not None else []
     ckpt_dir = out_dir / "checkpoints"
     trainer = build_trainer(
@@ -187,6 +204,7 @@ def train(cfg: Any, run_dir: str | Path | None = None) -> float:
 
     summary = summarise(reward_curve(trainer.state.log_history), before, after, before_g, after_g)
     summary["time/seconds"] = round(time.time() - t0, 1)
+    summary.update(origin)
     if tracker is not None:
         summary["mlflow/run_id"] = tracker.run_id
         summary["mlflow/uri"] = tracker.uri

@@ -57,8 +57,8 @@ def compose_cfg(overrides: list[str] | None = None):
         return compose(config_name="train", overrides=list(overrides or []))
 
 
-# Small data and no tracking for tests; the model settings stay the defaults so the warm-started
-# tiny model built here is the one `python -m musique_rl` uses (cached under model.tiny.cache_dir).
+# Small data and no tracking for tests; the model settings stay the defaults so the tests load the
+# warm start `python -m musique_rl` uses (the one shipped in musique_rl/warm_starts/).
 TEST_OVERRIDES = [
     "env.synthetic.num_train=200",
     "env.synthetic.num_eval=40",
@@ -78,10 +78,12 @@ def tiny_cfg():
 
 @pytest.fixture(scope="session")
 def warm_tiny(tiny_cfg):
-    """(model, tokenizer) of the warm-started default tiny model (built once, then cached on disk).
+    """(model, tokenizer) of the default tiny model's warm start (shipped in musique_rl/warm_starts/).
     Tests must not modify it: deep-copy the model before training it."""
     from musique_rl.models import load_model
+    from musique_rl.warm_start import ensure
 
+    ensure(tiny_cfg)
     return load_model(tiny_cfg)
 
 

@@ -30,6 +30,16 @@ def test_upstream_launch_is_the_version_we_mirror():
     assert hashlib.sha256(src.encode()).hexdigest()[:16] == "546875669010f80d"
 
 
+@pytest.fixture(autouse=True)
+def no_cluster_here(monkeypatch):
+    """The sbatch script and the executor's parameters are made without a cluster. submitit's
+    SlurmExecutor refuses to start where ``srun`` is not on PATH (a bare machine, CI); that check
+    guards submission, which these tests never reach (the slow tests submit to a real SLURM)."""
+    from submitit.slurm.slurm import SlurmExecutor
+
+    monkeypatch.setattr(SlurmExecutor, "affinity", classmethod(lambda cls: 2))
+
+
 def sbatch_script(tmp_path: Path, overrides: list[str], n_jobs: int = 6) -> str:
     from hydra_plugins.musique_rl_launchers.launchers import SlurmLauncher
 

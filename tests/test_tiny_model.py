@@ -1,21 +1,21 @@
-"""The embedded tiny model: its tokenizer, chat template, cache, and a warm start RL can improve."""
+"""The embedded tiny model: its tokenizer, chat template, the shipped warm start and its quality gate."""
 
 from __future__ import annotations
 
 import copy
 import json
 import time
-from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
-from musique_rl import prompts, tiny_model
-from musique_rl.rewards import n_hops, score_episode, total
+from musique_rl import policies, prompts, tiny_model, warm_start
+from musique_rl.rewards import score_episode
 
 
 def test_tokenizer_reloads_exactly_and_keeps_its_pre_tokenizer(raw_tiny, tmp_path):
-    """FIELD-NOTES: AutoTokenizer on a dir with a qwen2 config.json returned Qwen2Tokenizer and
+    """docs/warm_start.md: AutoTokenizer on a dir with a qwen2 config.json returned Qwen2Tokenizer and
     silently replaced the custom pre-tokenizer. The tokenizer lives in its own directory and is
     loaded explicitly; it must encode exactly as the one that was built."""
     from transformers import PreTrainedTokenizerFast
@@ -29,7 +29,7 @@ def test_tokenizer_reloads_exactly_and_keeps_its_pre_tokenizer(raw_tiny, tmp_pat
     assert again.chat_template == tok.chat_template == tiny_model.chat_template()
     assert again.eos_token == "<|im_end|>" and again.pad_token == "<|endoftext|>"
     assert [again.decode([i]) for i in again.encode("ID: 13")][-2:] == ["1", "3"]  # digits one by one
-    final = tiny_model.final_text(["Kalon"], ["3"], "Kalon")
+    final = policies.noisy_final_text(["Kalon"], ["3"], "Kalon")
     assert again.decode(again.encode(final), skip_special_tokens=True) == final  # tags are not special
 
 
@@ -44,8 +44,8 @@ def test_a_name_is_one_token_the_same_wherever_it_appears(raw_tiny):
     for text in (
         f"Question: Who is the boss of the mother of {b}?",
         f"# {b}\nThe boss of {b} is {a}.",
-        tiny_model.tool_call_text(f"Who is the boss of {b}?"),
-        tiny_model.final_text([a, b], ["3"], b),
+        policies.tool_call_text("retrieve_documents", {"query": f"Who is the boss of {b}?"}, "hermes"),
+        policies.noisy_final_text([a, b], ["3"], b),
     ):
         ids = tok.encode(text, add_special_tokens=False)
         assert name[0] in ids, text
@@ -55,7 +55,7 @@ def test_warm_start_rows_are_the_chat_template_token_for_token(raw_tiny):
     _, tok, _, episodes, envs = raw_tiny
     assert {bool(e.supporting_in_prompt) for e in envs} == {True, False}  # both task forms are taught
     for messages, env in list(zip(episodes, envs, strict=True))[:40]:
-        ids, mask = tiny_model.episode_tokens(tok, env, messages)
+        ids, mask = warm_start.episode_tokens(tok, env, messages)
         full = list(tok.apply_chat_template(messages, tools=prompts.tool_schemas(env) or None, tokenize=True, return_dict=False))
         assert full[: len(ids)] == ids and len(mask) == len(ids)
         trained = tok.decode([t for t, m in zip(ids, mask, strict=True) if m])
@@ -72,48 +72,114 @@ def test_noisy_oracle_takes_context_dependent_wrong_decisions(raw_tiny):
     assert 0.35 < 1 - float(np.mean(em)) < 0.65 and min(fmt) == 1.0
 
 
-def test_cache_key_follows_the_build_inputs_not_the_seed(tiny_cfg):
-    key = tiny_model.cache_key(tiny_cfg)
+def test_build_key_follows_the_build_inputs_not_the_seed(tiny_cfg, monkeypatch):
+    key = tiny_model.build_key(tiny_cfg)
     other = copy.deepcopy(tiny_cfg)
     other.seed = 7
-    assert tiny_model.cache_key(other) == key
+    other.env.synthetic.num_train = 31  # the run's data size is not a build input
+    assert tiny_model.build_key(other) == key
     other.model.tiny.sft_noise = 0.3
-    assert tiny_model.cache_key(other) != key
+    assert tiny_model.build_key(other) != key
+    # what the SFT data says is a build input, whichever code path changes it
+    monkeypatch.setattr(prompts, "SYSTEM_PROMPT", prompts.SYSTEM_PROMPT + " Be brief.")
+    assert tiny_model.build_key(tiny_cfg) != key
 
 
-def test_second_load_uses_the_cache(tiny_cfg, warm_tiny):
-    path = Path(str(tiny_cfg.model.tiny.cache_dir)).expanduser() / f"tiny-{tiny_model.cache_key(tiny_cfg)}"
-    stamp = (path / "build.json").stat().st_mtime
-    t = time.time()
-    model, tok = tiny_model.load_tiny(tiny_cfg)
-    assert time.time() - t < 15 and (path / "build.json").stat().st_mtime == stamp
+def test_the_default_warm_start_is_shipped_gated_and_unaltered(tiny_cfg):
+    """A fresh machine trains from the committed warm start, never from a local build: its key
+    matches the current code and defaults, it passed the gate, and its weights are the gated ones.
+    Failing here after a change to prompts, tools, the template or model.tiny means: rebuild with
+    `make warm-start` and commit musique_rl/warm_starts/."""
+    key = tiny_model.build_key(tiny_cfg)
+    path = tiny_model.locate(tiny_cfg, key)
+    assert path is not None and path.parent == tiny_model.SHIPPED_DIR, (
+        f"no shipped warm start tiny-{key}: run `make warm-start` and commit musique_rl/warm_starts/"
+    )
     report = json.loads((path / "build.json").read_text())
-    assert report["sft_steps"] > 0 and report["params"] == sum(p.numel() for p in model.parameters())
+    assert report["gate_passed"] and warm_start.gate_failures(report["gate"], report["gate_shapes"]) == []
+    assert set(report["gate"]) == {"tool", "single_step"}  # both episode shapes (h07) are measured
+    assert tiny_model.weights_hash(path) == report["weights_hash"]
+    assert sorted(p.name for p in tiny_model.SHIPPED_DIR.glob("tiny-*")) == [path.name]  # no stale copies
+
+
+def test_loading_the_shipped_warm_start_builds_nothing(tiny_cfg, warm_tiny, tmp_path, monkeypatch):
+    cfg = copy.deepcopy(tiny_cfg)
+    cfg.model.tiny.cache_dir = str(tmp_path)  # an empty cache: a bare machine
+    monkeypatch.setattr(warm_start, "build", lambda *a: pytest.fail("a shipped warm start must not be rebuilt"))
+    t = time.time()
+    path = warm_start.ensure(cfg)
+    model, tok = tiny_model.load_tiny(path)
+    assert time.time() - t < 15 and not list(tmp_path.iterdir())
     x = torch.tensor([tok.encode("Question: Who is")])
     assert torch.equal(model(input_ids=x).logits, warm_tiny[0](input_ids=x).logits)
 
 
 def test_warm_start_is_decent_but_improvable(tiny_cfg, warm_tiny):
-    """What GRPO needs (FIELD-NOTES): a baseline like the seeds' 0.6, and choices the policy
-    already samples: pass@8 well above pass@1 on held-out questions."""
+    """Re-measured here, on this machine, on a world and questions the gate did not see (seed 3):
+    a baseline like the seeds' 0.6, and choices the policy already samples (pass@8 well above
+    pass@1), in the shape every gated run trains (with the tool)."""
     from musique_rl.data import load_records
-    from musique_rl.rollout import run_model_episodes
 
     model, tok = warm_tiny
-    recs = load_records(tiny_cfg.env.eval_data, tiny_cfg.env, 1)[:16]
-    torch.manual_seed(0)
-    eps = run_model_episodes(tiny_cfg, recs * 8, model=model, tokenizer=tok)
-    rows = [score_episode(r, e["messages"]) for r, e in zip(recs * 8, eps, strict=True)]
-    reward = float(np.mean([total(c, n_hops(r), tiny_cfg.reward) for c, r in zip(rows, recs * 8, strict=True)]))
-    em = np.array([c["answer_em"] for c in rows]).reshape(8, len(recs))
-    pass1, pass8 = float(em.mean()), float(em.max(axis=0).mean())
-    assert 0.35 < reward < 0.85, reward
-    assert pass8 > pass1 + 0.2, (pass1, pass8)
+    recs = load_records(tiny_cfg.env.eval_data, tiny_cfg.env, 3)[:16]
+    n = warm_start.measure(tiny_cfg, model, tok, recs)["tool"]
+    assert 0.30 <= n["sampled_em"] <= 0.80, n
+    assert n["greedy_em"] >= 0.65, n
+    assert n["pass8"] >= n["sampled_em"] + 0.2, n
 
 
-def test_concurrent_loads_build_once(tiny_cfg, raw_tiny, tmp_path, monkeypatch):
-    """Jobs of a sweep start together on a fresh machine: one builds the warm start, the others wait
-    for it and load the result (a lock beside the cache), instead of all training the same model."""
+def test_a_run_refuses_a_shape_whose_gate_failed(tiny_cfg, warm_tiny):
+    """Every shape is measured and recorded; a job on a shape the shipped start did not pass
+    (single-step, h07's treatment, on the tiny model) stops with the numbers instead of training."""
+    cfg = copy.deepcopy(tiny_cfg)
+    report = json.loads((tiny_model.locate(cfg) / "build.json").read_text())
+    assert set(report["shape_passed"]) == {"tool", "single_step"} and report["shape_passed"]["tool"]
+    assert warm_start.provenance(cfg)["warm_start/hash"] == report["weights_hash"]
+    cfg.env.supporting_in_prompt = True
+    if report["shape_passed"]["single_step"]:
+        assert warm_start.provenance(cfg)["warm_start/hash"] == report["weights_hash"]
+    else:
+        with pytest.raises(warm_start.WarmStartGateError, match="'single_step' episodes"):
+            warm_start.provenance(cfg)
+
+
+def test_gate_names_each_failing_criterion():
+    ok = {"sampled_em": 0.55, "pass8": 0.95, "greedy_em": 0.9}
+    assert warm_start.gate_failures({"tool": ok, "single_step": ok}) == []
+    bad = warm_start.gate_failures({"tool": {"sampled_em": 0.22, "pass8": 0.4, "greedy_em": 0.22}, "single_step": ok})
+    assert bad == [
+        "tool: sampled answer EM 0.220 outside [0.4, 0.7]",
+        "tool: greedy answer EM 0.220 < 0.8",
+        "tool: pass@8 0.400 < pass@1 0.220 + 0.3",
+    ]
+    assert warm_start.gate_failures({"single_step": {**ok, "sampled_em": 0.9, "pass8": 1.0}})[0].startswith(
+        "single_step: sampled answer EM 0.900 outside")
+
+
+def test_a_warm_start_that_fails_its_gate_raises_with_the_numbers_and_saves_nothing(tiny_cfg, tmp_path, monkeypatch):
+    """The machine-dependent weak start of the last release (sampled 0.22 / greedy 0.22) must stop
+    the build loudly after the allowed extra rounds, never reach training."""
+    cfg = copy.deepcopy(tiny_cfg)
+    cfg.model.tiny.sft_records = 40
+    cfg.model.tiny.sft_max_rounds = 2
+    stages = []
+    monkeypatch.setattr(warm_start, "sft", lambda *a, **k: stages.append(k) or {"steps": 0})
+    weak = {"sampled_em": 0.22, "pass8": 0.4, "greedy_em": 0.22}
+    monkeypatch.setattr(warm_start, "measure", lambda *a, **k: {"tool": weak, "single_step": weak})
+    monkeypatch.setattr(tiny_model, "SHIPPED_DIR", tmp_path / "shipped")
+    cfg.model.tiny.cache_dir = str(tmp_path / "cache")
+    with pytest.raises(warm_start.WarmStartGateError, match=r"greedy answer EM 0.220 < 0.8.*Numbers per round"):
+        warm_start.ensure(cfg)
+    scale = float(cfg.model.tiny.sft_extra_lr_scale)
+    assert len(stages) == 3 and [s["lr"] for s in stages[1:]] == [stages[0]["lr"] * scale] * 2
+    assert tiny_model.locate(cfg) is None  # nothing a job could load
+    kept = list((tmp_path / "cache").glob("tiny-*.failed"))  # the weak model is kept for inspection
+    assert len(kept) == 1 and not json.loads((kept[0] / "build.json").read_text())["gate_passed"]
+
+
+def test_concurrent_jobs_build_a_missing_warm_start_once(tiny_cfg, raw_tiny, tmp_path, monkeypatch):
+    """Jobs of a sweep with non-default model.tiny settings start together: one builds the warm
+    start into the cache, the others wait on the lock beside it and use the result."""
     import threading
 
     calls = []
@@ -121,23 +187,30 @@ def test_concurrent_loads_build_once(tiny_cfg, raw_tiny, tmp_path, monkeypatch):
     def fake_build(cfg, out):  # the real build takes minutes; its output layout is what matters
         calls.append(out)
         time.sleep(1.0)
-        raw_tiny[1].save_pretrained(str(out / "tokenizer"))
-        raw_tiny[0].save_pretrained(str(out / "model"))
+        out.mkdir(parents=True)
         (out / "build.json").write_text("{}")
+        return {}
 
-    monkeypatch.setattr(tiny_model, "_build", fake_build)
-    # transformers' from_pretrained patches torch's init functions process-wide while it loads, so
-    # concurrent loads in threads would corrupt them for later tests (jobs are processes, not threads)
-    from transformers import Qwen2ForCausalLM
-
-    monkeypatch.setattr(Qwen2ForCausalLM, "from_pretrained", classmethod(lambda cls, path: raw_tiny[0]))
+    monkeypatch.setattr(warm_start, "build", fake_build)
+    monkeypatch.setattr(tiny_model, "SHIPPED_DIR", tmp_path / "shipped")  # nothing shipped for these settings
     cfg = copy.deepcopy(tiny_cfg)
-    cfg.model.tiny.cache_dir = str(tmp_path)
+    cfg.model.tiny.cache_dir = str(tmp_path / "cache")
     results = []
-    threads = [threading.Thread(target=lambda: results.append(tiny_model.load_tiny(cfg))) for _ in range(3)]
+    threads = [threading.Thread(target=lambda: results.append(warm_start.ensure(cfg))) for _ in range(3)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert len(calls) == 1 and len(results) == 3
-    assert not list(tmp_path.glob(".building-*"))  # the build dir was renamed into place
+    assert len(calls) == 1 and len(results) == 3 and len(set(results)) == 1
+    assert results[0].parent == tmp_path / "cache" and (results[0] / "build.json").exists()
+    assert not list((tmp_path / "cache").glob(".building-*"))  # the build dir was renamed into place
+
+
+@pytest.mark.slow
+def test_two_builds_on_one_machine_give_the_same_weights(tiny_cfg, tmp_path):
+    """The build is deterministic on one machine (one thread, deterministic kernels, fixed seeds),
+    and a rebuild passes the gate: `make warm-start` reproduces what is shipped, on this kind of CPU."""
+    a = warm_start.build(tiny_cfg, tmp_path / "a" / "tiny-x")
+    b = warm_start.build(tiny_cfg, tmp_path / "b" / "tiny-x")
+    assert a["gate_passed"] and b["gate_passed"]
+    assert a["weights_hash"] == b["weights_hash"] and a["gate"] == b["gate"]
