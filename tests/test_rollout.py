@@ -69,7 +69,10 @@ def _check_token_exact(ep, tok, tools):
     full = list(tok.apply_chat_template(ep.messages, tools=tools, tokenize=True, return_dict=False))
     ids = ep.prompt_ids + ep.completion_ids
     assert full[: len(ids)] == ids
-    assert tok.decode(full[len(ids) :]).strip() == ""  # the template only adds a newline after the last eos
+    # The template only adds a newline after the last eos. A last turn cut by a token budget was
+    # never closed by the sampler: the template closes it, the rollout trains on what was sampled.
+    cut = ep.stop_reason in ("turn_budget", "episode_budget") and ep.completion_ids[-1] != tok.eos_token_id
+    assert tok.decode(full[len(ids) :]).strip() == (tok.eos_token if cut else "")
     assert len(ep.env_mask) == len(ep.completion_ids) == len(ep.logprobs) == len(ep.sources)
     runs, start = [], None
     for i, m in enumerate([*ep.env_mask, 0]):
@@ -81,8 +84,9 @@ def _check_token_exact(ep, tok, tools):
     turns = [m["content"] for m in ep.messages if m["role"] == "assistant"]
     assert len(runs) == len(turns) == ep.num_turns
     header = tok.encode("<|im_start|>assistant\n", add_special_tokens=False)
-    for (a, b), content in zip(runs, turns, strict=True):
-        assert tok.decode(ep.completion_ids[a:b]) == content + tok.eos_token
+    for k, ((a, b), content) in enumerate(zip(runs, turns, strict=True)):
+        closed = not (cut and k == len(turns) - 1)
+        assert tok.decode(ep.completion_ids[a:b]) == content + (tok.eos_token if closed else "")
         before = (ep.prompt_ids + ep.completion_ids)[len(ep.prompt_ids) + a - len(header) : len(ep.prompt_ids) + a]
         assert before == header
         assert set(ep.sources[a:b]) == {"assistant"}
