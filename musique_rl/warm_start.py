@@ -153,7 +153,8 @@ def gate_records(cfg: Any) -> list[dict]:
                             num_paragraphs=int(syn.num_paragraphs))
 
 
-def measure(cfg: Any, model: Any, tokenizer: Any, records: list[dict] | None = None) -> dict[str, dict[str, float]]:
+def measure(cfg: Any, model: Any, tokenizer: Any, records: list[dict] | None = None,
+            shapes: Any = tuple(SHAPES)) -> dict[str, dict[str, float]]:
     """Per shape: sampled answer EM (pass@1, at ``train.temperature``), pass@8 and greedy answer EM."""
     import torch
 
@@ -162,7 +163,8 @@ def measure(cfg: Any, model: Any, tokenizer: Any, records: list[dict] | None = N
 
     records = records or gate_records(cfg)
     out = {}
-    for shape, single in SHAPES.items():
+    for shape in shapes:
+        single = SHAPES[shape]
         shape_cfg = OmegaConf.merge(cfg, {"env": {"supporting_in_prompt": single}})
         torch.manual_seed(0)
         sampled = run_model_episodes(shape_cfg, records * GATE_SAMPLES, model=model, tokenizer=tokenizer,

@@ -122,7 +122,7 @@ def test_warm_start_is_decent_but_improvable(tiny_cfg, warm_tiny):
 
     model, tok = warm_tiny
     recs = load_records(tiny_cfg.env.eval_data, tiny_cfg.env, 3)[:16]
-    n = warm_start.measure(tiny_cfg, model, tok, recs)["tool"]
+    n = warm_start.measure(tiny_cfg, model, tok, recs, shapes=["tool"])["tool"]
     assert 0.30 <= n["sampled_em"] <= 0.80, n
     assert n["greedy_em"] >= 0.65, n
     assert n["pass8"] >= n["sampled_em"] + 0.2, n
