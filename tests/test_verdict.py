@@ -158,7 +158,63 @@ def test_runs_from_several_commits_or_a_dirty_tree_are_pointed_out_without_overr
     assert "1 run(s) ran with uncommitted changes (control/seed 1)" in " ".join(v["notes"])
 
 
+def test_runs_from_different_warm_starts_are_confounded_and_the_hashes_named():
+    s = sweep(H_DOWN, {1: 0.50, 2: 0.55, 3: 0.45}, {1: 0.40, 2: 0.46, 3: 0.33})
+    for r in s.runs:
+        r.warm_start, r.machine = "3f2a9c1b0d4e", "AMD EPYC 7B13 | 1 threads | cpu"
+    clean = V.judge(s)
+    assert clean["status"] == "Validated" and clean["warm_start"] == ["3f2a9c1b0d4e"] and clean["confounds"] == []
+    s.runs[4].warm_start = "77aa00bb11cc"  # treatment/seed 2 started from other weights
+    v = V.judge(s)
+    assert v["status"] == "Inconclusive" and v["confidence"] == 0.0
+    assert v["warm_start"] == ["3f2a9c1b0d4e", "77aa00bb11cc"]
+    assert v["confounds"] == ["the runs start from different warm starts: 3f2a9c1b0d4e (control/seed 1, control/seed 2, "
+                              "control/seed 3, treatment/seed 1, treatment/seed 3); 77aa00bb11cc (treatment/seed 2)"]
+    assert v["notes"][0].startswith("Confounded") and "would have said Validated" in v["notes"][0]
+    row = V.table_row(v)["notes"]
+    assert row.startswith("CONFOUNDED: the runs start from different warm starts") and "warm starts 3f2a9c1b0d4e, 77aa00bb11cc" in row
+
+
+def test_a_failed_run_on_other_weights_does_not_confound_the_pairs_it_is_not_in():
+    s = sweep(H_DOWN, {1: 0.50, 2: 0.55, 3: 0.45}, {1: 0.40, 2: 0.46, 3: None})
+    for r in s.runs:
+        r.warm_start = "77aa00bb11cc" if r.value is None else "3f2a9c1b0d4e"
+    v = V.judge(s)
+    assert v["confounds"] == [] and v["warm_start"] == ["3f2a9c1b0d4e"]
+
+
+def test_several_machines_and_unknown_provenance_are_noted_not_confounded():
+    s = sweep(H_DOWN, {1: 0.50, 2: 0.55, 3: 0.45}, {1: 0.40, 2: 0.46, 3: 0.33})
+    for r in s.runs:
+        r.warm_start, r.machine = "3f2a9c1b0d4e", "AMD EPYC 7B13 | 1 threads | cpu"
+    s.runs[3].machine = "Intel Xeon | 2 threads | cpu"
+    s.runs[5].warm_start = s.runs[5].machine = "unknown"
+    v = V.judge(s)
+    assert v["status"] == "Validated" and v["confounds"] == []
+    assert v["machine"] == ["AMD EPYC 7B13 | 1 threads | cpu", "Intel Xeon | 2 threads | cpu", "unknown"]
+    notes = " ".join(v["notes"])
+    assert "the runs ran on 2 machines" in notes and "Intel Xeon | 2 threads | cpu: treatment/seed 1" in notes
+    assert "1 of 6 runs record no warm-start hash (treatment/seed 3)" in notes
+
+
+def test_readme_row_names_warm_start_machine_and_commit():
+    s = sweep(H_DOWN, {1: 0.50, 2: 0.55, 3: 0.45}, {1: 0.40, 2: 0.46, 3: 0.33})
+    for r in s.runs:
+        r.warm_start, r.machine, r.code = "3f2a9c1b0d4e", "AMD EPYC 7B13 | 1 threads | cpu", "25917a6" + "0" * 33
+    v = V.judge(s)
+    assert v["commits"] == ["25917a6"]
+    row = V.table_row(v)["notes"]
+    assert "; warm start 3f2a9c1b0d4e; AMD EPYC 7B13 x1 thread, cpu; commit 25917a6;" in row
+    assert "95% t-interval" in row and "sign-flip p 0.25" in row
+    bare = V.table_row(V.judge(sweep(H_DOWN, {1: 0.5, 2: 0.5}, {1: 0.4, 2: 0.4})))["notes"]
+    assert "; warm start unknown; unknown machine; commit unknown;" in bare
+
+
 # ---------------------------------------------------------------- multirun directories
+PROVENANCE = {"warm_start/hash": "3f2a9c1b0d4e", "machine/cpu": "AMD EPYC 7B13", "machine/torch_threads": 1,
+              "machine/device": "cpu", "machine/torch": "2.13.0"}
+
+
 def make_job(sweep_dir: Path, num: int, hyp: str, arm: str, seed: int, metrics: dict | None):
     job = sweep_dir / str(num)
     (job / ".hydra").mkdir(parents=True)
@@ -182,18 +238,22 @@ def multirun(tmp_path):
               ("treatment", 4): 0.12}
     num = 0
     for (arm, seed), val in values.items():
-        make_job(d, num, "h02", arm, seed, {"train/reward_gain": val, "train/reward_start": 0.5})
+        make_job(d, num, "h02", arm, seed, {"train/reward_gain": val, "train/reward_start": 0.5, **PROVENANCE})
         num += 1
     failed = make_job(d, num, "h02", "treatment", 5, None)  # started, never wrote metrics
     (failed / "traceback.txt").write_text("Traceback (most recent call last):\nRuntimeError: CUDA out of memory\n")
     return d
 
 
-def test_multirun_directory_is_read_with_grid_and_failure_reason(multirun):
+def test_multirun_directory_is_read_with_grid_failure_reason_and_provenance(multirun):
     s = V.load_multirun(multirun)
     assert s.hypothesis.id == "h02" and s.seeds == [1, 2, 3, 4, 5]
+    finished = [r for r in s.runs if r.usable]
+    assert {(r.warm_start, r.machine) for r in finished} == {("3f2a9c1b0d4e", "AMD EPYC 7B13 | 1 threads | cpu")}
+    assert [(r.warm_start, r.machine) for r in s.runs if not r.usable] == [("unknown", "unknown")]
     v = V.judge(s)
     assert v["n_pairs"] == 4 and v["status"] == "Validated"
+    assert v["warm_start"] == ["3f2a9c1b0d4e"] and v["machine"] == ["AMD EPYC 7B13 | 1 threads | cpu"]
     assert v["missing"][0]["arm"] == "treatment" and v["missing"][0]["seed"] == 5
     assert v["missing"][0]["reason"] == "RuntimeError: CUDA out of memory"
 
@@ -213,6 +273,15 @@ def test_cut_off_metrics_file_is_named_and_the_other_jobs_still_read(tmp_path):
     s = V.load_multirun(d)
     assert s.runs[0].usable and s.runs[1].status == "FAILED"
     assert str(bad / "metrics.json") in s.runs[1].reason and "not valid JSON" in s.runs[1].reason
+
+
+def test_provenance_prefers_the_job_dir_over_mlflow_tags():
+    from musique_rl.verdict.load import provenance
+
+    tags = {"warm_start_hash": "aaaaaaaaaaaa", "machine": "Tagged CPU | 4 threads | cpu"}
+    assert provenance(PROVENANCE, tags) == ("3f2a9c1b0d4e", "AMD EPYC 7B13 | 1 threads | cpu")
+    assert provenance({"train/reward_gain": 0.1}, tags) == ("aaaaaaaaaaaa", "Tagged CPU | 4 threads | cpu")
+    assert provenance(None, None) == ("unknown", "unknown")
 
 
 def test_swept_values_come_from_hydras_override_parser():
@@ -243,9 +312,11 @@ def test_cli_writes_verdict_json_and_only_the_readme_section(multirun, tmp_path,
     assert sum(line.startswith("| h0") for line in section.splitlines()) == 8  # every hypothesis has a row
     assert "| h02 Environment tokens in the loss | high | Validated |" in section
     assert "missing treatment/seed 5 (FAILED)" in section
+    assert "warm start 3f2a9c1b0d4e; AMD EPYC 7B13 x1 thread, cpu; commit unknown" in section  # files carry no commit
     data = json.loads((multirun / "verdict.json").read_text())
     assert data["status"] == "Validated" and data["n_pairs"] == 4 and data["status_table"] in text
     assert data["interval"] == "t" and data["t_df"] == 3 and data["sign_flip_p"] == pytest.approx(2 / 16)
+    assert data["warm_start"] == ["3f2a9c1b0d4e"] and data["machine"] == ["AMD EPYC 7B13 | 1 threads | cpu"]
     assert (multirun / "status.md").read_text().strip() in text
 
     # a later verdict on another hypothesis keeps this row
@@ -267,6 +338,7 @@ def test_python_dash_m_judges_a_sweep_directory_end_to_end(multirun, tmp_path):
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "h02 Environment tokens in the loss: Validated" in proc.stdout
+    assert "warm start 3f2a9c1b0d4e; AMD EPYC 7B13 x1 thread, cpu" in proc.stdout
     assert json.loads((multirun / "verdict.json").read_text())["status"] == "Validated"
     assert not (tmp_path / "none.db").exists()  # a missing store is not created by looking for runs
 
@@ -297,7 +369,9 @@ def test_mlflow_runs_are_judged_and_the_verdict_attached_to_the_parent(tmp_path,
         for arm, seed, val, status in [("control", 1, 0.10, "FINISHED"), ("treatment", 1, 0.20, "FINISHED"),
                                        ("control", 2, 0.12, "FINISHED"), ("treatment", 2, 0.21, "FINISHED"),
                                        ("control", 3, 0.11, "FINISHED"), ("treatment", 3, None, "FAILED")]:
-            tags = {V.TAG_SWEEP: sid, V.TAG_HYPOTHESIS: "h01", V.TAG_ARM: arm, V.TAG_SEED: str(seed)}
+            tags = {V.TAG_SWEEP: sid, V.TAG_HYPOTHESIS: "h01", V.TAG_ARM: arm, V.TAG_SEED: str(seed),
+                    "git_commit": "25917a6" + "0" * 33, "git_dirty": "false",
+                    V.TAG_WARM_START: "3f2a9c1b0d4e", V.TAG_MACHINE: "AMD EPYC 7B13 | 1 threads | cpu"}
             with mlflow.start_run(nested=True, tags=tags) as child:
                 if val is not None:
                     mlflow.log_metric("train/reward_gain", val)
@@ -307,6 +381,9 @@ def test_mlflow_runs_are_judged_and_the_verdict_attached_to_the_parent(tmp_path,
     assert v["source"]["kind"] == "mlflow" and v["source"]["parent_run_id"] == parent.info.run_id
     assert v["status"] == "Validated" and v["n_pairs"] == 2
     assert v["missing"][0]["status"] == "FAILED" and v["missing"][0]["seed"] == 3
+    assert v["warm_start"] == ["3f2a9c1b0d4e"] and v["machine"] == ["AMD EPYC 7B13 | 1 threads | cpu"]
+    assert v["commits"] == ["25917a6"]
+    assert "warm start 3f2a9c1b0d4e; AMD EPYC 7B13 x1 thread, cpu; commit 25917a6" in V.table_row(v)["notes"]
     client = mlflow.tracking.MlflowClient(tracking_uri=uri)
     assert {a.path for a in client.list_artifacts(parent.info.run_id)} == {"verdict.json", "status.md"}
     assert client.get_run(parent.info.run_id).data.tags["verdict"] == "Validated"

@@ -2,7 +2,7 @@
 
 One module per job:
   stats.py     the decision rule: t-interval, sign-flip test, status, confidence (pure functions)
-  design.py    is the comparison fair: config, code
+  design.py    is the comparison fair: config, warm start, code, machine
   judge.py     a sweep's runs -> the verdict as plain data (verdict.json)
   load.py      reading a sweep: MLflow runs or a Hydra multirun directory
   publish.py   verdict.json, status.md, README's status table, the MLflow parent run
@@ -17,10 +17,12 @@ from musique_rl.verdict.judge import judge
 from musique_rl.verdict.load import (
     TAG_ARM,
     TAG_HYPOTHESIS,
+    TAG_MACHINE,
     TAG_PARENT,
     TAG_SEED,
     TAG_SWEEP,
     TAG_SWEEP_PARENT,
+    TAG_WARM_START,
     load_hypothesis_file,
     load_mlflow,
     load_multirun,
@@ -40,8 +42,8 @@ from musique_rl.verdict.sweep import ARMS, HYPOTHESIS_DIR, README, Hypothesis, R
 
 __all__ = [
     "ARMS", "HYPOTHESIS_DIR", "Hypothesis", "MARK_END", "MARK_START", "README", "Run", "Sweep", "TAG_ARM",
-    "TAG_HYPOTHESIS", "TAG_PARENT", "TAG_SEED", "TAG_SWEEP", "TAG_SWEEP_PARENT", "VerdictCallback",
-    "VerdictError", "code_notes", "decide", "design_check", "judge", "load_hypothesis_file",
-    "load_mlflow", "load_multirun", "load_sweep", "main", "publish", "report", "run_verdict",
-    "sign_flip_test", "status_table", "t_interval", "table_row", "update_readme",
+    "TAG_HYPOTHESIS", "TAG_MACHINE", "TAG_PARENT", "TAG_SEED", "TAG_SWEEP", "TAG_SWEEP_PARENT",
+    "TAG_WARM_START", "VerdictCallback", "VerdictError", "code_notes", "decide", "design_check", "judge",
+    "load_hypothesis_file", "load_mlflow", "load_multirun", "load_sweep", "main", "publish", "report",
+    "run_verdict", "sign_flip_test", "status_table", "t_interval", "table_row", "update_readme",
 ]

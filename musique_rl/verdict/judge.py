@@ -57,6 +57,10 @@ def judge(sweep: Sweep, *, level: float = 0.95) -> dict[str, Any]:
         arm_means[arm] = {"mean": float(np.mean(vals)) if vals else None, "n": len(vals)}
 
     differ, confounds = design.design_check(runs)
+    warm_starts, warm_confound, warm_notes = design.warm_start_check(runs)
+    machines, machine_notes = design.machine_notes(runs)
+    if warm_confound:
+        confounds.append(warm_confound)
 
     notes: list[str] = []
     verdict: dict[str, Any] = {
@@ -79,6 +83,9 @@ def judge(sweep: Sweep, *, level: float = 0.95) -> dict[str, Any]:
         "arm_means": arm_means,
         "arms_differ_in": differ,
         "confounds": confounds,
+        "warm_start": warm_starts,
+        "machine": machines,
+        "commits": design.commits(runs),
         "source": sweep.source,
         "generated_at": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "notes": notes,
@@ -94,7 +101,7 @@ def judge(sweep: Sweep, *, level: float = 0.95) -> dict[str, Any]:
         notes.append(f"duplicate runs for {', '.join(sorted(set(duplicates)))}: kept the one with a value (the last seen)")
     if differ:
         notes.append("arms differ in " + ", ".join(f"{k} ({c} vs {t})" for k, (c, t) in differ.items()))
-    notes.extend(design.code_notes(runs))
+    notes.extend(design.code_notes(runs) + warm_notes + machine_notes)
 
     if len(pairs) < 2:
         if len(pairs) == 1:
@@ -150,5 +157,5 @@ def _confound(verdict: dict[str, Any], numbers_say: str) -> None:
     if not confounds:
         return
     verdict["notes"].insert(0, f"Confounded ({'; '.join(confounds)}): the numbers would have said {numbers_say}; "
-                               "rerun the sweep on one configuration")
+                               "rerun the sweep on one configuration and one warm start")
     verdict.update(status="Inconclusive", confidence=0.0)

@@ -2,7 +2,10 @@
 
 Per job: the value of ``hypothesis.metric``, its state (a job that failed, was killed or never
 started is named, not dropped), its params (the flattened resolved config, for the design check),
-and the git commit it ran (MLflow tag ``git_commit``).
+and its provenance: the git commit (MLflow tag ``git_commit``), the warm-start hash and the
+machine. Provenance comes from the job directory's ``metrics.json`` first (``warm_start/hash``,
+``machine/cpu``, ``machine/torch_threads``, ``machine/device``, written by train.py), the MLflow
+tags ``warm_start_hash`` and ``machine`` as fallback, else "unknown".
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ log = logging.getLogger(__name__)
 # MLflow tags each job run carries (musique_rl/tracking.py writes them).
 TAG_HYPOTHESIS, TAG_ARM, TAG_SEED, TAG_SWEEP = "hypothesis", "arm", "seed", "sweep_id"
 TAG_PARENT, TAG_SWEEP_PARENT = "mlflow.parentRunId", "sweep_parent"  # tracking.SweepCallback's parent run
+TAG_WARM_START, TAG_MACHINE = "warm_start_hash", "machine"  # tracking.tag_provenance
 
 
 # ---------------------------------------------------------------- shared
@@ -56,6 +60,21 @@ def read_metrics(job_dir: str | Path | None) -> dict[str, Any] | None:
         return tracking.flatten(json.loads(path.read_text()))
     except json.JSONDecodeError as exc:
         raise VerdictError(f"{path} is not valid JSON ({exc}): the job was cut off while writing it?") from exc
+
+
+def machine_string(cpu: Any, threads: Any, device: Any) -> str:
+    """One machine as the MLflow tag ``machine`` spells it (tracking.tag_provenance)."""
+    return f"{cpu} | {threads} threads | {device}"
+
+
+def provenance(metrics: dict[str, Any] | None, tags: dict[str, str] | None = None) -> tuple[str, str]:
+    """(warm-start hash, machine) of one job: metrics.json first, MLflow tags second, else unknown."""
+    metrics, tags = metrics or {}, tags or {}
+    warm = metrics.get("warm_start/hash") or tags.get(TAG_WARM_START) or UNKNOWN
+    parts = [metrics.get(f"machine/{k}") for k in ("cpu", "torch_threads", "device")]
+    machine = machine_string(*("?" if p is None else p for p in parts)) if any(p is not None for p in parts) \
+        else tags.get(TAG_MACHINE) or UNKNOWN
+    return str(warm), str(machine)
 
 
 # ---------------------------------------------------------------- multirun directories
@@ -118,7 +137,8 @@ def load_multirun(sweep_dir: str | Path) -> Sweep:
             metrics, unreadable = read_metrics(job_dir), None
         except VerdictError as exc:  # one cut-off file must not hide the other jobs' evidence
             metrics, unreadable = None, str(exc)
-        run = Run(arm, seed, "FINISHED", None, str(job_dir), params=params)
+        warm, machine = provenance(metrics)
+        run = Run(arm, seed, "FINISHED", None, str(job_dir), params=params, warm_start=warm, machine=machine)
         if metrics is None:
             run.status, run.reason = "FAILED", unreadable or _read_failure(job_dir)
         elif metrics.get(hyp.metric) is None:
@@ -212,8 +232,9 @@ def _mlflow_run(r: Any, hyp: Hypothesis, sweep_ended: bool) -> Run:
         reason = f"run has no metric {hyp.metric!r}"
     sha = tags.get("git_commit")
     code = None if sha in (None, UNKNOWN) else sha + ("+dirty" if tags.get("git_dirty") == "true" else "")
+    warm, machine = provenance(metrics, tags)
     return Run(tags[TAG_ARM], int(tags[TAG_SEED]), status, value, r.info.run_id, reason,
-               params=dict(r.data.params) or None, code=code)
+               params=dict(r.data.params) or None, code=code, warm_start=warm, machine=machine)
 
 
 def load_mlflow(

@@ -2,7 +2,8 @@
 
 The README table lists every hypothesis in conf/hypothesis/ ("Not run" until judged) between
 ``<!-- verdicts:start -->`` and ``<!-- verdicts:end -->``; a verdict rewrites its own row and keeps
-the others.
+the others. Each row's notes carry what the figure depends on besides the config: the warm-start
+hash, the machine and the commit, so a row read on another machine says where it was measured.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from musique_rl.verdict.load import load_hypothesis_file
-from musique_rl.verdict.sweep import HYPOTHESIS_DIR, README, VerdictError
+from musique_rl.verdict.sweep import HYPOTHESIS_DIR, README, UNKNOWN, VerdictError
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +41,27 @@ def summary_line(v: dict[str, Any]) -> str:
     return "; ".join(parts)
 
 
+def machine_words(machine: str) -> str:
+    """"AMD EPYC 7B13 | 1 threads | cpu" -> "AMD EPYC 7B13 x1 thread, cpu" (other text unchanged)."""
+    parts = machine.split(" | ")
+    if len(parts) != 3 or not parts[1].endswith(" threads"):
+        return machine
+    threads = parts[1].removesuffix(" threads")
+    return f"{parts[0]} x{threads} thread{'' if threads == '1' else 's'}, {parts[2]}"
+
+
+def provenance_line(v: dict[str, Any]) -> str:
+    """"warm start 3f2a9c1b0d4e; AMD EPYC 7B13 x1 thread, cpu; commit 25917a6" (lists when several)."""
+    warm = v.get("warm_start") or [UNKNOWN]
+    machines = v.get("machine") or [UNKNOWN]
+    shas = v.get("commits") or [UNKNOWN]
+    return "; ".join([
+        ("warm start " if len(warm) == 1 else "warm starts ") + ", ".join(warm),
+        (UNKNOWN + " machine" if machines == [UNKNOWN] else " + ".join(machine_words(m) for m in machines)),
+        ("commit " if len(shas) == 1 else "commits ") + ", ".join(shas),
+    ])
+
+
 def table_row(v: dict[str, Any]) -> dict[str, str]:
     h = v["hypothesis"]
     where = v["source"].get("sweep_dir") or v["source"].get("sweep_id") or ""
@@ -48,6 +70,7 @@ def table_row(v: dict[str, Any]) -> dict[str, str]:
         notes = "CONFOUNDED: " + "; ".join(v["confounds"]) + "; " + notes
     if v["missing"]:
         notes += "; missing " + ", ".join(f"{m['arm']}/seed {m['seed']} ({m['status']})" for m in v["missing"])
+    notes += "; " + provenance_line(v)
     notes += f"; {where} {v['generated_at'][:10]}".rstrip()
     return {
         "hypothesis": f"{h['id']} {h['title']}".strip(),
@@ -62,7 +85,8 @@ def report(verdict: dict[str, Any]) -> str:
     """The verdict for a terminal: status line, summary, each pair, the notes."""
     h = verdict["hypothesis"]
     conf = "" if verdict["confidence"] is None else f" (confidence {verdict['confidence']:.2f})"
-    lines = [f"{h['id']} {h['title']}: {verdict['status']}{conf}", "  " + summary_line(verdict)]
+    lines = [f"{h['id']} {h['title']}: {verdict['status']}{conf}", "  " + summary_line(verdict),
+             "  " + provenance_line(verdict)]
     for p in verdict["pairs"]:
         lines.append(f"  seed {p['seed']}: control {p['control']:.4f}  treatment {p['treatment']:.4f}  diff {p['diff']:+.4f}")
     lines += [f"  note: {n}" for n in verdict["notes"]]

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 HYPOTHESIS_DIR = ROOT / "conf" / "hypothesis"
 ARMS = ("control", "treatment")
-UNKNOWN = "unknown"
+UNKNOWN = "unknown"  # a run that does not record its warm start or machine (older code)
 
 
 class VerdictError(ValueError):
@@ -50,7 +50,8 @@ class Hypothesis:
 
 @dataclass
 class Run:
-    """One job of the sweep: its arm, seed, state and (if it finished) the metric's value."""
+    """One job of the sweep: its arm, seed, state, (if it finished) the metric's value, and what
+    the value depends on besides the config: code, warm start, machine."""
 
     arm: str
     seed: int
@@ -60,6 +61,8 @@ class Run:
     reason: str = ""  # why there is no value
     params: dict[str, str] | None = None  # the flattened resolved config (None: unknown)
     code: str | None = None  # git commit the job ran, "+dirty" with uncommitted changes (None: unknown)
+    warm_start: str = UNKNOWN  # 12 hex chars of the warm start's sha256; "none" for hub models
+    machine: str = UNKNOWN  # "<cpu> | <threads> threads | <device>", as the MLflow tag `machine`
 
     @property
     def usable(self) -> bool:
