@@ -35,7 +35,7 @@ def test_sweep_composes_with_paired_grid_and_verdict(hydra_conf, name):
     arms = {}
     for arm in ("control", "treatment"):
         cfg = compose("train", overrides=[f"+sweep={name}", f"hypothesis.arm={arm}"], return_hydra_config=True)
-        assert OmegaConf.to_container(cfg.hydra.sweeper.params) == {"hypothesis.arm": "control,treatment", "seed": "1,2,3"}
+        assert OmegaConf.to_container(cfg.hydra.sweeper.params) == {"hypothesis.arm": "control,treatment", "seed": "1,2,3,4,5"}
         assert cfg.hydra.callbacks.verdict._target_ == "musique_rl.verdict.VerdictCallback"
         assert cfg.hydra.sweep.dir.startswith(f"multirun/{name}/")  # resolves ${hypothesis.id}
         with open_dict(cfg):

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -10,6 +13,7 @@ import yaml
 
 from musique_rl import verdict as V
 
+ROOT = Path(__file__).resolve().parent.parent
 H_UP = V.Hypothesis("h01", "Advantage scaling", "high", "train/reward_gain", "increase", 0.02)
 H_DOWN = V.Hypothesis("h02", "Environment tokens in the loss", "high", "train/reward_gain", "decrease", 0.02)
 
@@ -30,7 +34,10 @@ def test_clear_increase_is_validated_with_interval_above_threshold():
     assert v["effect"] == pytest.approx((0.11 + 0.09 + 0.12) / 3)
     lo, hi = v["ci"]
     assert 0.02 < lo <= v["effect"] <= hi
-    assert v["confidence"] == 1.0
+    assert v["interval"] == "t" and v["t_df"] == 2
+    # the t-distribution's mass above 0.02: 1/2 + t/(2 sqrt(2 + t^2)) at t = (0.1067 - 0.02) / 0.00882, df 2
+    assert v["confidence"] == pytest.approx(0.9949, abs=1e-4)
+    assert v["sign_flip_p"] == pytest.approx(0.25)  # 3 pairs, all up: 2 of 8 sign assignments
     assert [p["seed"] for p in v["pairs"]] == [1, 2, 3] and v["missing"] == []
 
 
@@ -54,19 +61,32 @@ def test_noisy_effect_is_inconclusive_and_says_which_way_it_leans():
     assert any("straddles" in n and "2/3 seeds in the predicted direction" in n for n in v["notes"])
 
 
-def test_right_sign_but_smaller_than_claimed_is_inconclusive_and_says_so():
-    # H02's first CPU sweep: every seed drops, by less than the claimed 0.02 on average
+def test_three_drops_smaller_than_claimed_do_not_make_the_drop_certain():
+    # H02's first CPU sweep: every seed drops, by less than the claimed 0.02 on average. The
+    # bootstrap's interval excluded 0 here; the t-interval over 3 pairs does not (t_{0.975,2} = 4.3).
     v = V.judge(sweep(H_DOWN, {1: 0.0366, 2: 0.0337, 3: 0.0258}, {1: 0.0143, 2: 0.0164, 3: 0.0205}))
     assert v["status"] == "Inconclusive" and v["seeds_in_predicted_direction"] == 3
+    assert v["ci"][0] < 0 < v["ci"][1]
+    assert any("straddles min_effect 0.02" in n for n in v["notes"])
+    assert any("only 3 seed pairs" in n and "cannot go below 0.25" in n for n in v["notes"])
+
+
+def test_right_sign_but_smaller_than_claimed_is_inconclusive_and_says_so():
+    # five seeds drop by ~0.02: the drop is certain, its size is not
+    control = {1: 0.50, 2: 0.52, 3: 0.47, 4: 0.51, 5: 0.49}
+    drops = {1: 0.010, 2: 0.030, 3: 0.020, 4: 0.015, 5: 0.025}
+    v = V.judge(sweep(H_DOWN, control, {s: c - drops[s] for s, c in control.items()}))
+    assert v["status"] == "Inconclusive" and v["seeds_in_predicted_direction"] == 5
     assert v["ci"][1] < 0  # the drop itself is certain ...
-    assert any("predicted sign (interval excludes 0; 3/3 seeds) but may be smaller than the claimed 0.02" in n
+    assert any("predicted sign (interval excludes 0; 5/5 seeds) but may be smaller than the claimed 0.02" in n
                for n in v["notes"])  # ... its size is not
+    assert not any("only 5 seed pairs" in n for n in v["notes"])  # the small-n note is for fewer than 5
 
 
-def test_bootstrap_is_seeded_and_level_widens_the_interval():
+def test_interval_is_deterministic_and_level_widens_it():
     s = sweep(H_UP, {1: 0.5, 2: 0.52, 3: 0.47, 4: 0.5}, {1: 0.58, 2: 0.55, 3: 0.56, 4: 0.61})
-    a, b = V.judge(s, seed=7), V.judge(s, seed=7)
-    assert a["ci"] == b["ci"]
+    a, b = V.judge(s), V.judge(s)
+    assert a["ci"] == b["ci"] and a["sign_flip_p"] == b["sign_flip_p"]
     narrow, wide = V.judge(s, level=0.5)["ci"], V.judge(s, level=0.99)["ci"]
     assert wide[0] < narrow[0] and wide[1] > narrow[1]
 
@@ -75,7 +95,10 @@ def test_failed_job_is_named_and_the_rest_still_judged():
     v = V.judge(sweep(H_UP, {1: 0.50, 2: 0.55, 3: 0.45}, {1: 0.61, 2: 0.64, 3: None}))
     assert v["n_pairs"] == 2 and v["n_seeds"] == 3
     assert v["missing"] == [{"arm": "treatment", "seed": 3, "status": "FAILED", "reason": "boom", "source": "treatment-3"}]
-    assert v["status"] == "Validated"
+    # two pairs (+0.11, +0.09) are judged: an interval with 1 degree of freedom (t = 12.7), too wide
+    # to validate; the bootstrap of 2 values (3 distinct means) had called this Validated
+    assert v["status"] == "Inconclusive" and v["t_df"] == 1
+    assert v["ci"][0] < 0.02 < 0.1 < v["ci"][1]
     assert any("treatment seed 3 FAILED" in n and "2 of 3 seeds" in n for n in v["notes"])
 
 
@@ -135,7 +158,63 @@ def test_runs_from_several_commits_or_a_dirty_tree_are_pointed_out_without_overr
     assert "1 run(s) ran with uncommitted changes (control/seed 1)" in " ".join(v["notes"])
 
 
+def test_runs_from_different_warm_starts_are_confounded_and_the_hashes_named():
+    s = sweep(H_DOWN, {1: 0.50, 2: 0.55, 3: 0.45}, {1: 0.40, 2: 0.46, 3: 0.33})
+    for r in s.runs:
+        r.warm_start, r.machine = "3f2a9c1b0d4e", "AMD EPYC 7B13 | 1 threads | cpu"
+    clean = V.judge(s)
+    assert clean["status"] == "Validated" and clean["warm_start"] == ["3f2a9c1b0d4e"] and clean["confounds"] == []
+    s.runs[4].warm_start = "77aa00bb11cc"  # treatment/seed 2 started from other weights
+    v = V.judge(s)
+    assert v["status"] == "Inconclusive" and v["confidence"] == 0.0
+    assert v["warm_start"] == ["3f2a9c1b0d4e", "77aa00bb11cc"]
+    assert v["confounds"] == ["the runs start from different warm starts: 3f2a9c1b0d4e (control/seed 1, control/seed 2, "
+                              "control/seed 3, treatment/seed 1, treatment/seed 3); 77aa00bb11cc (treatment/seed 2)"]
+    assert v["notes"][0].startswith("Confounded") and "would have said Validated" in v["notes"][0]
+    row = V.table_row(v)["notes"]
+    assert row.startswith("CONFOUNDED: the runs start from different warm starts") and "warm starts 3f2a9c1b0d4e, 77aa00bb11cc" in row
+
+
+def test_a_failed_run_on_other_weights_does_not_confound_the_pairs_it_is_not_in():
+    s = sweep(H_DOWN, {1: 0.50, 2: 0.55, 3: 0.45}, {1: 0.40, 2: 0.46, 3: None})
+    for r in s.runs:
+        r.warm_start = "77aa00bb11cc" if r.value is None else "3f2a9c1b0d4e"
+    v = V.judge(s)
+    assert v["confounds"] == [] and v["warm_start"] == ["3f2a9c1b0d4e"]
+
+
+def test_several_machines_and_unknown_provenance_are_noted_not_confounded():
+    s = sweep(H_DOWN, {1: 0.50, 2: 0.55, 3: 0.45}, {1: 0.40, 2: 0.46, 3: 0.33})
+    for r in s.runs:
+        r.warm_start, r.machine = "3f2a9c1b0d4e", "AMD EPYC 7B13 | 1 threads | cpu"
+    s.runs[3].machine = "Intel Xeon | 2 threads | cpu"
+    s.runs[5].warm_start = s.runs[5].machine = "unknown"
+    v = V.judge(s)
+    assert v["status"] == "Validated" and v["confounds"] == []
+    assert v["machine"] == ["AMD EPYC 7B13 | 1 threads | cpu", "Intel Xeon | 2 threads | cpu", "unknown"]
+    notes = " ".join(v["notes"])
+    assert "the runs ran on 2 machines" in notes and "Intel Xeon | 2 threads | cpu: treatment/seed 1" in notes
+    assert "1 of 6 runs record no warm-start hash (treatment/seed 3)" in notes
+
+
+def test_readme_row_names_warm_start_machine_and_commit():
+    s = sweep(H_DOWN, {1: 0.50, 2: 0.55, 3: 0.45}, {1: 0.40, 2: 0.46, 3: 0.33})
+    for r in s.runs:
+        r.warm_start, r.machine, r.code = "3f2a9c1b0d4e", "AMD EPYC 7B13 | 1 threads | cpu", "25917a6" + "0" * 33
+    v = V.judge(s)
+    assert v["commits"] == ["25917a6"]
+    row = V.table_row(v)["notes"]
+    assert "; warm start 3f2a9c1b0d4e; AMD EPYC 7B13 x1 thread, cpu; commit 25917a6;" in row
+    assert "95% t-interval" in row and "sign-flip p 0.25" in row
+    bare = V.table_row(V.judge(sweep(H_DOWN, {1: 0.5, 2: 0.5}, {1: 0.4, 2: 0.4})))["notes"]
+    assert "; warm start unknown; unknown machine; commit unknown;" in bare
+
+
 # ---------------------------------------------------------------- multirun directories
+PROVENANCE = {"warm_start/hash": "3f2a9c1b0d4e", "machine/cpu": "AMD EPYC 7B13", "machine/torch_threads": 1,
+              "machine/device": "cpu", "machine/torch": "2.13.0"}
+
+
 def make_job(sweep_dir: Path, num: int, hyp: str, arm: str, seed: int, metrics: dict | None):
     job = sweep_dir / str(num)
     (job / ".hydra").mkdir(parents=True)
@@ -148,28 +227,34 @@ def make_job(sweep_dir: Path, num: int, hyp: str, arm: str, seed: int, metrics: 
 
 @pytest.fixture
 def multirun(tmp_path):
+    """A +sweep=h02 directory over the default 5 seeds; treatment seed 5 died before writing metrics."""
     d = tmp_path / "multirun" / "2025-01-01" / "12-00-00"
     d.mkdir(parents=True)
     (d / "multirun.yaml").write_text(yaml.safe_dump({
-        "hydra": {"sweeper": {"params": {"hypothesis.arm": "control,treatment", "seed": "1,2,3"}},
+        "hydra": {"sweeper": {"params": {"hypothesis.arm": "control,treatment", "seed": "1,2,3,4,5"}},
                   "overrides": {"task": ["+sweep=h02"]}}}))
-    values = {("control", 1): 0.30, ("control", 2): 0.25, ("treatment", 1): 0.10, ("treatment", 2): 0.08,
-              ("control", 3): 0.28}
+    values = {("control", 1): 0.30, ("control", 2): 0.25, ("control", 3): 0.28, ("control", 4): 0.27,
+              ("control", 5): 0.29, ("treatment", 1): 0.10, ("treatment", 2): 0.08, ("treatment", 3): 0.09,
+              ("treatment", 4): 0.12}
     num = 0
     for (arm, seed), val in values.items():
-        make_job(d, num, "h02", arm, seed, {"train/reward_gain": val, "train/reward_start": 0.5})
+        make_job(d, num, "h02", arm, seed, {"train/reward_gain": val, "train/reward_start": 0.5, **PROVENANCE})
         num += 1
-    failed = make_job(d, num, "h02", "treatment", 3, None)  # started, never wrote metrics
+    failed = make_job(d, num, "h02", "treatment", 5, None)  # started, never wrote metrics
     (failed / "traceback.txt").write_text("Traceback (most recent call last):\nRuntimeError: CUDA out of memory\n")
     return d
 
 
-def test_multirun_directory_is_read_with_grid_and_failure_reason(multirun):
+def test_multirun_directory_is_read_with_grid_failure_reason_and_provenance(multirun):
     s = V.load_multirun(multirun)
-    assert s.hypothesis.id == "h02" and s.seeds == [1, 2, 3]
+    assert s.hypothesis.id == "h02" and s.seeds == [1, 2, 3, 4, 5]
+    finished = [r for r in s.runs if r.usable]
+    assert {(r.warm_start, r.machine) for r in finished} == {("3f2a9c1b0d4e", "AMD EPYC 7B13 | 1 threads | cpu")}
+    assert [(r.warm_start, r.machine) for r in s.runs if not r.usable] == [("unknown", "unknown")]
     v = V.judge(s)
-    assert v["n_pairs"] == 2
-    assert v["missing"][0]["arm"] == "treatment" and v["missing"][0]["seed"] == 3
+    assert v["n_pairs"] == 4 and v["status"] == "Validated"
+    assert v["warm_start"] == ["3f2a9c1b0d4e"] and v["machine"] == ["AMD EPYC 7B13 | 1 threads | cpu"]
+    assert v["missing"][0]["arm"] == "treatment" and v["missing"][0]["seed"] == 5
     assert v["missing"][0]["reason"] == "RuntimeError: CUDA out of memory"
 
 
@@ -178,6 +263,39 @@ def test_missing_metric_key_is_named(tmp_path):
     make_job(d, 0, "h01", "control", 1, {"train/reward": 0.5})
     s = V.load_multirun(d)
     assert "has no 'train/reward_gain'" in s.runs[0].reason and "train/reward" in s.runs[0].reason
+
+
+def test_cut_off_metrics_file_is_named_and_the_other_jobs_still_read(tmp_path):
+    d = tmp_path / "sw"
+    make_job(d, 0, "h01", "control", 1, {"train/reward_gain": 0.5})
+    bad = make_job(d, 1, "h01", "treatment", 1, None)
+    (bad / "metrics.json").write_text('{"train/reward_gain": 0.')
+    s = V.load_multirun(d)
+    assert s.runs[0].usable and s.runs[1].status == "FAILED"
+    assert str(bad / "metrics.json") in s.runs[1].reason and "not valid JSON" in s.runs[1].reason
+
+
+def test_provenance_prefers_the_job_dir_over_mlflow_tags():
+    from musique_rl.verdict.load import provenance
+
+    tags = {"warm_start_hash": "aaaaaaaaaaaa", "machine": "Tagged CPU | 4 threads | cpu"}
+    assert provenance(PROVENANCE, tags) == ("3f2a9c1b0d4e", "AMD EPYC 7B13 | 1 threads | cpu")
+    assert provenance({"train/reward_gain": 0.1}, tags) == ("aaaaaaaaaaaa", "Tagged CPU | 4 threads | cpu")
+    assert provenance(None, None) == ("unknown", "unknown")
+
+
+def test_swept_values_come_from_hydras_override_parser():
+    from omegaconf import OmegaConf
+
+    from musique_rl.verdict.load import swept_values
+
+    cfg = OmegaConf.create({"hydra": {"sweeper": {"params": {"hypothesis.arm": "control,treatment", "seed": "1,2"}},
+                                      "overrides": {"task": ["+sweep=h02", "seed=range(1,6)",
+                                                             "env.data='a,b,c'"]}}})
+    grid = swept_values(cfg)
+    assert grid["hypothesis.arm"] == ["control", "treatment"] and grid["sweep"] == ["h02"]
+    assert grid["seed"] == ["1", "2", "3", "4", "5"]  # the command line wins over the sweeper's params
+    assert grid["env.data"] == ["a,b,c"]  # quoted: one value, not a sweep
 
 
 def test_cli_writes_verdict_json_and_only_the_readme_section(multirun, tmp_path, capsys):
@@ -193,9 +311,12 @@ def test_cli_writes_verdict_json_and_only_the_readme_section(multirun, tmp_path,
     assert "| hypothesis | priority | status | confidence | notes |" in section
     assert sum(line.startswith("| h0") for line in section.splitlines()) == 8  # every hypothesis has a row
     assert "| h02 Environment tokens in the loss | high | Validated |" in section
-    assert "missing treatment/seed 3 (FAILED)" in section
+    assert "missing treatment/seed 5 (FAILED)" in section
+    assert "warm start 3f2a9c1b0d4e; AMD EPYC 7B13 x1 thread, cpu; commit unknown" in section  # files carry no commit
     data = json.loads((multirun / "verdict.json").read_text())
-    assert data["status"] == "Validated" and data["n_pairs"] == 2 and data["status_table"] in text
+    assert data["status"] == "Validated" and data["n_pairs"] == 4 and data["status_table"] in text
+    assert data["interval"] == "t" and data["t_df"] == 3 and data["sign_flip_p"] == pytest.approx(2 / 16)
+    assert data["warm_start"] == ["3f2a9c1b0d4e"] and data["machine"] == ["AMD EPYC 7B13 | 1 threads | cpu"]
     assert (multirun / "status.md").read_text().strip() in text
 
     # a later verdict on another hypothesis keeps this row
@@ -205,10 +326,21 @@ def test_cli_writes_verdict_json_and_only_the_readme_section(multirun, tmp_path,
     assert V.main(["--sweep", str(other), "--readme", str(readme), "--source", "files"]) == 0
     section = readme.read_text().split("<!-- verdicts:start -->")[1]
     assert "| h02 Environment tokens in the loss | high | Validated |" in section
-    assert "| h03 KL penalty to the reference | medium | Invalidated |" in section
+    assert "| h03 KL penalty to the reference | medium | Invalidated |" in section  # identical diffs: a point at 0
     table = section.split("<!-- verdicts:end -->")[0]
     assert table.count("| hypothesis | priority |") == 1  # rewriting keeps one header, 8 rows
     assert sum(line.startswith("| h0") for line in table.splitlines()) == 8
+
+
+def test_python_dash_m_judges_a_sweep_directory_end_to_end(multirun, tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'none.db'}"}
+    proc = subprocess.run([sys.executable, "-m", "musique_rl.verdict", "--sweep", str(multirun), "--no-readme"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "h02 Environment tokens in the loss: Validated" in proc.stdout
+    assert "warm start 3f2a9c1b0d4e; AMD EPYC 7B13 x1 thread, cpu" in proc.stdout
+    assert json.loads((multirun / "verdict.json").read_text())["status"] == "Validated"
+    assert not (tmp_path / "none.db").exists()  # a missing store is not created by looking for runs
 
 
 def test_readme_without_markers_gets_them_appended(multirun, tmp_path):
@@ -237,7 +369,9 @@ def test_mlflow_runs_are_judged_and_the_verdict_attached_to_the_parent(tmp_path,
         for arm, seed, val, status in [("control", 1, 0.10, "FINISHED"), ("treatment", 1, 0.20, "FINISHED"),
                                        ("control", 2, 0.12, "FINISHED"), ("treatment", 2, 0.21, "FINISHED"),
                                        ("control", 3, 0.11, "FINISHED"), ("treatment", 3, None, "FAILED")]:
-            tags = {V.TAG_SWEEP: sid, V.TAG_HYPOTHESIS: "h01", V.TAG_ARM: arm, V.TAG_SEED: str(seed)}
+            tags = {V.TAG_SWEEP: sid, V.TAG_HYPOTHESIS: "h01", V.TAG_ARM: arm, V.TAG_SEED: str(seed),
+                    "git_commit": "25917a6" + "0" * 33, "git_dirty": "false",
+                    V.TAG_WARM_START: "3f2a9c1b0d4e", V.TAG_MACHINE: "AMD EPYC 7B13 | 1 threads | cpu"}
             with mlflow.start_run(nested=True, tags=tags) as child:
                 if val is not None:
                     mlflow.log_metric("train/reward_gain", val)
@@ -247,6 +381,9 @@ def test_mlflow_runs_are_judged_and_the_verdict_attached_to_the_parent(tmp_path,
     assert v["source"]["kind"] == "mlflow" and v["source"]["parent_run_id"] == parent.info.run_id
     assert v["status"] == "Validated" and v["n_pairs"] == 2
     assert v["missing"][0]["status"] == "FAILED" and v["missing"][0]["seed"] == 3
+    assert v["warm_start"] == ["3f2a9c1b0d4e"] and v["machine"] == ["AMD EPYC 7B13 | 1 threads | cpu"]
+    assert v["commits"] == ["25917a6"]
+    assert "warm start 3f2a9c1b0d4e; AMD EPYC 7B13 x1 thread, cpu; commit 25917a6" in V.table_row(v)["notes"]
     client = mlflow.tracking.MlflowClient(tracking_uri=uri)
     assert {a.path for a in client.list_artifacts(parent.info.run_id)} == {"verdict.json", "status.md"}
     assert client.get_run(parent.info.run_id).data.tags["verdict"] == "Validated"

@@ -1,0 +1,49 @@
+"""Verdicts: does a hypothesis' sweep move its predicted metric? Treatment minus control, paired by seed.
+
+One module per job:
+  stats.py     the decision rule: t-interval, sign-flip test, status, confidence (pure functions)
+  design.py    is the comparison fair: config, warm start, code, machine
+  judge.py     a sweep's runs -> the verdict as plain data (verdict.json)
+  load.py      reading a sweep: MLflow runs or a Hydra multirun directory
+  publish.py   verdict.json, status.md, README's status table, the MLflow parent run
+  callback.py  VerdictCallback: a sweep judges itself at its end (Hydra)
+  cli.py       python -m musique_rl.verdict --sweep <dir or id> | --experiment hNN
+"""
+
+from musique_rl.verdict.callback import VerdictCallback
+from musique_rl.verdict.cli import main, run_verdict
+from musique_rl.verdict.design import code_notes, design_check
+from musique_rl.verdict.judge import judge
+from musique_rl.verdict.load import (
+    TAG_ARM,
+    TAG_HYPOTHESIS,
+    TAG_MACHINE,
+    TAG_PARENT,
+    TAG_SEED,
+    TAG_SWEEP,
+    TAG_SWEEP_PARENT,
+    TAG_WARM_START,
+    load_hypothesis_file,
+    load_mlflow,
+    load_multirun,
+    load_sweep,
+)
+from musique_rl.verdict.publish import (
+    MARK_END,
+    MARK_START,
+    publish,
+    report,
+    status_table,
+    table_row,
+    update_readme,
+)
+from musique_rl.verdict.stats import decide, sign_flip_test, t_interval
+from musique_rl.verdict.sweep import ARMS, HYPOTHESIS_DIR, README, Hypothesis, Run, Sweep, VerdictError
+
+__all__ = [
+    "ARMS", "HYPOTHESIS_DIR", "Hypothesis", "MARK_END", "MARK_START", "README", "Run", "Sweep", "TAG_ARM",
+    "TAG_HYPOTHESIS", "TAG_MACHINE", "TAG_PARENT", "TAG_SEED", "TAG_SWEEP", "TAG_SWEEP_PARENT",
+    "TAG_WARM_START", "VerdictCallback", "VerdictError", "code_notes", "decide", "design_check", "judge",
+    "load_hypothesis_file", "load_mlflow", "load_multirun", "load_sweep", "main", "publish", "report",
+    "run_verdict", "sign_flip_test", "status_table", "t_interval", "table_row", "update_readme",
+]

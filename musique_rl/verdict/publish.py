@@ -1,0 +1,188 @@
+"""Writing a verdict: verdict.json and status.md (sweep dir), README's status table, MLflow.
+
+The README table lists every hypothesis in conf/hypothesis/ ("Not run" until judged) between
+``<!-- verdicts:start -->`` and ``<!-- verdicts:end -->``; a verdict rewrites its own row and keeps
+the others. Each row's notes carry what the figure depends on besides the config: the warm-start
+hash, the machine and the commit, so a row read on another machine says where it was measured.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from pathlib import Path
+from typing import Any
+
+from musique_rl.verdict.load import load_hypothesis_file
+from musique_rl.verdict.sweep import HYPOTHESIS_DIR, README, UNKNOWN, VerdictError
+
+log = logging.getLogger(__name__)
+
+MARK_START, MARK_END = "<!-- verdicts:start -->", "<!-- verdicts:end -->"
+COLUMNS = ("hypothesis", "priority", "status", "confidence", "notes")
+
+
+# ---------------------------------------------------------------- words
+def summary_line(v: dict[str, Any]) -> str:
+    h = v["hypothesis"]
+    parts = []
+    if v["ci"] is not None:
+        parts.append(f"effect {v['effect']:+.4f} [{v['ci_level']:.0%} t-interval {v['ci'][0]:+.4f}, {v['ci'][1]:+.4f}] "
+                     f"on {h['metric']}")
+    elif v["effect"] is not None:
+        parts.append(f"effect {v['effect']:+.4f} on {h['metric']} (one pair)")
+    parts.append(f"predicted {h['direction']} by > {h['min_effect']}")
+    parts.append(f"{v['n_pairs']}/{v['n_seeds']} seed pairs")
+    if v.get("seeds_in_predicted_direction") is not None:
+        parts.append(f"{v['seeds_in_predicted_direction']}/{v['n_pairs']} in the predicted direction")
+    if v.get("sign_flip_p") is not None:
+        parts.append(f"sign-flip p {v['sign_flip_p']:.3g}")
+    return "; ".join(parts)
+
+
+def machine_words(machine: str) -> str:
+    """"AMD EPYC 7B13 | 1 threads | cpu" -> "AMD EPYC 7B13 x1 thread, cpu" (other text unchanged)."""
+    parts = machine.split(" | ")
+    if len(parts) != 3 or not parts[1].endswith(" threads"):
+        return machine
+    threads = parts[1].removesuffix(" threads")
+    return f"{parts[0]} x{threads} thread{'' if threads == '1' else 's'}, {parts[2]}"
+
+
+def provenance_line(v: dict[str, Any]) -> str:
+    """"warm start 3f2a9c1b0d4e; AMD EPYC 7B13 x1 thread, cpu; commit 25917a6" (lists when several)."""
+    warm = v.get("warm_start") or [UNKNOWN]
+    machines = v.get("machine") or [UNKNOWN]
+    shas = v.get("commits") or [UNKNOWN]
+    return "; ".join([
+        ("warm start " if len(warm) == 1 else "warm starts ") + ", ".join(warm),
+        (UNKNOWN + " machine" if machines == [UNKNOWN] else " + ".join(machine_words(m) for m in machines)),
+        ("commit " if len(shas) == 1 else "commits ") + ", ".join(shas),
+    ])
+
+
+def table_row(v: dict[str, Any]) -> dict[str, str]:
+    h = v["hypothesis"]
+    where = v["source"].get("sweep_dir") or v["source"].get("sweep_id") or ""
+    notes = summary_line(v)
+    if v.get("confounds"):
+        notes = "CONFOUNDED: " + "; ".join(v["confounds"]) + "; " + notes
+    if v["missing"]:
+        notes += "; missing " + ", ".join(f"{m['arm']}/seed {m['seed']} ({m['status']})" for m in v["missing"])
+    notes += "; " + provenance_line(v)
+    notes += f"; {where} {v['generated_at'][:10]}".rstrip()
+    return {
+        "hypothesis": f"{h['id']} {h['title']}".strip(),
+        "priority": h["priority"],
+        "status": v["status"],
+        "confidence": "" if v["confidence"] is None else f"{v['confidence']:.2f}",
+        "notes": notes,
+    }
+
+
+def report(verdict: dict[str, Any]) -> str:
+    """The verdict for a terminal: status line, summary, each pair, the notes."""
+    h = verdict["hypothesis"]
+    conf = "" if verdict["confidence"] is None else f" (confidence {verdict['confidence']:.2f})"
+    lines = [f"{h['id']} {h['title']}: {verdict['status']}{conf}", "  " + summary_line(verdict),
+             "  " + provenance_line(verdict)]
+    for p in verdict["pairs"]:
+        lines.append(f"  seed {p['seed']}: control {p['control']:.4f}  treatment {p['treatment']:.4f}  diff {p['diff']:+.4f}")
+    lines += [f"  note: {n}" for n in verdict["notes"]]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- the README table
+def _cell(text: str) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def _split_row(line: str) -> list[str]:
+    cells = re.split(r"(?<!\\)\|", line.strip().strip("|"))
+    return [c.strip().replace("\\|", "|") for c in cells]
+
+
+def render_table(rows: dict[str, dict[str, str]]) -> str:
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    for hid in sorted(rows):
+        lines.append("| " + " | ".join(_cell(rows[hid][c]) for c in COLUMNS) + " |")
+    return "\n".join(lines)
+
+
+def _all_hypotheses() -> dict[str, dict[str, str]]:
+    """A "not run" row for every hypothesis in conf/hypothesis/, so the table lists them all."""
+    rows = {}
+    for path in sorted(HYPOTHESIS_DIR.glob("h*.yaml")):
+        try:
+            h = load_hypothesis_file(path.stem)
+        except VerdictError:
+            continue
+        rows[h.id] = {"hypothesis": f"{h.id} {h.title}".strip(), "priority": h.priority,
+                      "status": "Not run", "confidence": "", "notes": ""}
+    return rows
+
+
+def _existing_rows(text: str) -> dict[str, dict[str, str]]:
+    """Rows of the previously generated table (this module wrote them; format known)."""
+    rows = {}
+    if MARK_START not in text or MARK_END not in text:
+        return rows
+    block = text.split(MARK_START, 1)[1].split(MARK_END, 1)[0]
+    for line in block.splitlines():
+        cells = _split_row(line) if line.startswith("|") else []
+        # rows only: the header's first cell is "hypothesis", a row's starts with an id (h01 ...)
+        if len(cells) == len(COLUMNS) and re.fullmatch(r"h\d+", cells[0].split()[0] if cells[0] else ""):
+            rows[cells[0].split()[0]] = dict(zip(COLUMNS, cells, strict=True))
+    return rows
+
+
+def status_table(verdict: dict[str, Any], readme_text: str = "") -> str:
+    rows = _all_hypotheses()
+    rows.update(_existing_rows(readme_text))
+    rows[verdict["hypothesis"]["id"]] = table_row(verdict)
+    return render_table(rows)
+
+
+def update_readme(table: str, readme: Path = README) -> None:
+    """Replace only what lies between the markers; append the markers at the end if absent."""
+    text = readme.read_text() if readme.exists() else ""
+    block = f"{MARK_START}\n<!-- generated by `python -m musique_rl.verdict`; do not edit by hand -->\n{table}\n{MARK_END}"
+    if MARK_START in text and MARK_END in text:
+        head, rest = text.split(MARK_START, 1)
+        tail = rest.split(MARK_END, 1)[1]
+        text = head + block + tail
+    else:
+        text = text.rstrip("\n") + ("\n\n" if text else "") + block + "\n"
+    readme.write_text(text)
+
+
+# ---------------------------------------------------------------- all outputs
+def publish(verdict: dict[str, Any], *, out: Path | None = None, readme: Path | None = README) -> dict[str, str]:
+    """Write verdict.json and status.md; update README's section; attach both to the parent run."""
+    src = verdict["source"]
+    out_dir = out if out is not None else Path(src["sweep_dir"]) if src.get("sweep_dir") else Path.cwd()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    readme_text = readme.read_text() if readme is not None and readme.exists() else ""
+    table = status_table(verdict, readme_text)
+    written = {}
+    (out_dir / "verdict.json").write_text(json.dumps({**verdict, "status_table": table}, indent=2) + "\n")
+    (out_dir / "status.md").write_text(table + "\n")
+    written["verdict.json"] = str(out_dir / "verdict.json")
+    written["status.md"] = str(out_dir / "status.md")
+    if readme is not None:
+        update_readme(table, readme)
+        written["readme"] = str(readme)
+    parent = src.get("parent_run_id")
+    if parent:
+        try:
+            from mlflow.tracking import MlflowClient
+
+            client = MlflowClient(tracking_uri=src.get("tracking_uri"))
+            client.log_artifact(parent, written["verdict.json"])
+            client.log_artifact(parent, written["status.md"])
+            client.set_tag(parent, "verdict", verdict["status"])
+            written["mlflow_parent_run"] = parent
+        except Exception as exc:  # the files are written; a tracking hiccup must not lose them
+            log.warning("could not attach the verdict to MLflow run %s: %s", parent, exc)
+    return written
