@@ -225,11 +225,12 @@ def tag_provenance(tracker: Tracker, origin: dict[str, Any]) -> None:
     """Tag what a run's figures depend on besides code and config (``warm_start.provenance``): every
     ``warm_start/*`` and ``machine/*`` value, plus ``warm_start_hash`` and one ``machine`` string that
     the verdict compares across the runs of a sweep."""
+    from musique_rl.warm_start import machine_string
+
     for k, v in origin.items():
         tracker.set_tag(k, v)
     tracker.set_tag("warm_start_hash", origin.get("warm_start/hash", "none"))
-    tracker.set_tag("machine", f"{origin.get('machine/cpu')} | {origin.get('machine/torch_threads')} threads | "
-                               f"{origin.get('machine/device')}")
+    tracker.set_tag("machine", machine_string(*(origin.get(f"machine/{k}") for k in ("cpu", "torch_threads", "device"))))
 
 
 def run_name(cfg: DictConfig) -> str:

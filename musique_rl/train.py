@@ -9,7 +9,9 @@ directory) holds:
     reward component and the configured ``reward`` total;
   - the same for the greedy policy: ``eval/before_greedy/...``, ``eval/after_greedy/...``,
     ``eval/gain_greedy/...``;
-  - where the MLflow run is (``mlflow/run_id``, ``mlflow/uri``) when tracking is on.
+  - where the MLflow run is (``mlflow/run_id``, ``mlflow/uri``) when tracking is on;
+  - what the figures depend on: ``warm_start/*`` (hash and gate of the start), ``machine/*`` and
+    ``git/commit`` (``+dirty`` with uncommitted changes).
 The hypotheses' metrics (conf/hypothesis/*.yaml) name ``train/reward_gain`` and
 ``eval/gain/answer_em``.
 """
@@ -205,6 +207,8 @@ def train(cfg: Any, run_dir: str | Path | None = None) -> float:
     summary = summarise(reward_curve(trainer.state.log_history), before, after, before_g, after_g)
     summary["time/seconds"] = round(time.time() - t0, 1)
     summary.update(origin)
+    sha, dirty = tracking.git_commit()
+    summary["git/commit"] = sha + ("+dirty" if dirty else "")
     if tracker is not None:
         summary["mlflow/run_id"] = tracker.run_id
         summary["mlflow/uri"] = tracker.uri

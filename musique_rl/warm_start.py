@@ -300,6 +300,11 @@ def machine() -> dict[str, Any]:
     return {"cpu": cpu, "torch_threads": torch.get_num_threads(), "device": device, "torch": torch.__version__}
 
 
+def machine_string(cpu: Any, threads: Any, device: Any) -> str:
+    """One machine in one string: the MLflow tag ``machine`` and the verdict's provenance."""
+    return f"{cpu} | {threads} threads | {device}"
+
+
 def _build_into(cfg: Any, root: Path, name: str) -> Path:
     """Build in a temporary directory renamed into place: a killed build leaves no half model."""
     root.mkdir(parents=True, exist_ok=True)

@@ -17,6 +17,7 @@ from typing import Any
 
 from musique_rl import tracking
 from musique_rl.verdict.sweep import HYPOTHESIS_DIR, UNKNOWN, Hypothesis, Run, Sweep, VerdictError
+from musique_rl.warm_start import machine_string
 
 log = logging.getLogger(__name__)
 
@@ -60,11 +61,6 @@ def read_metrics(job_dir: str | Path | None) -> dict[str, Any] | None:
         return tracking.flatten(json.loads(path.read_text()))
     except json.JSONDecodeError as exc:
         raise VerdictError(f"{path} is not valid JSON ({exc}): the job was cut off while writing it?") from exc
-
-
-def machine_string(cpu: Any, threads: Any, device: Any) -> str:
-    """One machine as the MLflow tag ``machine`` spells it (tracking.tag_provenance)."""
-    return f"{cpu} | {threads} threads | {device}"
 
 
 def provenance(metrics: dict[str, Any] | None, tags: dict[str, str] | None = None) -> tuple[str, str]:
@@ -138,7 +134,8 @@ def load_multirun(sweep_dir: str | Path) -> Sweep:
         except VerdictError as exc:  # one cut-off file must not hide the other jobs' evidence
             metrics, unreadable = None, str(exc)
         warm, machine = provenance(metrics)
-        run = Run(arm, seed, "FINISHED", None, str(job_dir), params=params, warm_start=warm, machine=machine)
+        run = Run(arm, seed, "FINISHED", None, str(job_dir), params=params, warm_start=warm, machine=machine,
+                  code=(metrics or {}).get("git/commit"))
         if metrics is None:
             run.status, run.reason = "FAILED", unreadable or _read_failure(job_dir)
         elif metrics.get(hyp.metric) is None:
