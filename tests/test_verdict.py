@@ -175,6 +175,20 @@ def test_runs_from_different_warm_starts_are_confounded_and_the_hashes_named():
     assert row.startswith("CONFOUNDED: the runs start from different warm starts") and "warm starts 3f2a9c1b0d4e, 77aa00bb11cc" in row
 
 
+def test_arms_whose_knob_is_the_warm_start_may_differ_in_it_but_not_within_an_arm():
+    """h07 gives each episode shape its own gated warm start (a model.tiny setting differs between
+    the arms): one hash per arm is the design; two hashes inside an arm are still a confound."""
+    s = sweep(H_DOWN, {1: 0.50, 2: 0.55, 3: 0.45}, {1: 0.40, 2: 0.46, 3: 0.33})
+    for r in s.runs:
+        share = "0.25" if r.arm == "control" else "1.0"
+        r.params = {"seed": str(r.seed), "hypothesis.arm": r.arm, "model.tiny.sft_single_step_share": share}
+        r.warm_start = "aaaaaaaaaaaa" if r.arm == "control" else "bbbbbbbbbbbb"
+    v = V.judge(s)
+    assert v["status"] == "Validated" and v["confounds"] == [] and v["warm_start"] == ["aaaaaaaaaaaa", "bbbbbbbbbbbb"]
+    s.runs[4].warm_start = "cccccccccccc"
+    assert V.judge(s)["confounds"][0].startswith("the runs start from different warm starts")
+
+
 def test_a_failed_run_on_other_weights_does_not_confound_the_pairs_it_is_not_in():
     s = sweep(H_DOWN, {1: 0.50, 2: 0.55, 3: 0.45}, {1: 0.40, 2: 0.46, 3: None})
     for r in s.runs:

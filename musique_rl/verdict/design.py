@@ -6,14 +6,17 @@ else, and every seed ran the same setup:
   in are reported, and runs of ONE arm that differ in anything but the seed (a default edited
   while the sweep ran, say) are a confound;
 - warm start: runs that started from different weights (the ``warm_start/hash`` each job records)
-  are a confound, whichever arms they are in; compared over the runs that have a value, since
-  only those enter the effect;
+  are a confound, compared over the runs that have a value, since only those enter the effect;
+  within an arm always, across arms unless the arms differ in a ``model.*`` setting (then the
+  warm start is part of the treatment: h07 gives each shape its own gated start);
 - code and machine: several commits, a dirty tree or several machines are pointed out in the
   notes, not confounds (a docs-only commit changes nothing; CPUs differ in rounding, not in kind).
 A confounded sweep is reported Inconclusive with the culprits named, whatever the numbers say.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from musique_rl.verdict.sweep import ARMS, UNKNOWN, Run
 
@@ -67,13 +70,17 @@ def design_check(runs: list[Run]) -> tuple[dict[str, list[str]], list[str]]:
     return differ, confounds
 
 
-def warm_start_check(runs: list[Run]) -> tuple[list[str], str | None, list[str]]:
-    """(distinct warm-start hashes, confound sentence or None, notes) over the runs with a value."""
+def warm_start_check(runs: list[Run], differ: Any = ()) -> tuple[list[str], str | None, list[str]]:
+    """(distinct warm-start hashes, confound sentence or None, notes) over the runs with a value;
+    ``differ``: the config keys the arms differ in (``design_check``)."""
     used = [r for r in runs if r.usable]
     hashes = sorted({r.warm_start for r in used})
-    known = _cells_by([r for r in used if r.warm_start != UNKNOWN], "warm_start")
+    known_runs = [r for r in used if r.warm_start != UNKNOWN]
+    known = _cells_by(known_runs, "warm_start")
+    by_design = any(str(k).startswith("model.") for k in differ)
+    within_arm = any(len({r.warm_start for r in known_runs if r.arm == arm}) > 1 for arm in {r.arm for r in known_runs})
     confound = None
-    if len(known) > 1:
+    if len(known) > 1 and (within_arm or not by_design):
         confound = "the runs start from different warm starts: " + "; ".join(
             f"{h} ({', '.join(cells)})" for h, cells in known.items())
     notes = []

@@ -57,7 +57,7 @@ def judge(sweep: Sweep, *, level: float = 0.95) -> dict[str, Any]:
         arm_means[arm] = {"mean": float(np.mean(vals)) if vals else None, "n": len(vals)}
 
     differ, confounds = design.design_check(runs)
-    warm_starts, warm_confound, warm_notes = design.warm_start_check(runs)
+    warm_starts, warm_confound, warm_notes = design.warm_start_check(runs, differ)
     machines, machine_notes = design.machine_notes(runs)
     if warm_confound:
         confounds.append(warm_confound)
