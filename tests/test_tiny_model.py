@@ -99,7 +99,9 @@ def test_the_default_warm_start_is_shipped_gated_and_unaltered(tiny_cfg):
     assert report["gate_passed"] and warm_start.gate_failures(report["gate"], report["gate_shapes"]) == []
     assert set(report["gate"]) == {"tool", "single_step"}  # both episode shapes (h07) are measured
     assert tiny_model.weights_hash(path) == report["weights_hash"]
-    assert sorted(p.name for p in tiny_model.SHIPPED_DIR.glob("tiny-*")) == [path.name]  # no stale copies
+    shipped = [tiny_model.build_key(warm_start.compose_config(o)) for o in warm_start.SHIPPED_CONFIGS.values()]
+    assert key in shipped  # `make warm-start` builds it
+    assert sorted(p.name for p in tiny_model.SHIPPED_DIR.glob("tiny-*")) == sorted(f"tiny-{k}" for k in shipped)
 
 
 def test_loading_the_shipped_warm_start_builds_nothing(tiny_cfg, warm_tiny, tmp_path, monkeypatch):
