@@ -161,21 +161,22 @@ def measure(cfg: Any, model: Any, tokenizer: Any, records: list[dict] | None = N
     from musique_rl.rewards import score_episode
     from musique_rl.rollout import run_model_episodes
 
+    def answer_em(recs: list[dict], episodes: list[dict]) -> np.ndarray:
+        return np.array([score_episode(r, e["messages"])["answer_em"] for r, e in zip(recs, episodes, strict=True)])
+
     records = records or gate_records(cfg)
     out = {}
     for shape in shapes:
-        single = SHAPES[shape]
-        shape_cfg = OmegaConf.merge(cfg, {"env": {"supporting_in_prompt": single}})
+        shape_cfg = OmegaConf.merge(cfg, {"env": {"supporting_in_prompt": SHAPES[shape]}})
         torch.manual_seed(0)
         sampled = run_model_episodes(shape_cfg, records * GATE_SAMPLES, model=model, tokenizer=tokenizer,
                                      temperature=float(cfg.train.temperature))
         greedy = run_model_episodes(shape_cfg, records, model=model, tokenizer=tokenizer, greedy=True)
-        em = np.array([score_episode(r, e["messages"])["answer_em"] for r, e in zip(records * GATE_SAMPLES, sampled, strict=True)])
-        em = em.reshape(GATE_SAMPLES, len(records))
+        em = answer_em(records * GATE_SAMPLES, sampled).reshape(GATE_SAMPLES, len(records))
         out[shape] = {
             "sampled_em": round(float(em.mean()), 4),
             "pass8": round(float(em.max(axis=0).mean()), 4),
-            "greedy_em": round(float(np.mean([score_episode(r, e["messages"])["answer_em"] for r, e in zip(records, greedy, strict=True)])), 4),
+            "greedy_em": round(float(answer_em(records, greedy).mean()), 4),
         }
     return out
 
@@ -225,14 +226,14 @@ def build(cfg: Any, out: Path) -> dict:
 
 def _build(cfg: Any, out: Path, t0: float) -> dict:
     tiny = cfg.model.tiny
-    model, tokenizer, _, episodes, envs = tiny_model.build_untrained(cfg)
-    rows = sft_rows(tokenizer, episodes, envs)
-    lr = float(tiny.sft_learning_rate)
-    stages = [sft(model, tokenizer, rows, out / "sft", epochs=float(tiny.sft_epochs), lr=lr, warmup=30, decay_share=0.25, seed=0)]
     required = [str(x) for x in tiny.gate_shapes]
     unknown = sorted(set(required) - set(SHAPES))
     if unknown:
         raise ValueError(f"model.tiny.gate_shapes={required}: unknown shape(s) {unknown}; choose from {sorted(SHAPES)}")
+    model, tokenizer, _, episodes, envs = tiny_model.build_untrained(cfg)
+    rows = sft_rows(tokenizer, episodes, envs)
+    lr = float(tiny.sft_learning_rate)
+    stages = [sft(model, tokenizer, rows, out / "sft", epochs=float(tiny.sft_epochs), lr=lr, warmup=30, decay_share=0.25, seed=0)]
     numbers = measure(cfg, model, tokenizer)
     history = [numbers]
     failures = gate_failures(numbers, required)
