@@ -194,6 +194,28 @@ def cpu_threads_for_tiny() -> None:
 
 
 # ---------------------------------------------------------------- the warm-start data
+# The environment the warm start is trained and gated in, whatever the run's ``env``: a warm start is
+# a fixed artifact (like a downloaded checkpoint), so both arms of a sweep that changes the env
+# (h04's small budgets, another retriever) start from the same weights. musique_mini's defaults.
+WARM_START_ENV = {
+    "synthetic": {"hops": [2], "num_paragraphs": 6},
+    "retriever": "bm25",
+    "scope": "question",
+    "top_n": 1,
+    "get_document_tool": False,
+    "supporting_in_prompt": False,
+    "max_turns": 4,
+    "max_prompt_tokens": 1024,
+    "max_tokens_per_turn": 48,
+    "max_completion_tokens": 512,
+}
+
+
+def warm_start_config(cfg: Any) -> Any:
+    """``cfg`` with the fixed warm-start environment (``WARM_START_ENV``) in place of the run's."""
+    return OmegaConf.merge(cfg, {"env": WARM_START_ENV})
+
+
 def names_text() -> str:
     """Every name once with its leading space, so the BPE gives each its own token whatever world a
     run draws its people from."""
@@ -215,7 +237,7 @@ def warm_start_conversations(cfg: Any, n_records: int | None = None) -> tuple[li
 
     tiny = cfg.model.tiny
     return noisy_oracle_dataset(
-        cfg.env, int(n_records if n_records is not None else tiny.sft_records), float(tiny.sft_noise),
+        warm_start_config(cfg).env, int(n_records if n_records is not None else tiny.sft_records), float(tiny.sft_noise),
         float(tiny.sft_single_step_share), worlds=WARM_START_WORLDS,
     )
 
@@ -228,21 +250,11 @@ def render_texts(episodes: list[list[dict]], envs: list) -> list[str]:
 
 # ---------------------------------------------------------------- where a warm start lives
 def build_settings(cfg: Any) -> dict:
-    """Every setting the built warm start depends on (not the run seed: the warm start is a fixed
-    artifact, like a downloaded checkpoint; seeds vary the RL run)."""
+    """Every setting the built warm start depends on: ``model.tiny`` and the fixed warm-start
+    environment (not the run's env or seed: seeds and arms vary the RL run, never its start)."""
     tiny = OmegaConf.to_container(cfg.model.tiny, resolve=True)
     tiny.pop("cache_dir", None)
-    env = cfg.env
-    return {
-        "build": BUILD_VERSION,
-        "tiny": tiny,
-        "hops": list(env.synthetic.hops),
-        "num_paragraphs": int(env.synthetic.num_paragraphs),
-        "retriever": str(getattr(env.retriever, "value", env.retriever)),
-        "top_n": int(env.top_n),
-        "max_turns": int(env.max_turns),
-        "max_tokens_per_turn": int(env.max_tokens_per_turn),
-    }
+    return {"build": BUILD_VERSION, "tiny": tiny, "env": WARM_START_ENV}
 
 
 def build_key(cfg: Any) -> str:

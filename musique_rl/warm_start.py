@@ -213,13 +213,14 @@ def deterministic() -> None:
 
 
 def build(cfg: Any, out: Path) -> dict:
-    """Build, warm-start and gate the tiny model of ``cfg`` into ``out``; returns build.json's content."""
+    """Build, warm-start and gate the tiny model of ``cfg`` into ``out`` (in the fixed warm-start
+    environment, ``tiny_model.WARM_START_ENV``); returns build.json's content."""
     import torch
 
     t0 = time.time()
     deterministic()
     try:
-        return _build(cfg, out, t0)
+        return _build(tiny_model.warm_start_config(cfg), out, t0)
     finally:
         torch.use_deterministic_algorithms(False)
 

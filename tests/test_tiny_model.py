@@ -85,6 +85,19 @@ def test_build_key_follows_the_build_inputs_not_the_seed(tiny_cfg, monkeypatch):
     assert tiny_model.build_key(tiny_cfg) != key
 
 
+def test_both_arms_of_every_hypothesis_start_from_the_same_warm_start(tiny_cfg):
+    """The warm start is built in a fixed environment, not the run's: h04's small budgets or any
+    env knob must not hand one arm other starting weights (a confound, and a build that fails)."""
+    from conftest import compose_cfg
+
+    key = tiny_model.build_key(tiny_cfg)
+    for h in ("h02", "h04", "h07"):
+        for arm in ("control", "treatment"):
+            cfg = compose_cfg(["tracking.enabled=false", f"+hypothesis={h}", f"hypothesis.arm={arm}"])
+            assert tiny_model.build_key(cfg) == key, (h, arm)
+    assert tiny_model.build_key(compose_cfg(["env.top_n=3", "env.max_turns=2"])) == key
+
+
 def test_the_default_warm_start_is_shipped_gated_and_unaltered(tiny_cfg):
     """A fresh machine trains from the committed warm start, never from a local build: its key
     matches the current code and defaults, it passed the gate, and its weights are the gated ones.
