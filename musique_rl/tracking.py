@@ -157,15 +157,22 @@ def config_params(cfg: DictConfig) -> dict[str, str]:
     return params
 
 
+# What a job runs: a change here makes the checkout "dirty". Docs are left out: a sweep's verdict
+# rewrites README.md, which must not mark the next sweep's runs as unrecoverable code.
+CODE_PATHS = ("musique_rl", "conf", "sweeps", "hydra_plugins", "launchers", "pyproject.toml")
+
+
 def git_commit(repo: Path | None = None) -> tuple[str, bool]:
-    """(commit sha, dirty) of the package's checkout; ('unknown', False) outside git."""
+    """(commit sha, dirty) of the package's checkout (dirty: uncommitted changes to ``CODE_PATHS``);
+    ('unknown', False) outside git."""
     repo = repo or Path(__file__).resolve().parent.parent
     try:
         sha = subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True, timeout=10, check=True
         ).stdout.strip()
         dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo, capture_output=True, text=True, timeout=10
+            ["git", "status", "--porcelain", "--untracked-files=no", "--", *CODE_PATHS],
+            cwd=repo, capture_output=True, text=True, timeout=10,
         ).stdout.strip()
         return sha, bool(dirty)
     except (OSError, subprocess.SubprocessError):

@@ -192,3 +192,27 @@ def test_multirun_nests_jobs_survives_a_failure_and_never_logs_a_secret(tmp_path
     for r in jobs:  # the config artifact is redacted too
         text = open(client.download_artifacts(r.info.run_id, "config/resolved.yaml")).read()
         assert TOKEN not in text and PASSWORD not in text
+
+
+def test_a_docs_edit_does_not_make_the_code_dirty(tmp_path):
+    """A sweep's verdict rewrites README.md: the next sweep's runs must still record clean code,
+    while an edit to the package or a config marks them dirty."""
+    import subprocess
+
+    from musique_rl.tracking import git_commit
+
+    def git(*args):
+        subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True)
+
+    (tmp_path / "musique_rl").mkdir()
+    (tmp_path / "musique_rl" / "x.py").write_text("a = 1\n")
+    (tmp_path / "README.md").write_text("rows\n")
+    git("init", "-q")
+    git("-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qam", "init", "--allow-empty")
+    git("add", ".")
+    git("-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", "files")
+    (tmp_path / "README.md").write_text("new rows\n")
+    sha, dirty = git_commit(tmp_path)
+    assert len(sha) == 40 and not dirty
+    (tmp_path / "musique_rl" / "x.py").write_text("a = 2\n")
+    assert git_commit(tmp_path) == (sha, True)
