@@ -122,9 +122,10 @@ def _grpo_trainer_class():
             rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
             jitter = faults.reward_jitter(self.musique_cfg)
             if jitter:  # planted fault std_epsilon: float-level reward noise (faults.reward_jitter)
-                gen = torch.Generator().manual_seed(int(self.state.global_step))
+                gen = torch.Generator().manual_seed(int(self.state.global_step))  # CPU: the same noise on any device
                 noise = torch.randn(rewards_per_func.shape, generator=gen, dtype=torch.float64)
-                rewards_per_func = (rewards_per_func.double() + jitter * noise).to(rewards_per_func.dtype)
+                noisy = rewards_per_func.double() + jitter * noise.to(rewards_per_func.device)
+                rewards_per_func = noisy.to(rewards_per_func.dtype)
             self._last_rewards_per_func = rewards_per_func  # gathered over all processes
             return rewards_per_func
 

@@ -162,8 +162,13 @@ def test_stale_sampler_fault_samples_from_the_initial_weights(tiny_cfg, warm_tin
     tr.train()
     sampler = tr.musique_generator.model_source
     x = torch.tensor([tok.encode("Question: Who is the boss of Alo Bena?")])
-    assert torch.equal(sampler(input_ids=x).logits, model(input_ids=x).logits)
-    assert not torch.allclose(tr.model(input_ids=x).logits, model(input_ids=x).logits)
+
+    def logits(m):  # each model on its own device (the trainer's may be a GPU), compared on the CPU
+        with torch.no_grad():
+            return m(input_ids=x.to(next(m.parameters()).device)).logits.cpu()
+
+    assert torch.equal(logits(sampler), logits(model))
+    assert not torch.allclose(logits(tr.model), logits(model))
 
 
 def test_resume_continues_at_the_right_step(tiny_cfg, warm_tiny, tmp_path):
