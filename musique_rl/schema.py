@@ -236,6 +236,10 @@ class TrainSettings:
     vllm_server_host: str = "127.0.0.1"
     vllm_server_port: int = 8000
     gradient_checkpointing: bool = False
+    # Episodes per forward/backward on each process; None = the whole per-process batch at once.
+    # The optimizer step still covers prompts_per_step x num_generations episodes (TRL's gradient
+    # accumulation over micro-batches of one generation batch).
+    micro_batch_size: Optional[int] = None
     logging_steps: int = 1
     save_steps: int = 20
     resume: str = "auto"  # auto (last checkpoint in the run dir) | never | <checkpoint path>

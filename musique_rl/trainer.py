@@ -222,6 +222,10 @@ def _grpo_trainer_class():
             self._captured_logps = logps
             return logps, entropies, aux
 
+        def _accumulation_steps(self) -> float:
+            """Micro-batches per optimizer step (TRL's divisor of each micro-batch's loss); 1 outside training."""
+            return float(getattr(self, "current_gradient_accumulation_steps", 1) or 1) if self.model.training else 1.0
+
         def _compute_loss(self, model, inputs):
             completion_mask = inputs["completion_mask"]
             tool_mask = inputs.get("tool_mask")
@@ -232,7 +236,16 @@ def _grpo_trainer_class():
                 # mask, so prompt and tool tokens are invisible when assistant tokens are scored.
                 inputs = {**inputs, "prompt_mask": torch.zeros_like(inputs["prompt_mask"]), "completion_mask": loss_mask}
             self._captured_logps = None
-            loss = super()._compute_loss(model, inputs)
+            beta = self.beta
+            if self._kl_sign < 0:
+                # Planted fault kl_flipped: TRL adds beta * KL to the per-token loss and normalises it
+                # with the policy loss (per loss_type, across micro-batches); a negated beta makes that
+                # exact term reward drifting away from the reference.
+                self.beta = -beta
+            try:
+                loss = super()._compute_loss(model, inputs)
+            finally:
+                self.beta = beta
             per_token_logps = self._captured_logps
             attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
             per_token_kl = kl_mask = kl_penalty = None
@@ -240,19 +253,15 @@ def _grpo_trainer_class():
                 ref = inputs["ref_per_token_logps"]
                 per_token_kl = torch.exp(ref - per_token_logps) - (ref - per_token_logps) - 1  # TRL's k3
                 kl_mask = loss_mask
-                if self._kl_env or self._kl_sign < 0:
-                    # Planted faults: KL on environment tokens too, or with the wrong sign. TRL
-                    # has already added +beta*KL on the loss mask; add the difference.
-                    if self._kl_env:
-                        kl_mask = completion_mask.float()
-                        extra_mask = (completion_mask * (1 - tool_mask)) if tool_mask is not None else None
-                        coef = 1.0
-                    else:
-                        extra_mask = loss_mask
-                        coef = -2.0  # +1 (TRL) - 2 = -1: the penalty rewards drifting away
-                    if extra_mask is not None and extra_mask.sum() > 0:
-                        m = extra_mask.float()
-                        loss = loss + coef * self.beta * (per_token_kl * m).sum() / loss_mask.sum().clamp(min=1.0)
+                if self._kl_env and tool_mask is not None:
+                    # Planted fault kl_tool_tokens: TRL has put beta * KL on the loss mask; add it on
+                    # the environment tokens too, per token of this micro-batch's loss mask and
+                    # divided over the accumulated micro-batches as TRL divides its own loss.
+                    kl_mask = completion_mask.float()
+                    extra = (completion_mask * (1 - tool_mask)).float()
+                    if extra.sum() > 0:
+                        per_micro = (per_token_kl * extra).sum() / loss_mask.sum().clamp(min=1.0)
+                        loss = loss + self.beta * per_micro / self._accumulation_steps()
                 kl_penalty = self._kl_sign * self.beta * per_token_kl * kl_mask
             if self.instruments is not None and per_token_logps is not None:
                 self._merge_metrics(
@@ -281,14 +290,18 @@ def num_processes() -> int:
     return int(process_state().num_processes)
 
 
-def grpo_config(cfg: Any, output_dir: str | Path) -> Any:
-    """TRL ``GRPOConfig`` from the composed config (names map one to one; see schema.py)."""
-    from trl import GRPOConfig
+def batch_layout(cfg: Any, world: int) -> tuple[int, int]:
+    """(episodes per forward/backward, micro-batches per optimizer step) on each process.
 
-    from musique_rl.models import resolve_dtype
-
-    t, loss = cfg.train, cfg.loss
-    world = num_processes()
+    One optimizer step always covers ``train.prompts_per_step x train.num_generations`` episodes:
+    each process holds its share of whole groups and, with ``train.micro_batch_size`` set, runs it
+    through the model in micro-batches whose gradients TRL accumulates (``gradient_accumulation_steps``
+    = ``steps_per_generation`` = the number of micro-batches, so one generation batch feeds exactly
+    one optimizer step). TRL's loss normalisation makes that step equal to the full-batch one for
+    loss_type dapo (tokens of the whole batch), grpo and dr_grpo (equal micro-batches); bnpo
+    normalises per micro-batch by definition (tests/test_trainer.py).
+    """
+    t = cfg.train
     batch = int(t.prompts_per_step) * int(t.num_generations)
     if batch % world:
         raise ValueError(
@@ -300,12 +313,31 @@ def grpo_config(cfg: Any, output_dir: str | Path) -> Any:
             f"each of the {world} processes must hold whole groups: train.prompts_per_step={t.prompts_per_step} "
             f"must be a multiple of the process count"
         )
+    local = batch // world
+    micro = local if t.micro_batch_size is None else int(t.micro_batch_size)
+    if micro < 1 or local % micro:
+        raise ValueError(
+            f"train.micro_batch_size={t.micro_batch_size}: must be >= 1 and divide the {local} episodes each of the "
+            f"{world} process(es) trains per step (train.prompts_per_step x train.num_generations / processes)"
+        )
+    return micro, local // micro
+
+
+def grpo_config(cfg: Any, output_dir: str | Path) -> Any:
+    """TRL ``GRPOConfig`` from the composed config (names map one to one; see schema.py)."""
+    from trl import GRPOConfig
+
+    from musique_rl.models import resolve_dtype
+
+    t, loss = cfg.train, cfg.loss
+    micro, accumulation = batch_layout(cfg, num_processes())
     bf16 = resolve_dtype(cfg.model) == torch.bfloat16
     return GRPOConfig(
         output_dir=str(output_dir),
         max_steps=int(t.max_steps),
-        per_device_train_batch_size=batch // world,
-        gradient_accumulation_steps=1,
+        per_device_train_batch_size=micro,
+        gradient_accumulation_steps=accumulation,
+        steps_per_generation=accumulation,  # one rollout per optimizer step, split into the micro-batches
         num_generations=int(t.num_generations),
         loss_type=str(getattr(loss.loss_type, "value", loss.loss_type)),
         scale_rewards=str(getattr(loss.scale_rewards, "value", loss.scale_rewards)),
