@@ -331,6 +331,8 @@ def grpo_config(cfg: Any, output_dir: str | Path) -> Any:
 
     t, loss = cfg.train, cfg.loss
     micro, accumulation = batch_layout(cfg, num_processes())
+    backend = str(getattr(t.backend, "value", t.backend))
+    vllm = vllm_settings(cfg) if backend == "vllm" else {}
     bf16 = resolve_dtype(cfg.model) == torch.bfloat16
     return GRPOConfig(
         output_dir=str(output_dir),
@@ -362,10 +364,8 @@ def grpo_config(cfg: Any, output_dir: str | Path) -> Any:
         use_cpu=not torch.cuda.is_available(),  # see models.process_state
         gradient_checkpointing=bool(t.gradient_checkpointing),
         disable_dropout=True,
-        use_vllm=str(getattr(t.backend, "value", t.backend)) == "vllm",
-        vllm_mode="server",
-        vllm_server_host=str(t.vllm_server_host),
-        vllm_server_port=int(t.vllm_server_port),
+        use_vllm=backend == "vllm",
+        **vllm,
         logging_steps=int(t.logging_steps),
         save_strategy="steps",
         save_steps=int(t.save_steps),
@@ -378,6 +378,42 @@ def grpo_config(cfg: Any, output_dir: str | Path) -> Any:
         dataloader_num_workers=0,
         disable_tqdm=False,
     )
+
+
+def vllm_settings(cfg: Any) -> dict[str, Any]:
+    """GRPOConfig's vLLM fields for ``train.backend=vllm`` (TRL's names).
+
+    colocate: vLLM in this process on its GPU, ``train.vllm_gpu_memory_utilization`` of it, context
+    length = the env's prompt + completion budgets (TRL picks a free rendezvous port itself).
+    server: the server this job's topology started (musique_rl/gpu_job.py passes its ports), or
+    one the user runs: ``train.vllm_server_port`` must then be set. The NCCL weight-sync port is
+    ``train.vllm_group_port``, else a free one chosen now, so two jobs on one node do not collide.
+    """
+    from musique_rl.gpu_job import free_port, resolve_vllm_mode
+
+    t = cfg.train
+    mode = resolve_vllm_mode(cfg)
+    if mode == "colocate":
+        util = float(t.vllm_gpu_memory_utilization)
+        if not 0 < util <= 1:
+            raise ValueError(f"train.vllm_gpu_memory_utilization={util}: must be in (0, 1]")
+        return {
+            "vllm_mode": "colocate",
+            "vllm_gpu_memory_utilization": util,
+            "vllm_max_model_length": int(cfg.env.max_prompt_tokens) + int(cfg.env.max_completion_tokens),
+            "vllm_tensor_parallel_size": 1,
+        }
+    if t.vllm_server_port is None:
+        raise ValueError(
+            "train.vllm_mode=server in a trainer process needs train.vllm_server_port: a job started with "
+            "`python -m musique_rl` chooses it (musique_rl/gpu_job.py); for a server you started, set it"
+        )
+    return {
+        "vllm_mode": "server",
+        "vllm_server_host": str(t.vllm_server_host),
+        "vllm_server_port": int(t.vllm_server_port),
+        "vllm_group_port": int(t.vllm_group_port) if t.vllm_group_port is not None else free_port(),
+    }
 
 
 def lora_config(cfg: Any) -> Any:

@@ -210,6 +210,28 @@ def test_micro_batch_size_sets_trls_accumulation_and_bad_values_name_the_key(tin
             trainer_mod.grpo_config(cfg, tmp_path)
 
 
+def test_vllm_modes_reach_grpo_config(tiny_cfg, tmp_path, monkeypatch):
+    """train.backend=vllm on one GPU colocates (TRL's colocate fields); in a server topology's
+    trainer process it connects to the ports the topology chose."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    monkeypatch.delenv("MUSIQUE_RL_GPU_ROLE", raising=False)
+    cfg = _cfg(tiny_cfg, {"train.backend": "vllm", "train.vllm_gpu_memory_utilization": 0.45})
+    args = trainer_mod.grpo_config(cfg, tmp_path)
+    assert args.use_vllm and args.vllm_mode == "colocate" and args.vllm_gpu_memory_utilization == 0.45
+    assert args.vllm_max_model_length == cfg.env.max_prompt_tokens + cfg.env.max_completion_tokens
+    OmegaConf.update(cfg, "train.vllm_mode", "server")
+    with pytest.raises(ValueError, match="train.vllm_server_port"):
+        trainer_mod.grpo_config(cfg, tmp_path)
+    OmegaConf.update(cfg, "train.vllm_server_port", 8123)
+    args = trainer_mod.grpo_config(cfg, tmp_path)
+    assert (args.vllm_mode, args.vllm_server_port) == ("server", 8123)
+    assert args.vllm_group_port not in (8123, 51216) and args.vllm_group_port > 0  # a free one, not TRL's fixed default
+    OmegaConf.update(cfg, "train.vllm_gpu_memory_utilization", 1.5)
+    OmegaConf.update(cfg, "train.vllm_mode", "colocate")
+    with pytest.raises(ValueError, match="train.vllm_gpu_memory_utilization=1.5"):
+        trainer_mod.grpo_config(cfg, tmp_path)
+
+
 class _StepRecorder:
     """What one optimizer step saw: the rollout, the micro-batch sizes, the gradients before the update."""
 
