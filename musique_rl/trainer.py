@@ -38,6 +38,10 @@ from musique_rl import faults
 log = logging.getLogger(__name__)
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is TRL-experimental; we pin TRL
+# Metrics reach MLflow through musique_rl.tracking (report_to="none"), never through transformers'
+# MLflow integration; without this TRL imports mlflow wherever it is installed (trl/extras/profiling.py),
+# also with tracking.enabled=false. Set before anything here imports TRL.
+os.environ.setdefault("DISABLE_MLFLOW_INTEGRATION", "TRUE")
 
 PINNED_TRL = "1.16.0"
 TRL_ADVANTAGE_LINE = "advantages = advantages / (std_rewards + 1e-4)"  # what group_advantages replaces
@@ -314,7 +318,9 @@ def batch_layout(cfg: Any, world: int) -> tuple[int, int]:
             f"must be a multiple of the process count"
         )
     local = batch // world
-    micro = local if t.micro_batch_size is None else int(t.micro_batch_size)
+    # At most micro_batch_size episodes per pass: a model config's default (conf/model) may exceed a
+    # small batch, which then runs in one pass.
+    micro = local if t.micro_batch_size is None else min(int(t.micro_batch_size), local)
     if micro < 1 or local % micro:
         raise ValueError(
             f"train.micro_batch_size={t.micro_batch_size}: must be >= 1 and divide the {local} episodes each of the "

@@ -204,7 +204,9 @@ def test_micro_batch_size_sets_trls_accumulation_and_bad_values_name_the_key(tin
     assert args.generation_batch_size == 16  # one rollout of the whole step, then 4 micro-batches
     OmegaConf.update(cfg, "train.micro_batch_size", None)
     assert trainer_mod.batch_layout(cfg, 1) == (16, 1)
-    for bad in (3, 0, 32):
+    OmegaConf.update(cfg, "train.micro_batch_size", 64)  # more than the batch: the batch in one pass
+    assert trainer_mod.batch_layout(cfg, 1) == (16, 1)
+    for bad in (3, 0, -2):
         OmegaConf.update(cfg, "train.micro_batch_size", bad)
         with pytest.raises(ValueError, match=f"train.micro_batch_size={bad}: .*divide the 16 episodes"):
             trainer_mod.grpo_config(cfg, tmp_path)
