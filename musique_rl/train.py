@@ -195,7 +195,7 @@ def train(cfg: Any, run_dir: str | Path | None = None, callbacks: list | None = 
     tracker = tracking.active()
     if tracker is not None:
         tracking.tag_provenance(tracker, origin)
-    callbacks = [tracker.callback()] if tracker is not None else []
+    callbacks = ([tracker.callback()] if tracker is not None else []) + list(callbacks or [])
     ckpt_dir = out_dir / "checkpoints"
     trainer = build_trainer(
         cfg, model, tokenizer, records, retriever, reward_fn, ckpt_dir, instruments=instruments, callbacks=callbacks
