@@ -265,10 +265,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\n===== smoke case {case.name} =====", flush=True)
             rows.append(run_case(case, a.steps, list(a.overrides), Path(tmp), cuda))
             print(f"===== {case.name}: {rows[-1].status} {rows[-1].note}", flush=True)
-    text = table(rows, device)
-    print("\n" + text, flush=True)
-    if a.json:
-        Path(a.json).write_text(json.dumps({"device": device, "rows": [r.__dict__ for r in rows]}, indent=1))
+            if a.json:  # after every case: a run cut short still leaves its rows
+                Path(a.json).write_text(json.dumps({"device": device, "rows": [r.__dict__ for r in rows]}, indent=1))
+    print("\n" + table(rows, device), flush=True)
     return 1 if any(r.status == "FAIL" for r in rows) else 0
 
 
