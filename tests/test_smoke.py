@@ -66,7 +66,7 @@ def test_a_locally_built_model_loads_like_a_hub_model_with_the_tiny_tokenizer(ti
     memory.save_random_model(memory.MINI, tok, str(tmp_path), device="cpu", dtype=None)
     cfg = compose_cfg(["model=qwen2.5-7b-instruct", f"model.name_or_path={tmp_path}", "model.dtype=float32",
                        "model.attn_implementation=sdpa", "tracking.enabled=false"])
-    assert cfg.train.gradient_checkpointing and cfg.train.micro_batch_size == 8  # the 7B config's memory defaults
+    assert cfg.train.gradient_checkpointing and cfg.train.micro_batch_size == 4  # the 7B config's memory defaults
     model, loaded = load_model(cfg)
     text = "<|im_start|>user\nWho founded Borealis Motors?<|im_end|>"
     assert loaded.encode(text, add_special_tokens=False) == tok.encode(text, add_special_tokens=False)
