@@ -248,6 +248,10 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     cuda = torch.cuda.is_available()
+    if not cuda and torch.version.cuda is None and Path("/dev/nvidia0").exists():
+        print("smoke: this machine has an NVIDIA GPU but this torch is a CPU build (a .venv from `make setup`?): "
+              "running the CPU cases. Use the image's CUDA torch: make gpu-smoke PY=python3 (no .venv), or "
+              "python3 -m musique_rl.smoke", file=sys.stderr)
     chosen = select(a.cases, cuda)
     if a.list:
         for c in chosen:
