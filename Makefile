@@ -55,6 +55,13 @@ ui-check: $(STAMP) ## Headless-browser check of the compare view (installs chrom
 cfg: $(STAMP) ## Print the composed, resolved config of a hypothesis: make cfg HYP=h01
 	$(BIN)/python -m musique_rl --cfg job --resolve +hypothesis=$(HYP) $(ARGS)
 
+# The smoke runs on the interpreter whose torch sees the GPU: the .venv's where there is one (`make
+# setup` installs a CPU torch), else $(PY), a CUDA image's own python.
+SMOKE_PY = $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PY))
+.PHONY: gpu-smoke
+gpu-smoke: ## Every fault, hypothesis arm and a 7B-shaped model on this machine's GPU; a table (CPU: small shapes)
+	$(SMOKE_PY) -m musique_rl.smoke $(ARGS)
+
 lint: $(STAMP) ## ruff over the package, tests and benchmarks
 	$(BIN)/ruff check musique_rl tests benchmarks
 

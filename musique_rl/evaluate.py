@@ -57,12 +57,14 @@ def policy_episodes(cfg: Any, records: list[dict]) -> Iterator[dict]:
             raise ValueError("policy=replay needs replay_path=<jsonl of {id, messages}> (e.g. an earlier episodes.jsonl)")
         return replay_episodes(cfg.replay_path, {r["id"]: r for r in records}, fmt)
     if policy == "model":
+        from musique_rl.devices import place
         from musique_rl.models import load_model
         from musique_rl.rollout import run_model_episodes
         from musique_rl.warm_start import ensure
 
         ensure(cfg)
         model, tokenizer = load_model(cfg)
+        model = place(model)
         return iter(run_model_episodes(cfg, records, model=model, tokenizer=tokenizer))
     raise ValueError(f"policy={policy!r}: choose model, oracle, no_tool or replay")
 

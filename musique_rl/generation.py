@@ -12,11 +12,14 @@ The rollout (musique_rl/rollout.py) never decodes and re-encodes: what is sample
   same transformers warper classes ``generate`` uses), which keeps the log-softmax of the final
   distribution for one step and reads the sampled id from the next step's input, so memory stays
   O(batch x vocab) instead of ``output_scores``' O(steps x batch x vocab).
+- ``VLLMColocateGenerator``: TRL's vLLM colocate mode (one GPU: the engine lives in the training
+  process; TRL syncs the weights before each rollout). Tested with a stand-in engine.
 - ``VLLMServerGenerator``: TRL's vLLM server mode (``trl vllm-serve``; TRL syncs the weights,
   LoRA included, before each rollout). Real code, imported lazily; it cannot run on this CPU
   machine, so its tests drive it with a stand-in client (tests/test_generation.py).
 
-``build_generator(cfg, ...)`` is the one place a backend is chosen (``train.backend``).
+``build_generator(cfg, ...)`` is the one place a backend is chosen (``train.backend``, and
+``train.vllm_mode`` as resolved into the trainer's GRPOConfig).
 """
 
 from __future__ import annotations
@@ -243,6 +246,53 @@ class VLLMServerGenerator:
         return samples_from_vllm(out, limits, set(s.stop_ids))
 
 
+# ---------------------------------------------------------------- vLLM colocate (TRL)
+class VLLMColocateGenerator:
+    """TRL's colocate mode: the vLLM engine TRL built inside this process
+    (``trainer.vllm_generation.llm``, sharing the training GPU, weights synced by TRL before each
+    rollout), one ``LLM.generate`` per turn over this process's live episodes.
+
+    Why not ``VLLMGeneration.generate``: it samples with the fixed ``max_completion_length`` of the
+    config, while each turn here has its own token limit and stop ids. Each process holds its own
+    engine (tensor_parallel_size 1), so nothing is collective. TRL's sleep mode is not used.
+    """
+
+    collective = False
+
+    def __init__(self, trainer: Any, settings: SamplingSettings):
+        settings.check()
+        self.trainer = trainer
+        self.settings = settings
+
+    @contextlib.contextmanager
+    def session(self) -> Iterator[VLLMColocateGenerator]:
+        yield self
+
+    def generate(self, contexts: list[list[int]], max_new_tokens: list[int], greedy: bool = False) -> list[Sample]:
+        if not contexts:
+            return []
+        from trl.generation.vllm_generation import extract_logprobs
+        from vllm import SamplingParams
+
+        s = self.settings
+        params = SamplingParams(
+            n=1,
+            temperature=1.0 if greedy else s.temperature,
+            top_p=1.0 if greedy else s.top_p,
+            top_k=1 if greedy else s.top_k,  # vLLM: top_k=1 is greedy, 0 is off
+            max_tokens=max(1, max(max_new_tokens)),
+            logprobs=0,  # the sampled token's log-prob (TRL builds the engine with processed_logprobs)
+            stop_token_ids=list(s.stop_ids),
+            skip_special_tokens=False,
+        )
+        outputs = self.trainer.vllm_generation.llm.generate(
+            [{"prompt_token_ids": list(c)} for c in contexts], sampling_params=params, use_tqdm=False
+        )
+        completion_ids = [list(o.token_ids) for out in outputs for o in out.outputs]
+        logprobs, _ = extract_logprobs(outputs)
+        return samples_from_vllm({"completion_ids": completion_ids, "logprobs": logprobs}, max_new_tokens, set(s.stop_ids))
+
+
 def samples_from_vllm(out: dict, limits: list[int], stop_ids: set[int]) -> list[Sample]:
     """Parse ``VLLMClient.generate`` output (``completion_ids`` and (seq, len, 1) ``logprobs``)."""
     samples = []
@@ -277,7 +327,7 @@ def build_generator(
     frozen: bool = False,
     temperature: float | None = None,
     backend: str | None = None,
-) -> HFGenerator | VLLMServerGenerator:
+) -> HFGenerator | VLLMServerGenerator | VLLMColocateGenerator:
     """The backend named by ``train.backend``.
 
     ``trainer``: bind to a GRPOTrainer (current weights every rollout). ``model``: sample from this
@@ -293,6 +343,8 @@ def build_generator(
             raise ValueError("train.backend=vllm samples through the trainer's vLLM server; evaluation uses hf")
         if frozen:
             raise ValueError("fault=stale_sampler is implemented for train.backend=hf only")
+        if getattr(trainer.args, "vllm_mode", "server") == "colocate":
+            return VLLMColocateGenerator(trainer, settings)
         return VLLMServerGenerator(trainer, settings)
     if backend != "hf":
         raise ValueError(f"train.backend={backend!r}: expected 'hf' or 'vllm'")

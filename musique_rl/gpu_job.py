@@ -1,7 +1,14 @@
 """A GPU job's own process topology inside its allocation: vLLM server on one GPU, trainer on the rest.
 
-With ``train.backend=vllm`` the job (a SLURM array task from hydra/launcher=slurm, or a plain run
-on a GPU workstation) does not train in its own process. ``app.run`` hands it to ``run(cfg)``:
+``train.vllm_mode`` (TRL's names) picks how ``train.backend=vllm`` generates:
+  - ``colocate``: vLLM inside the training process, sharing its GPU (TRL's colocate mode). The
+    job trains in its own process; nothing here runs. This is how one GPU runs vLLM.
+  - ``server``: the topology below. Needs two or more GPUs.
+  - ``auto`` (default): ``server`` when a single process sees two or more GPUs, else ``colocate``
+    (also inside an ``accelerate launch`` of several processes: one engine per process).
+
+In server mode the job (a SLURM array task from hydra/launcher=slurm, or a plain run on a GPU
+workstation) does not train in its own process. ``app.run`` hands it to ``run(cfg)``:
 
 1. ``vllm serve`` on the first GPU of the allocation (the command TRL's ``trl vllm-serve`` builds,
    ``trl.scripts.vllm_serve.build_command``: weight-transfer endpoints, processed log-probs), in
@@ -20,8 +27,11 @@ on a GPU workstation) does not train in its own process. ``app.run`` hands it to
 Settings that depend on the cluster, from the environment:
 ``MUSIQUE_RL_ACCELERATE_CONFIG`` (default launchers/accelerate/zero3.yaml: DeepSpeed ZeRO-3),
 ``MUSIQUE_RL_VLLM_GPU_MEMORY_UTILIZATION`` (0.9), ``MUSIQUE_RL_VLLM_MAX_MODEL_LEN`` (the model's),
-``MUSIQUE_RL_VLLM_HEALTH_TIMEOUT_S`` (900). Ports are the config's (``train.vllm_server_port``) and
-accelerate's default: give each GPU job whole nodes (``gpus_per_node`` = the node's GPUs).
+``MUSIQUE_RL_VLLM_HEALTH_TIMEOUT_S`` (900). Ports: the server's (``train.vllm_server_port``), TRL's
+weight-sync group (``train.vllm_group_port``) and accelerate's rendezvous are chosen free when the
+job starts (an explicit port in the config is kept), so two GPU jobs can share a node. A port is
+free when chosen; another process could still take it before the server binds it (no tool closes
+that window without binding for the child), which a retry of the job resolves.
 
 See the commands without running anything (no GPU needed):
     python -m musique_rl.gpu_job --gpus 4 --job-dir /tmp/job +hypothesis=h02 train.backend=vllm model=qwen2.5-7b-instruct
@@ -77,11 +87,41 @@ class Topology:
         ])
 
 
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nobody listens on now (the kernel's pick for port 0)."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def resolve_vllm_mode(cfg: Any, gpus: list[str] | None = None, env: dict[str, str] | None = None) -> str:
+    """``train.vllm_mode`` with ``auto`` decided: colocate on one GPU, server on two or more."""
+    mode = str(getattr(cfg.train.vllm_mode, "value", cfg.train.vllm_mode))
+    if mode not in ("auto", "colocate", "server"):
+        raise ValueError(f"train.vllm_mode={mode!r}: expected auto, colocate or server")
+    if mode != "auto":
+        return mode
+    env = os.environ if env is None else env
+    if env.get(ROLE_ENV) == "trainer":
+        return "server"  # a trainer process of a server topology (gpu_job passes the mode explicitly too)
+    if int(env.get("WORLD_SIZE", "1") or 1) > 1:
+        return "colocate"  # one of several launched processes: each runs its own engine on its GPU
+    return "server" if len(visible_gpus(env) if gpus is None else gpus) >= 2 else "colocate"
+
+
 def wants_topology(cfg: Any) -> bool:
-    """True for a vLLM-backed training job that is not itself one of the trainer processes."""
+    """True for a vLLM server-mode training job that is not itself one of the trainer processes."""
     backend = str(getattr(cfg.train.backend, "value", cfg.train.backend))
     mode = str(getattr(cfg.mode, "value", cfg.mode))
-    return backend == "vllm" and mode == "train" and os.environ.get(ROLE_ENV) != "trainer"
+    if backend != "vllm" or mode != "train" or os.environ.get(ROLE_ENV) == "trainer":
+        return False
+    return resolve_vllm_mode(cfg) == "server"
+
+
+# overrides the topology sets for its trainer processes (any the user gave are replaced)
+_TRAINER_KEYS = ("train.vllm_mode", "train.vllm_server_port", "train.vllm_group_port")
 
 
 def visible_gpus(env: dict[str, str] | None = None) -> list[str]:
@@ -101,13 +141,22 @@ def plan(cfg: Any, *, gpus: list[str], job_dir: Path, overrides: list[str],
     env = os.environ if env is None else env
     if len(gpus) < 2:
         raise TopologyError(
-            f"train.backend=vllm needs at least 2 GPUs in the allocation (1 vLLM server + >= 1 trainer); "
+            f"train.vllm_mode=server needs at least 2 GPUs in the allocation (1 vLLM server + >= 1 trainer); "
             f"this job sees {len(gpus)} ({'CUDA_VISIBLE_DEVICES=' + ','.join(gpus) if gpus else 'none'}). "
-            "Ask for more: hydra.launcher.gpus_per_node=N (or MUSIQUE_RL_SLURM_GPUS_PER_NODE)."
+            "On one GPU use train.vllm_mode=colocate (or auto); for a server ask for more: "
+            "hydra.launcher.gpus_per_node=N (or MUSIQUE_RL_SLURM_GPUS_PER_NODE)."
         )
     from trl.scripts.vllm_serve import ScriptArguments, build_command
 
-    host, port = str(cfg.train.vllm_server_host), int(cfg.train.vllm_server_port)
+    t = cfg.train
+    host = str(t.vllm_server_host)
+    port = int(t.vllm_server_port) if t.vllm_server_port is not None else free_port(host)
+    group_port = int(t.vllm_group_port) if t.vllm_group_port is not None else free_port(host)
+    while group_port == port:  # the two are chosen independently: never the same one
+        group_port = free_port(host)
+    main_port = free_port()
+    while main_port in (port, group_port):
+        main_port = free_port()
     dtype = str(getattr(cfg.model.dtype, "value", cfg.model.dtype))
     max_len = env.get("MUSIQUE_RL_VLLM_MAX_MODEL_LEN")
     args = ScriptArguments(
@@ -127,12 +176,17 @@ def plan(cfg: Any, *, gpus: list[str], job_dir: Path, overrides: list[str],
     if not accelerate_config.exists():
         notes.append(f"accelerate config {accelerate_config} does not exist (MUSIQUE_RL_ACCELERATE_CONFIG)")
     trainer_gpus = gpus[1:]
+    kept = [o for o in overrides if o.lstrip("+~").split("=", 1)[0] not in _TRAINER_KEYS]
     trainer_cmd = [
         "accelerate", "launch",
         "--config_file", str(accelerate_config),
         "--num_processes", str(len(trainer_gpus)),
+        "--main_process_port", str(main_port),
         "-m", "musique_rl",
-        *overrides,
+        *kept,
+        "train.vllm_mode=server",
+        f"train.vllm_server_port={port}",
+        f"train.vllm_group_port={group_port}",
         f"hydra.run.dir={job_dir}",
     ]
     return Topology(
@@ -238,6 +292,8 @@ def main(argv: list[str] | None = None) -> int:
     overrides = list(args.overrides)
     if not any(o.startswith("train.backend=") for o in overrides):
         overrides.append("train.backend=vllm")
+    if not any(o.startswith("train.vllm_mode=") for o in overrides):
+        overrides.append("train.vllm_mode=server")
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose("train", overrides=overrides)
     try:

@@ -71,7 +71,13 @@ class RetrievalScope(str, Enum):
 
 class Backend(str, Enum):
     hf = "hf"  # transformers generate, in-process (CPU, tests, small GPUs)
-    vllm = "vllm"  # TRL's vLLM server mode (GPU clusters)
+    vllm = "vllm"  # TRL's vLLM integration (train.vllm_mode: colocate on one GPU, server on several)
+
+
+class VllmMode(str, Enum):  # TRL 1.16 GRPOConfig.vllm_mode, plus auto
+    auto = "auto"  # colocate when the job sees one GPU, server when it sees two or more
+    colocate = "colocate"  # vLLM inside each training process, sharing its GPU
+    server = "server"  # `vllm serve` on the first GPU, the trainer on the others (musique_rl/gpu_job.py)
 
 
 class Arm(str, Enum):
@@ -233,9 +239,16 @@ class TrainSettings:
     top_k: int = 0  # 0 = off; sampler and trainer must agree on the distribution
     mask_env_tokens: bool = True  # tool results and template tokens out of loss and KL (h02)
     backend: Backend = Backend.hf
+    vllm_mode: VllmMode = VllmMode.auto
     vllm_server_host: str = "127.0.0.1"
-    vllm_server_port: int = 8000
+    vllm_server_port: Optional[int] = None  # None = a free port chosen when the job starts
+    vllm_group_port: Optional[int] = None  # TRL's weight-sync NCCL port; None = a free one at start
+    vllm_gpu_memory_utilization: float = 0.3  # colocate: the GPU share vLLM may take (TRL's default)
     gradient_checkpointing: bool = False
+    # Episodes per forward/backward on each process; None = the whole per-process batch at once.
+    # The optimizer step still covers prompts_per_step x num_generations episodes (TRL's gradient
+    # accumulation over micro-batches of one generation batch).
+    micro_batch_size: Optional[int] = None
     logging_steps: int = 1
     save_steps: int = 20
     resume: str = "auto"  # auto (last checkpoint in the run dir) | never | <checkpoint path>

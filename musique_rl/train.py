@@ -135,11 +135,13 @@ def _print_summary(summary: dict, run_dir: Path) -> None:
 
 
 # ---------------------------------------------------------------- the job
-def train(cfg: Any, run_dir: str | Path | None = None) -> float:
-    """Run one GRPO job (module docstring); returns ``train/reward_gain``."""
+def train(cfg: Any, run_dir: str | Path | None = None, callbacks: list | None = None) -> float:
+    """Run one GRPO job (module docstring); returns ``train/reward_gain``. ``callbacks``: extra
+    transformers TrainerCallbacks (musique_rl.smoke times the steps with one)."""
     import transformers
 
     from musique_rl import data, faults, rewards, tracking
+    from musique_rl.devices import place
     from musique_rl.models import load_model, process_state
     from musique_rl.retrieval import build_retriever
     from musique_rl.trainer import build_trainer, last_checkpoint
@@ -162,6 +164,7 @@ def train(cfg: Any, run_dir: str | Path | None = None) -> float:
     log.info("records: %d train, %d held-out", len(records), len(eval_records))
     origin = provenance(cfg)  # builds the tiny warm start first if it is neither shipped nor cached
     model, tokenizer = load_model(cfg)
+    model = place(model)  # the held-out eval samples before the trainer exists
     retriever = build_retriever(cfg.env, records + eval_records)
     by_id = {r["id"]: r for r in records}
     reward_fn = rewards.RewardFunction(cfg.reward, by_id, read_turn=faults.reward_read_turn(cfg), seed=int(cfg.seed))
@@ -192,7 +195,7 @@ def train(cfg: Any, run_dir: str | Path | None = None) -> float:
     tracker = tracking.active()
     if tracker is not None:
         tracking.tag_provenance(tracker, origin)
-    callbacks = [tracker.callback()] if tracker is not None else []
+    callbacks = ([tracker.callback()] if tracker is not None else []) + list(callbacks or [])
     ckpt_dir = out_dir / "checkpoints"
     trainer = build_trainer(
         cfg, model, tokenizer, records, retriever, reward_fn, ckpt_dir, instruments=instruments, callbacks=callbacks

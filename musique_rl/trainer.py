@@ -38,6 +38,10 @@ from musique_rl import faults
 log = logging.getLogger(__name__)
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is TRL-experimental; we pin TRL
+# Metrics reach MLflow through musique_rl.tracking (report_to="none"), never through transformers'
+# MLflow integration; without this TRL imports mlflow wherever it is installed (trl/extras/profiling.py),
+# also with tracking.enabled=false. Set before anything here imports TRL.
+os.environ.setdefault("DISABLE_MLFLOW_INTEGRATION", "TRUE")
 
 PINNED_TRL = "1.16.0"
 TRL_ADVANTAGE_LINE = "advantages = advantages / (std_rewards + 1e-4)"  # what group_advantages replaces
@@ -122,9 +126,10 @@ def _grpo_trainer_class():
             rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
             jitter = faults.reward_jitter(self.musique_cfg)
             if jitter:  # planted fault std_epsilon: float-level reward noise (faults.reward_jitter)
-                gen = torch.Generator().manual_seed(int(self.state.global_step))
+                gen = torch.Generator().manual_seed(int(self.state.global_step))  # CPU: the same noise on any device
                 noise = torch.randn(rewards_per_func.shape, generator=gen, dtype=torch.float64)
-                rewards_per_func = (rewards_per_func.double() + jitter * noise).to(rewards_per_func.dtype)
+                noisy = rewards_per_func.double() + jitter * noise.to(rewards_per_func.device)
+                rewards_per_func = noisy.to(rewards_per_func.dtype)
             self._last_rewards_per_func = rewards_per_func  # gathered over all processes
             return rewards_per_func
 
@@ -221,6 +226,10 @@ def _grpo_trainer_class():
             self._captured_logps = logps
             return logps, entropies, aux
 
+        def _accumulation_steps(self) -> float:
+            """Micro-batches per optimizer step (TRL's divisor of each micro-batch's loss); 1 outside training."""
+            return float(getattr(self, "current_gradient_accumulation_steps", 1) or 1) if self.model.training else 1.0
+
         def _compute_loss(self, model, inputs):
             completion_mask = inputs["completion_mask"]
             tool_mask = inputs.get("tool_mask")
@@ -231,7 +240,16 @@ def _grpo_trainer_class():
                 # mask, so prompt and tool tokens are invisible when assistant tokens are scored.
                 inputs = {**inputs, "prompt_mask": torch.zeros_like(inputs["prompt_mask"]), "completion_mask": loss_mask}
             self._captured_logps = None
-            loss = super()._compute_loss(model, inputs)
+            beta = self.beta
+            if self._kl_sign < 0:
+                # Planted fault kl_flipped: TRL adds beta * KL to the per-token loss and normalises it
+                # with the policy loss (per loss_type, across micro-batches); a negated beta makes that
+                # exact term reward drifting away from the reference.
+                self.beta = -beta
+            try:
+                loss = super()._compute_loss(model, inputs)
+            finally:
+                self.beta = beta
             per_token_logps = self._captured_logps
             attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
             per_token_kl = kl_mask = kl_penalty = None
@@ -239,19 +257,15 @@ def _grpo_trainer_class():
                 ref = inputs["ref_per_token_logps"]
                 per_token_kl = torch.exp(ref - per_token_logps) - (ref - per_token_logps) - 1  # TRL's k3
                 kl_mask = loss_mask
-                if self._kl_env or self._kl_sign < 0:
-                    # Planted faults: KL on environment tokens too, or with the wrong sign. TRL
-                    # has already added +beta*KL on the loss mask; add the difference.
-                    if self._kl_env:
-                        kl_mask = completion_mask.float()
-                        extra_mask = (completion_mask * (1 - tool_mask)) if tool_mask is not None else None
-                        coef = 1.0
-                    else:
-                        extra_mask = loss_mask
-                        coef = -2.0  # +1 (TRL) - 2 = -1: the penalty rewards drifting away
-                    if extra_mask is not None and extra_mask.sum() > 0:
-                        m = extra_mask.float()
-                        loss = loss + coef * self.beta * (per_token_kl * m).sum() / loss_mask.sum().clamp(min=1.0)
+                if self._kl_env and tool_mask is not None:
+                    # Planted fault kl_tool_tokens: TRL has put beta * KL on the loss mask; add it on
+                    # the environment tokens too, per token of this micro-batch's loss mask and
+                    # divided over the accumulated micro-batches as TRL divides its own loss.
+                    kl_mask = completion_mask.float()
+                    extra = (completion_mask * (1 - tool_mask)).float()
+                    if extra.sum() > 0:
+                        per_micro = (per_token_kl * extra).sum() / loss_mask.sum().clamp(min=1.0)
+                        loss = loss + self.beta * per_micro / self._accumulation_steps()
                 kl_penalty = self._kl_sign * self.beta * per_token_kl * kl_mask
             if self.instruments is not None and per_token_logps is not None:
                 self._merge_metrics(
@@ -280,14 +294,18 @@ def num_processes() -> int:
     return int(process_state().num_processes)
 
 
-def grpo_config(cfg: Any, output_dir: str | Path) -> Any:
-    """TRL ``GRPOConfig`` from the composed config (names map one to one; see schema.py)."""
-    from trl import GRPOConfig
+def batch_layout(cfg: Any, world: int) -> tuple[int, int]:
+    """(episodes per forward/backward, micro-batches per optimizer step) on each process.
 
-    from musique_rl.models import resolve_dtype
-
-    t, loss = cfg.train, cfg.loss
-    world = num_processes()
+    One optimizer step always covers ``train.prompts_per_step x train.num_generations`` episodes:
+    each process holds its share of whole groups and, with ``train.micro_batch_size`` set, runs it
+    through the model in micro-batches whose gradients TRL accumulates (``gradient_accumulation_steps``
+    = ``steps_per_generation`` = the number of micro-batches, so one generation batch feeds exactly
+    one optimizer step). TRL's loss normalisation makes that step equal to the full-batch one for
+    loss_type dapo (tokens of the whole batch), grpo and dr_grpo (equal micro-batches); bnpo
+    normalises per micro-batch by definition (tests/test_trainer.py).
+    """
+    t = cfg.train
     batch = int(t.prompts_per_step) * int(t.num_generations)
     if batch % world:
         raise ValueError(
@@ -299,12 +317,35 @@ def grpo_config(cfg: Any, output_dir: str | Path) -> Any:
             f"each of the {world} processes must hold whole groups: train.prompts_per_step={t.prompts_per_step} "
             f"must be a multiple of the process count"
         )
+    local = batch // world
+    # At most micro_batch_size episodes per pass: a model config's default (conf/model) may exceed a
+    # small batch, which then runs in one pass.
+    micro = local if t.micro_batch_size is None else min(int(t.micro_batch_size), local)
+    if micro < 1 or local % micro:
+        raise ValueError(
+            f"train.micro_batch_size={t.micro_batch_size}: must be >= 1 and divide the {local} episodes each of the "
+            f"{world} process(es) trains per step (train.prompts_per_step x train.num_generations / processes)"
+        )
+    return micro, local // micro
+
+
+def grpo_config(cfg: Any, output_dir: str | Path) -> Any:
+    """TRL ``GRPOConfig`` from the composed config (names map one to one; see schema.py)."""
+    from trl import GRPOConfig
+
+    from musique_rl.models import resolve_dtype
+
+    t, loss = cfg.train, cfg.loss
+    micro, accumulation = batch_layout(cfg, num_processes())
+    backend = str(getattr(t.backend, "value", t.backend))
+    vllm = vllm_settings(cfg) if backend == "vllm" else {}
     bf16 = resolve_dtype(cfg.model) == torch.bfloat16
     return GRPOConfig(
         output_dir=str(output_dir),
         max_steps=int(t.max_steps),
-        per_device_train_batch_size=batch // world,
-        gradient_accumulation_steps=1,
+        per_device_train_batch_size=micro,
+        gradient_accumulation_steps=accumulation,
+        steps_per_generation=accumulation,  # one rollout per optimizer step, split into the micro-batches
         num_generations=int(t.num_generations),
         loss_type=str(getattr(loss.loss_type, "value", loss.loss_type)),
         scale_rewards=str(getattr(loss.scale_rewards, "value", loss.scale_rewards)),
@@ -329,10 +370,8 @@ def grpo_config(cfg: Any, output_dir: str | Path) -> Any:
         use_cpu=not torch.cuda.is_available(),  # see models.process_state
         gradient_checkpointing=bool(t.gradient_checkpointing),
         disable_dropout=True,
-        use_vllm=str(getattr(t.backend, "value", t.backend)) == "vllm",
-        vllm_mode="server",
-        vllm_server_host=str(t.vllm_server_host),
-        vllm_server_port=int(t.vllm_server_port),
+        use_vllm=backend == "vllm",
+        **vllm,
         logging_steps=int(t.logging_steps),
         save_strategy="steps",
         save_steps=int(t.save_steps),
@@ -345,6 +384,42 @@ def grpo_config(cfg: Any, output_dir: str | Path) -> Any:
         dataloader_num_workers=0,
         disable_tqdm=False,
     )
+
+
+def vllm_settings(cfg: Any) -> dict[str, Any]:
+    """GRPOConfig's vLLM fields for ``train.backend=vllm`` (TRL's names).
+
+    colocate: vLLM in this process on its GPU, ``train.vllm_gpu_memory_utilization`` of it, context
+    length = the env's prompt + completion budgets (TRL picks a free rendezvous port itself).
+    server: the server this job's topology started (musique_rl/gpu_job.py passes its ports), or
+    one the user runs: ``train.vllm_server_port`` must then be set. The NCCL weight-sync port is
+    ``train.vllm_group_port``, else a free one chosen now, so two jobs on one node do not collide.
+    """
+    from musique_rl.gpu_job import free_port, resolve_vllm_mode
+
+    t = cfg.train
+    mode = resolve_vllm_mode(cfg)
+    if mode == "colocate":
+        util = float(t.vllm_gpu_memory_utilization)
+        if not 0 < util <= 1:
+            raise ValueError(f"train.vllm_gpu_memory_utilization={util}: must be in (0, 1]")
+        return {
+            "vllm_mode": "colocate",
+            "vllm_gpu_memory_utilization": util,
+            "vllm_max_model_length": int(cfg.env.max_prompt_tokens) + int(cfg.env.max_completion_tokens),
+            "vllm_tensor_parallel_size": 1,
+        }
+    if t.vllm_server_port is None:
+        raise ValueError(
+            "train.vllm_mode=server in a trainer process needs train.vllm_server_port: a job started with "
+            "`python -m musique_rl` chooses it (musique_rl/gpu_job.py); for a server you started, set it"
+        )
+    return {
+        "vllm_mode": "server",
+        "vllm_server_host": str(t.vllm_server_host),
+        "vllm_server_port": int(t.vllm_server_port),
+        "vllm_group_port": int(t.vllm_group_port) if t.vllm_group_port is not None else free_port(),
+    }
 
 
 def lora_config(cfg: Any) -> Any:

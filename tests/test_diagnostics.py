@@ -177,8 +177,9 @@ class TinyLM(torch.nn.Module):
         super().__init__()
         self.emb = torch.nn.Embedding(vocab, vocab)
 
-    def forward(self, input_ids, attention_mask=None):
-        return SimpleNamespace(logits=self.emb(input_ids))
+    def forward(self, input_ids, attention_mask=None, logits_to_keep=0):
+        logits = self.emb(input_ids)  # as HF causal LMs: logits_to_keep=k keeps the last k positions (0 = all)
+        return SimpleNamespace(logits=logits[:, -logits_to_keep:] if logits_to_keep else logits)
 
 
 def test_model_scorer_matches_manual_log_probs_and_temperature():
@@ -189,6 +190,8 @@ def test_model_scorer_matches_manual_log_probs_and_temperature():
     logits = lm.emb(ids)[:, -4:-1] / 0.5
     want = torch.log_softmax(logits, -1).gather(-1, ids[:, -3:].unsqueeze(-1)).squeeze(-1)
     assert torch.allclose(got, want, atol=1e-6)
+    batched = model_scorer(lm, temperature=0.5, batch_size=2)(ids, torch.ones_like(ids), 3)
+    assert torch.equal(got, batched) and got.device.type == "cpu" and got.dtype == torch.float32
 
 
 def test_lora_b_norm_and_base_checksum():

@@ -19,6 +19,7 @@ import torch
 from musique_rl.generation import (
     HFGenerator,
     SamplingSettings,
+    VLLMColocateGenerator,
     VLLMServerGenerator,
     build_generator,
     frozen_copy,
@@ -168,6 +169,51 @@ def test_vllm_greedy_and_missing_logprobs_are_explicit():
     assert client.requests[0]["top_k"] == 1 and client.requests[0]["temperature"] == 1.0
     with pytest.raises(ValueError, match="logprobs-mode"):
         samples_from_vllm({"completion_ids": [[1, 2]], "logprobs": [[[-1.0]]]}, [4], {99})
+
+
+# ---------------------------------------------------------------- vLLM colocate boundary
+class FakeLLM:
+    """Stands in for the vllm.LLM TRL builds in colocate mode: records the call, answers with
+    RequestOutput-shaped objects (token ids and rank-1 log-probs, as logprobs=0 returns them)."""
+
+    def __init__(self, completions):
+        self.completions, self.calls = completions, []
+
+    def generate(self, prompts, sampling_params=None, use_tqdm=True):
+        self.calls.append((prompts, sampling_params))
+        ns = types.SimpleNamespace
+        return [ns(outputs=[ns(token_ids=ids, logprobs=[{t: ns(logprob=-0.5, rank=1)} for t in ids])])
+                for ids in self.completions[: len(prompts)]]
+
+
+def test_vllm_colocate_generator_samples_token_ids_in_process(tiny_cfg, monkeypatch):
+    """train.vllm_mode=colocate: the engine TRL built in this process gets token-id prompts, the
+    sampling settings and each turn's limit; the answer is cut like the server's."""
+    import trl.generation.vllm_generation  # noqa: F401  (imported as without vLLM, before the stand-in exists)
+
+    fake_vllm = types.ModuleType("vllm")
+    fake_vllm.SamplingParams = lambda **kw: kw  # the real class only holds these fields
+    monkeypatch.setitem(sys.modules, "vllm", fake_vllm)
+    llm = FakeLLM([[5, 6, 99, 7], [8, 9, 10, 11]])
+    trainer = types.SimpleNamespace(args=types.SimpleNamespace(vllm_mode="colocate"),
+                                    vllm_generation=types.SimpleNamespace(llm=llm))
+    cfg = copy.deepcopy(tiny_cfg)
+    cfg.train.backend, cfg.train.temperature, cfg.train.top_k = "vllm", 0.7, 20
+    tok = types.SimpleNamespace(eos_token_id=99, pad_token_id=98)
+    gen = build_generator(cfg, tok, trainer=trainer)
+    assert isinstance(gen, VLLMColocateGenerator) and not gen.collective
+    with gen.session():
+        out = gen.generate([[1, 2, 3], [4]], [10, 3])
+    prompts, params = llm.calls[0]
+    assert prompts == [{"prompt_token_ids": [1, 2, 3]}, {"prompt_token_ids": [4]}]
+    assert (params["temperature"], params["top_k"], params["max_tokens"], params["logprobs"]) == (0.7, 20, 10, 0)
+    assert params["stop_token_ids"] == [99, 98] and params["n"] == 1
+    assert out[0].ids == [5, 6, 99] and out[0].stopped and out[0].logprobs == [-0.5] * 3
+    assert out[1].ids == [8, 9, 10] and not out[1].stopped
+    gen.generate([[1]], [4], greedy=True)
+    assert llm.calls[1][1]["top_k"] == 1 and llm.calls[1][1]["temperature"] == 1.0
+    trainer.args.vllm_mode = "server"
+    assert isinstance(build_generator(cfg, tok, trainer=trainer), VLLMServerGenerator)
 
 
 def test_vllm_is_imported_lazily():

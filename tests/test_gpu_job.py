@@ -3,6 +3,7 @@ and the start / health-check / stop machinery run on loopback with stand-in proc
 
 from __future__ import annotations
 
+import copy
 import os
 import socket
 import sys
@@ -26,9 +27,11 @@ def cfg7b():
 
 def test_plan_puts_vllm_on_the_first_gpu_and_trains_on_the_rest(cfg7b, tmp_path):
     overrides = ["model=qwen2.5-7b-instruct", "lora=r16", "train.backend=vllm", "+hypothesis=h02",
-                 "hypothesis.arm=control", "seed=2"]
+                 "hypothesis.arm=control", "seed=2", "train.vllm_server_port=8000", "train.vllm_group_port=51216"]
+    cfg = copy.deepcopy(cfg7b)
+    cfg.train.vllm_server_port, cfg.train.vllm_group_port = 8000, 51216  # explicit ports are kept
     env = {"MUSIQUE_RL_ACCELERATE_CONFIG": str(tmp_path / "zero3.yaml"), "MUSIQUE_RL_VLLM_MAX_MODEL_LEN": "16384"}
-    topo = gpu_job.plan(cfg7b, gpus=["4", "5", "6", "7"], job_dir=tmp_path / "job", overrides=overrides, env=env)
+    topo = gpu_job.plan(cfg, gpus=["4", "5", "6", "7"], job_dir=tmp_path / "job", overrides=overrides, env=env)
     server = " ".join(topo.server_cmd)
     assert server.startswith("python -m vllm.entrypoints.cli.main serve Qwen/Qwen2.5-7B-Instruct --host 127.0.0.1 --port 8000")
     for part in ("--tensor-parallel-size 1", "--dtype bfloat16", "--max-model-len 16384", "--gpu-memory-utilization 0.9",
@@ -36,8 +39,13 @@ def test_plan_puts_vllm_on_the_first_gpu_and_trains_on_the_rest(cfg7b, tmp_path)
         assert part in server
     assert topo.server_env == {"CUDA_VISIBLE_DEVICES": "4", "VLLM_SERVER_DEV_MODE": "1"}
     assert topo.health_url == "http://127.0.0.1:8000/health"
-    assert topo.trainer_cmd == ["accelerate", "launch", "--config_file", str(tmp_path / "zero3.yaml"), "--num_processes", "3",
-                                "-m", "musique_rl", *overrides, f"hydra.run.dir={tmp_path / 'job'}"]
+    cmd = topo.trainer_cmd
+    main_port = cmd[cmd.index("--main_process_port") + 1]
+    assert cmd == ["accelerate", "launch", "--config_file", str(tmp_path / "zero3.yaml"), "--num_processes", "3",
+                   "--main_process_port", main_port, "-m", "musique_rl", *overrides[:6],
+                   "train.vllm_mode=server", "train.vllm_server_port=8000", "train.vllm_group_port=51216",
+                   f"hydra.run.dir={tmp_path / 'job'}"]
+    assert int(main_port) not in (8000, 51216)
     assert topo.trainer_env == {"CUDA_VISIBLE_DEVICES": "5,6,7", "MUSIQUE_RL_GPU_ROLE": "trainer"}
     assert topo.notes == [f"accelerate config {tmp_path / 'zero3.yaml'} does not exist (MUSIQUE_RL_ACCELERATE_CONFIG)"]
     shell = topo.shell()
@@ -45,13 +53,68 @@ def test_plan_puts_vllm_on_the_first_gpu_and_trains_on_the_rest(cfg7b, tmp_path)
     assert "until curl -sf http://127.0.0.1:8000/health" in shell
 
 
-def test_one_gpu_is_refused_with_the_fix_named(cfg7b, tmp_path):
-    with pytest.raises(gpu_job.TopologyError, match="at least 2 GPUs.*CUDA_VISIBLE_DEVICES=0.*gpus_per_node"):
+def _ports(topo: gpu_job.Topology) -> tuple[int, int, int]:
+    cmd = topo.trainer_cmd
+    value = {o.split("=", 1)[0]: o.split("=", 1)[1] for o in cmd if o.startswith("train.vllm_")}
+    server = int(topo.server_cmd[topo.server_cmd.index("--port") + 1])
+    assert int(value["train.vllm_server_port"]) == server  # the trainer talks to the server it started
+    return server, int(value["train.vllm_group_port"]), int(cmd[cmd.index("--main_process_port") + 1])
+
+
+def test_ports_are_chosen_free_at_start_so_two_jobs_share_a_node(cfg7b, tmp_path):
+    """No port in the config: every port is one nobody listens on when the job starts. A second job
+    on the node, started while the first one's server and trainer hold their ports, gets others."""
+    first = _ports(gpu_job.plan(cfg7b, gpus=["0", "1"], job_dir=tmp_path / "a", overrides=[], env={}))
+    assert len(set(first)) == 3
+    held = []
+    try:
+        for port in first:  # the first job's processes bind what it chose
+            s = socket.socket()
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(("127.0.0.1", port))
+            s.listen()
+            held.append(s)
+        second = _ports(gpu_job.plan(cfg7b, gpus=["2", "3"], job_dir=tmp_path / "b", overrides=[], env={}))
+    finally:
+        for s in held:
+            s.close()
+    assert len(set(second)) == 3 and not set(first) & set(second)
+
+
+def test_a_port_given_on_the_command_line_is_replaced_by_the_chosen_one_once(cfg7b, tmp_path):
+    cfg = copy.deepcopy(cfg7b)
+    cfg.train.vllm_server_port = 8123
+    topo = gpu_job.plan(cfg, gpus=["0", "1"], job_dir=tmp_path, overrides=["train.vllm_server_port=8123", "seed=2"], env={})
+    assert [o for o in topo.trainer_cmd if o.startswith("train.vllm_server_port")] == ["train.vllm_server_port=8123"]
+    assert "seed=2" in topo.trainer_cmd and "--port" in topo.server_cmd
+
+
+def test_one_gpu_is_refused_in_server_mode_with_the_fix_named(cfg7b, tmp_path):
+    with pytest.raises(gpu_job.TopologyError, match="at least 2 GPUs.*CUDA_VISIBLE_DEVICES=0.*vllm_mode=colocate"):
         gpu_job.plan(cfg7b, gpus=["0"], job_dir=tmp_path, overrides=[], env={})
+
+
+def test_auto_mode_colocates_on_one_gpu_and_serves_on_several(cfg7b, monkeypatch):
+    cfg = copy.deepcopy(cfg7b)
+    assert str(cfg.train.vllm_mode.value) == "auto"
+    assert gpu_job.resolve_vllm_mode(cfg, env={"CUDA_VISIBLE_DEVICES": "0"}) == "colocate"
+    assert gpu_job.resolve_vllm_mode(cfg, env={"CUDA_VISIBLE_DEVICES": "0,1"}) == "server"
+    # inside `accelerate launch` of several processes: one engine per process, never a nested topology
+    assert gpu_job.resolve_vllm_mode(cfg, env={"CUDA_VISIBLE_DEVICES": "0,1", "WORLD_SIZE": "2"}) == "colocate"
+    cfg.train.vllm_mode = "colocate"
+    assert gpu_job.resolve_vllm_mode(cfg, env={"CUDA_VISIBLE_DEVICES": "0,1,2,3"}) == "colocate"
+    monkeypatch.delenv(gpu_job.ROLE_ENV, raising=False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    assert not gpu_job.wants_topology(cfg7b)  # one GPU, auto: this process trains with vLLM colocated
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    assert gpu_job.wants_topology(cfg7b)
+    with pytest.raises(ValueError, match="(?s)nope.*auto, colocate, server.*train.vllm_mode"):
+        cfg.train.vllm_mode = "nope"  # the typed schema refuses it, naming the key
 
 
 def test_only_the_outer_vllm_training_job_starts_a_topology(cfg7b, monkeypatch):
     monkeypatch.delenv(gpu_job.ROLE_ENV, raising=False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
     assert gpu_job.wants_topology(cfg7b)
     monkeypatch.setenv(gpu_job.ROLE_ENV, "trainer")  # the accelerate-launched processes train
     assert not gpu_job.wants_topology(cfg7b)

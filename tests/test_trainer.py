@@ -162,8 +162,13 @@ def test_stale_sampler_fault_samples_from_the_initial_weights(tiny_cfg, warm_tin
     tr.train()
     sampler = tr.musique_generator.model_source
     x = torch.tensor([tok.encode("Question: Who is the boss of Alo Bena?")])
-    assert torch.equal(sampler(input_ids=x).logits, model(input_ids=x).logits)
-    assert not torch.allclose(tr.model(input_ids=x).logits, model(input_ids=x).logits)
+
+    def logits(m):  # each model on its own device (the trainer's may be a GPU), compared on the CPU
+        with torch.no_grad():
+            return m(input_ids=x.to(next(m.parameters()).device)).logits.cpu()
+
+    assert torch.equal(logits(sampler), logits(model))
+    assert not torch.allclose(logits(tr.model), logits(model))
 
 
 def test_resume_continues_at_the_right_step(tiny_cfg, warm_tiny, tmp_path):
@@ -190,6 +195,100 @@ def test_config_reaches_grpo_config(tiny_cfg, tmp_path):
     assert args.max_grad_norm == 0.1 and args.bf16 is False and args.gradient_checkpointing is False
     assert args.temperature == cfg.train.temperature and args.top_k == 0
     assert args.per_device_train_batch_size == 8 and args.num_generations == 4
+
+
+def test_micro_batch_size_sets_trls_accumulation_and_bad_values_name_the_key(tiny_cfg, tmp_path):
+    cfg = _cfg(tiny_cfg, {"train.prompts_per_step": 4, "train.num_generations": 4, "train.micro_batch_size": 4})
+    args = trainer_mod.grpo_config(cfg, tmp_path)
+    assert (args.per_device_train_batch_size, args.gradient_accumulation_steps, args.steps_per_generation) == (4, 4, 4)
+    assert args.generation_batch_size == 16  # one rollout of the whole step, then 4 micro-batches
+    OmegaConf.update(cfg, "train.micro_batch_size", None)
+    assert trainer_mod.batch_layout(cfg, 1) == (16, 1)
+    OmegaConf.update(cfg, "train.micro_batch_size", 64)  # more than the batch: the batch in one pass
+    assert trainer_mod.batch_layout(cfg, 1) == (16, 1)
+    for bad in (3, 0, -2):
+        OmegaConf.update(cfg, "train.micro_batch_size", bad)
+        with pytest.raises(ValueError, match=f"train.micro_batch_size={bad}: .*divide the 16 episodes"):
+            trainer_mod.grpo_config(cfg, tmp_path)
+
+
+def test_vllm_modes_reach_grpo_config(tiny_cfg, tmp_path, monkeypatch):
+    """train.backend=vllm on one GPU colocates (TRL's colocate fields); in a server topology's
+    trainer process it connects to the ports the topology chose."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    monkeypatch.delenv("MUSIQUE_RL_GPU_ROLE", raising=False)
+    cfg = _cfg(tiny_cfg, {"train.backend": "vllm", "train.vllm_gpu_memory_utilization": 0.45})
+    args = trainer_mod.grpo_config(cfg, tmp_path)
+    assert args.use_vllm and args.vllm_mode == "colocate" and args.vllm_gpu_memory_utilization == 0.45
+    assert args.vllm_max_model_length == cfg.env.max_prompt_tokens + cfg.env.max_completion_tokens
+    OmegaConf.update(cfg, "train.vllm_mode", "server")
+    with pytest.raises(ValueError, match="train.vllm_server_port"):
+        trainer_mod.grpo_config(cfg, tmp_path)
+    OmegaConf.update(cfg, "train.vllm_server_port", 8123)
+    args = trainer_mod.grpo_config(cfg, tmp_path)
+    assert (args.vllm_mode, args.vllm_server_port) == ("server", 8123)
+    assert args.vllm_group_port not in (8123, 51216) and args.vllm_group_port > 0  # a free one, not TRL's fixed default
+    OmegaConf.update(cfg, "train.vllm_gpu_memory_utilization", 1.5)
+    OmegaConf.update(cfg, "train.vllm_mode", "colocate")
+    with pytest.raises(ValueError, match="train.vllm_gpu_memory_utilization=1.5"):
+        trainer_mod.grpo_config(cfg, tmp_path)
+
+
+class _StepRecorder:
+    """What one optimizer step saw: the rollout, the micro-batch sizes, the gradients before the update."""
+
+    def __init__(self, tr):
+        from transformers import TrainerCallback
+
+        self.sizes, self.grads, self.completions = [], None, None
+        rec, compute, generate = self, tr._compute_loss, tr._generate_and_score_completions
+
+        def compute_loss(model, inputs):
+            rec.sizes.append(int(inputs["completion_ids"].shape[0]))
+            return compute(model, inputs)
+
+        def generate_and_score(inputs):
+            out = generate(inputs)
+            rec.completions = sorted(map(tuple, out["completion_ids"].tolist()))
+            return out
+
+        class Grads(TrainerCallback):
+            def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+                rec.grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+        tr._compute_loss, tr._generate_and_score_completions = compute_loss, generate_and_score
+        tr.add_callback(Grads())
+
+
+@pytest.mark.parametrize("loss_type,beta", [("dapo", 0.0), ("grpo", 0.04), ("dr_grpo", 0.0), ("bnpo", 0.0)])
+def test_a_micro_batched_step_equals_the_full_batch_step(tiny_cfg, warm_tiny, tmp_path, loss_type, beta):
+    """train.micro_batch_size=2 runs 8 episodes as 4 forward/backward passes (TRL's gradient
+    accumulation): the same rollout gives the same loss and the same gradients as one pass of 8.
+    Except bnpo, which TRL normalises by each micro-batch's own token count (its definition): with
+    episodes of different lengths (temperature 1.5 here) its step differs, the README says so."""
+    model, tok = warm_tiny
+    steps = {}
+    for micro in (None, 2):
+        cfg = _cfg(tiny_cfg, {"train.micro_batch_size": micro, "loss.loss_type": loss_type, "loss.beta": beta,
+                              "loss.max_grad_norm": 1e6, "loss.warmup_steps": 0, "train.temperature": 1.5, "seed": 3})
+        tr = _trainer(cfg, copy.deepcopy(model), tok, tmp_path / str(micro))
+        rec = _StepRecorder(tr)
+        tr.train()
+        steps[micro] = (rec, next(h["loss"] for h in tr.state.log_history if "loss" in h))
+    (full, full_loss), (micro, micro_loss) = steps[None], steps[2]
+    assert full.sizes == [8] and micro.sizes == [2, 2, 2, 2]
+    assert full.completions == micro.completions  # the same rollout, so the same step is expected
+    assert len({len([t for t in c if t != tok.pad_token_id]) for c in full.completions}) > 1  # lengths differ
+    assert full.grads.keys() == micro.grads.keys() and full.grads
+    flat_full = torch.cat([g.flatten() for g in full.grads.values()])
+    flat_micro = torch.cat([micro.grads[n].flatten() for n in full.grads])
+    assert flat_full.norm() > 0
+    relative = float((flat_micro - flat_full).norm() / flat_full.norm())
+    if loss_type == "bnpo":
+        assert relative > 1e-2
+        return
+    assert micro_loss == pytest.approx(full_loss, rel=1e-4, abs=1e-6)
+    assert relative <= 1e-4
 
 
 def test_kl_faults_flip_the_penalty_or_put_it_on_tool_tokens(tiny_cfg, warm_tiny, tmp_path):

@@ -25,7 +25,8 @@ def _advantages(out: Path, n: int) -> dict[str, list[float]]:
 
 
 def test_two_cpu_processes_give_the_single_process_advantages(tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRL_EXPERIMENTAL_SILENCE": "1"}
+    # Two CPU processes: hidden from any GPU, or on a CUDA machine they would form an NCCL group on one GPU
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRL_EXPERIMENTAL_SILENCE": "1", "CUDA_VISIBLE_DEVICES": ""}
     one = subprocess.run([sys.executable, str(APP), str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True)
     assert one.returncode == 0, one.stderr[-3000:]
     launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",

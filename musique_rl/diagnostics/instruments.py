@@ -12,7 +12,8 @@ TRL's own at the same step):
    does this for you (TrainerCallback hooks around `optimizer.step()`).
 4. `parity_probe(...)` right after each weight sync into the sampler, when `should_probe(step)`.
 
-All tensors may live on any device; nothing here needs gradients. Every argument except the
+All tensors may live on any device (each call copies what it reads to the CPU and computes its
+statistics there; the loss's own tensors are never moved); nothing here needs gradients. Every argument except the
 first few is optional: a missing input only removes the metrics that need it.
 """
 
@@ -36,15 +37,23 @@ from musique_rl.diagnostics.updates import update_metrics
 
 log = logging.getLogger(__name__)
 
-# (text, artifact_file) -> None; default: mlflow.log_text into the active run
+# (text, artifact_file) -> None; default: the job's MLflow run, when tracking is on
 ArtifactLogger = Callable[[str, str], None]
 
 
-def _mlflow_text_logger(text: str, artifact_file: str) -> None:
-    import mlflow
+def _run_text_logger(text: str, artifact_file: str) -> None:
+    """Into the job's MLflow run through `tracking.active()`; nothing (and no mlflow import) when
+    tracking is off: a GPU image without mlflow runs with tracking.enabled=false."""
+    from musique_rl.tracking import active
 
-    if mlflow.active_run() is not None:
-        mlflow.log_text(text, artifact_file)
+    tracker = active()
+    if tracker is not None:
+        tracker.log_text(text, artifact_file)
+
+
+def _cpu(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A detached CPU copy: statistics are computed on the CPU, whatever device the loss runs on."""
+    return None if t is None else t.detach().cpu()
 
 
 class Instruments:
@@ -72,7 +81,7 @@ class Instruments:
         max_prompt_tokens: int | None = None,
         max_completion_tokens: int | None = None,
         tokenizer: Any = None,
-        artifact_logger: ArtifactLogger | None = _mlflow_text_logger,
+        artifact_logger: ArtifactLogger | None = _run_text_logger,
         enabled: bool = True,
         probe_size: int = 8,
     ):
@@ -155,6 +164,10 @@ class Instruments:
             return {}
         step = self.batches_seen if step is None else step
         self.batches_seen += 1
+        rewards, advantages, prompt_mask, completion_mask, tool_mask, token_sources = map(
+            _cpu, (rewards, advantages, prompt_mask, completion_mask, tool_mask, token_sources))
+        prompt_ids, completion_ids, sampling_logps, trainer_logps = map(
+            _cpu, (prompt_ids, completion_ids, sampling_logps, trainer_logps))
         loss_mask = completion_mask if tool_mask is None else completion_mask * tool_mask
         out: dict[str, float] = {}
         out.update(advantage_stats(rewards, advantages, self.num_generations, self.near_zero_std))
@@ -213,6 +226,10 @@ class Instruments:
         """
         if not self.enabled:
             return {}
+        per_token_logps, loss_mask, sampling_logps, token_sources = map(
+            _cpu, (per_token_logps, loss_mask, sampling_logps, token_sources))
+        per_token_kl, kl_mask, kl_penalty = map(_cpu, (per_token_kl, kl_mask, kl_penalty))
+        attention_mask, prompt_mask, completion_mask = map(_cpu, (attention_mask, prompt_mask, completion_mask))
         out: dict[str, float] = {}
         if sampling_logps is not None:
             out.update(logp_gap(sampling_logps, per_token_logps, loss_mask, token_sources))
@@ -286,7 +303,7 @@ class Instruments:
         t = trainer(*args)
         s = sampler(*args) if sampler is not None else None
         b = base(*args) if base is not None else None
-        return parity(t, s, b, p["mask"].to(t.device))
+        return parity(*map(_cpu, (t, s, b)), p["mask"])
 
     # ------------------------------------------------------------------ helpers
     def _keep_probe(self, prompt_ids, prompt_mask, completion_ids, completion_mask, loss_mask, token_sources):

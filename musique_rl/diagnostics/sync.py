@@ -88,24 +88,44 @@ def parity(
     return out
 
 
-def model_scorer(model: torch.nn.Module, temperature: float = 1.0) -> Scorer:
+def model_device(model: torch.nn.Module) -> torch.device:
+    """Where a model's inputs must go (its first parameter's device; CPU for a parameterless stub)."""
+    try:
+        return next(model.parameters()).device
+    except StopIteration:
+        return torch.device("cpu")
+
+
+def model_scorer(model: torch.nn.Module, temperature: float = 1.0, batch_size: int = 1) -> Scorer:
     """A `Scorer` for an HF causal LM: log-probs of the sequences' last tokens at `temperature`.
 
     Temperature matters: TRL scores log-probs of logits / temperature, and so must every party of
     the probe, or the probe measures the temperature instead of the weights.
+    Inputs go to the model's device and the log-probs come back to the CPU as float32 (the probe
+    set lives on the CPU; sampler, trainer and base may sit on different devices). Only the last
+    `logits_to_keep + 1` positions' logits are computed, `batch_size` sequences at a time: full
+    logits of the probe set would be (8, prompt + completion, vocab), ~30 GB for a 7B model at
+    8k + 4k tokens.
     """
 
     @torch.no_grad()
     def score(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int) -> torch.Tensor:
+        device = model_device(model)
         was_training = model.training
         model.eval()
+        out = []
         try:
-            logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
+            for start in range(0, input_ids.shape[0], batch_size):
+                ids = input_ids[start : start + batch_size].to(device)
+                mask = attention_mask[start : start + batch_size].to(device)
+                logits = model(input_ids=ids, attention_mask=mask, logits_to_keep=logits_to_keep + 1).logits
+                logits = logits[:, -logits_to_keep - 1 : -1, :].float() / temperature
+                targets = ids[:, -logits_to_keep:]
+                logps = torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+                out.append(logps.cpu())
         finally:
             model.train(was_training)
-        logits = logits[:, -logits_to_keep - 1 : -1, :].float() / temperature
-        targets = input_ids[:, -logits_to_keep:]
-        return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        return torch.cat(out, dim=0)
 
     return score
 
