@@ -189,7 +189,21 @@ class HFGenerator:
 
 
 # ---------------------------------------------------------------- vLLM server (TRL)
-class VLLMServerGenerator:
+class _TrainerVLLM:
+    """What both vLLM backends share: the engine belongs to TRL's trainer, which syncs the policy's
+    weights into it before it calls rollout_func (GRPOTrainer._generate), so a session holds nothing."""
+
+    def __init__(self, trainer: Any, settings: SamplingSettings):
+        settings.check()
+        self.trainer = trainer
+        self.settings = settings
+
+    @contextlib.contextmanager
+    def session(self) -> Iterator[_TrainerVLLM]:
+        yield self
+
+
+class VLLMServerGenerator(_TrainerVLLM):
     """TRL's vLLM server client (``trainer.vllm_generation.vllm_client``), one request per turn.
 
     The client lives on the main process only (TRL's ``VLLMGeneration``), so every turn gathers
@@ -199,15 +213,6 @@ class VLLMServerGenerator:
     """
 
     collective = True
-
-    def __init__(self, trainer: Any, settings: SamplingSettings):
-        settings.check()
-        self.trainer = trainer
-        self.settings = settings
-
-    @contextlib.contextmanager
-    def session(self) -> Iterator[VLLMServerGenerator]:
-        yield self  # TRL syncs the weights before calling rollout_func (GRPOTrainer._generate)
 
     def any_live(self, local: bool) -> bool:
         from accelerate.utils import gather_object
@@ -247,7 +252,7 @@ class VLLMServerGenerator:
 
 
 # ---------------------------------------------------------------- vLLM colocate (TRL)
-class VLLMColocateGenerator:
+class VLLMColocateGenerator(_TrainerVLLM):
     """TRL's colocate mode: the vLLM engine TRL built inside this process
     (``trainer.vllm_generation.llm``, sharing the training GPU, weights synced by TRL before each
     rollout), one ``LLM.generate`` per turn over this process's live episodes.
@@ -258,15 +263,6 @@ class VLLMColocateGenerator:
     """
 
     collective = False
-
-    def __init__(self, trainer: Any, settings: SamplingSettings):
-        settings.check()
-        self.trainer = trainer
-        self.settings = settings
-
-    @contextlib.contextmanager
-    def session(self) -> Iterator[VLLMColocateGenerator]:
-        yield self
 
     def generate(self, contexts: list[list[int]], max_new_tokens: list[int], greedy: bool = False) -> list[Sample]:
         if not contexts:
