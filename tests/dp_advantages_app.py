@@ -73,6 +73,9 @@ def main(out: Path) -> None:
 
     rows = [{"id": record_id_of(b["prompt"]), "advantage": float(a)} for b, a in zip(batch, output["advantages"], strict=True)]
     (out / f"advantages_{state.process_index}_of_{state.num_processes}.json").write_text(json.dumps(rows))
+    if torch.distributed.is_initialized():  # leave the gloo group before exit: a rank torn down in it can abort
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
