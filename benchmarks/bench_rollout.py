@@ -43,8 +43,7 @@ def main() -> None:
 
     cpu_threads_for_tiny()
     cfg = compose_cfg(["tracking.enabled=false"])
-    ensure(cfg)
-    model, tok = load_model(cfg)
+    model, tok = load_model(cfg, warm_start=ensure(cfg))
     recs = load_records(cfg.env.data, cfg.env, 1)[: args.prompts]
     batch = [r for r in recs for _ in range(args.generations)]  # B x G, as TRL hands them over
     engine = RolloutEngine(cfg, tok, build_retriever(cfg.env, recs), {r["id"]: r for r in recs})

@@ -76,8 +76,7 @@ def main() -> None:
         ["env.supporting_in_prompt=true", "tracking.enabled=false", "diagnostics.enabled=false",
          f"train.max_steps={args.steps}", "train.save_steps=100000", "env.synthetic.num_train=400"]
     )
-    ensure(cfg)
-    model, tok = load_model(cfg)
+    model, tok = load_model(cfg, warm_start=ensure(cfg))
     records = load_records(cfg.env.data, cfg.env, int(cfg.seed))
     times: dict[str, list[float]] = {"ours": [], "bare": []}
     lengths: dict[str, list[float]] = {"ours": [], "bare": []}

@@ -62,8 +62,7 @@ def policy_episodes(cfg: Any, records: list[dict]) -> Iterator[dict]:
         from musique_rl.rollout import run_model_episodes
         from musique_rl.warm_start import ensure
 
-        ensure(cfg)
-        model, tokenizer = load_model(cfg)
+        model, tokenizer = load_model(cfg, warm_start=ensure(cfg))
         model = place(model)
         return iter(run_model_episodes(cfg, records, model=model, tokenizer=tokenizer))
     raise ValueError(f"policy={policy!r}: choose model, oracle, no_tool or replay")

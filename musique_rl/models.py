@@ -46,14 +46,15 @@ def resolve_dtype(model_cfg: Any) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
-def load_model(cfg: Any) -> tuple[Any, Any]:
+def load_model(cfg: Any, warm_start: Any = None) -> tuple[Any, Any]:
     """(model, tokenizer) for ``cfg.model``. The tiny model's warm start must exist (shipped, or built by
-    ``musique_rl.warm_start.ensure``, which jobs call first): this layer loads, it does not train."""
+    ``musique_rl.warm_start.ensure``, which jobs call first and whose result they pass as
+    ``warm_start``, saving a second key computation): this layer loads, it does not train."""
     name = str(cfg.model.name_or_path)
     if name == "tiny":
         from musique_rl import tiny_model
 
-        path = tiny_model.locate(cfg)
+        path = warm_start or tiny_model.locate(cfg)
         if path is None:
             raise FileNotFoundError(
                 f"model=tiny: no warm start for these model.tiny settings (tiny-{tiny_model.build_key(cfg)} is neither "

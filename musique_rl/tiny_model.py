@@ -9,7 +9,7 @@ Nothing is downloaded:
   2. a ``Qwen2ForCausalLM`` built from ``model.tiny`` (hidden size, layers, heads);
   3. its warm start, a directory ``tiny-<key>`` holding ``model/``, ``tokenizer/`` and
      ``build.json`` (quality gate, weights hash). ``<key>`` (``build_key``) hashes every input of
-     the build: the ``model.tiny`` settings, the environment settings the data is rendered with,
+     the build: the ``model.tiny`` settings, the fixed warm-start environment (``WARM_START_ENV``),
      the chat template, and the rendered text of the first warm-start conversations (so a change
      to prompts, tools or the synthetic world changes the key, while a refactor does not).
 

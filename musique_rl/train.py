@@ -145,7 +145,7 @@ def train(cfg: Any, run_dir: str | Path | None = None, callbacks: list | None = 
     from musique_rl.models import load_model, process_state
     from musique_rl.retrieval import build_retriever
     from musique_rl.trainer import build_trainer, last_checkpoint
-    from musique_rl.warm_start import provenance
+    from musique_rl.warm_start import ensure, provenance
 
     t0 = time.time()
     logging.getLogger("bm25s").setLevel(logging.WARNING)  # one DEBUG line per indexed record otherwise
@@ -162,8 +162,9 @@ def train(cfg: Any, run_dir: str | Path | None = None, callbacks: list | None = 
     if cfg.env.eval_data:
         eval_records = data.load_records(cfg.env.eval_data, cfg.env, int(cfg.seed))[: int(cfg.train.eval_episodes)]
     log.info("records: %d train, %d held-out", len(records), len(eval_records))
-    origin = provenance(cfg)  # builds the tiny warm start first if it is neither shipped nor cached
-    model, tokenizer = load_model(cfg)
+    start = ensure(cfg)  # builds the tiny warm start first if it is neither shipped nor cached
+    origin = provenance(cfg, start)
+    model, tokenizer = load_model(cfg, warm_start=start)
     model = place(model)  # the held-out eval samples before the trainer exists
     retriever = build_retriever(cfg.env, records + eval_records)
     by_id = {r["id"]: r for r in records}

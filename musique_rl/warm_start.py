@@ -350,11 +350,11 @@ def ensure(cfg: Any) -> Path | None:
     return found
 
 
-def provenance(cfg: Any) -> dict[str, Any]:
-    """What a run's figures depend on besides the code: the warm start (hash, gate) and the machine.
-    Keys as in metrics.json: ``warm_start/*`` and ``machine/*``."""
+def provenance(cfg: Any, path: Path | None = None) -> dict[str, Any]:
+    """What a run's figures depend on besides the code: the warm start at ``path`` (default
+    ``ensure(cfg)``; hash, gate) and the machine. Keys as in metrics.json: ``warm_start/*``, ``machine/*``."""
     out: dict[str, Any] = {"warm_start/hash": "none"}
-    path = ensure(cfg)
+    path = path or ensure(cfg)
     if path is not None:
         report = json.loads((path / "build.json").read_text())
         shape = next(k for k, v in SHAPES.items() if v == bool(cfg.env.supporting_in_prompt))

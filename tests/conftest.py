@@ -83,8 +83,7 @@ def warm_tiny(tiny_cfg):
     from musique_rl.models import load_model
     from musique_rl.warm_start import ensure
 
-    ensure(tiny_cfg)
-    return load_model(tiny_cfg)
+    return load_model(tiny_cfg, warm_start=ensure(tiny_cfg))
 
 
 @pytest.fixture(scope="session")
