@@ -1,13 +1,11 @@
 """``python -m musique_rl [overrides]``: compose the config and hand it to ``run``. Nothing else."""
 
-from pathlib import Path
-
 import hydra
 from omegaconf import DictConfig
 
-from musique_rl import schema  # noqa: F401  (registers the typed schema and the ${arm:..} resolver)
+from musique_rl import schema  # registers the typed schema, the named sweeps and the ${arm:..} resolver
 
-CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+CONF_DIR = str(schema.CONF_DIR)
 
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="train")

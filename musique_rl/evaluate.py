@@ -38,34 +38,18 @@ def run_dir() -> Path:
 
 def policy_episodes(cfg: Any, records: list[dict]) -> Iterator[dict]:
     """Episodes of ``cfg.policy`` over ``records`` (replay: over the stored file)."""
-    policy = str(getattr(cfg.policy, "value", cfg.policy))
-    fmt = str(getattr(cfg.model.tool_call_format, "value", cfg.model.tool_call_format)) if "model" in cfg else "hermes"
-    if policy == "oracle":
-        from musique_rl.policies import oracle_episode
-        from musique_rl.retrieval import build_retriever
+    if str(cfg.policy) != "model":
+        from musique_rl.policies import POLICIES
 
-        retriever = build_retriever(cfg.env, records)
-        return (oracle_episode(r, cfg.env, retriever, fmt) for r in records)
-    if policy == "no_tool":
-        from musique_rl.policies import no_tool_episode
+        return POLICIES[cfg.policy](cfg, records)
+    from musique_rl.devices import place
+    from musique_rl.models import load_model
+    from musique_rl.rollout import run_model_episodes
+    from musique_rl.warm_start import ensure
 
-        return (no_tool_episode(r, cfg.env) for r in records)
-    if policy == "replay":
-        from musique_rl.policies import replay_episodes
-
-        if not cfg.replay_path:
-            raise ValueError("policy=replay needs replay_path=<jsonl of {id, messages}> (e.g. an earlier episodes.jsonl)")
-        return replay_episodes(cfg.replay_path, {r["id"]: r for r in records}, fmt)
-    if policy == "model":
-        from musique_rl.devices import place
-        from musique_rl.models import load_model
-        from musique_rl.rollout import run_model_episodes
-        from musique_rl.warm_start import ensure
-
-        model, tokenizer = load_model(cfg, warm_start=ensure(cfg))
-        model = place(model)
-        return iter(run_model_episodes(cfg, records, model=model, tokenizer=tokenizer))
-    raise ValueError(f"policy={policy!r}: choose model, oracle, no_tool or replay")
+    model, tokenizer = load_model(cfg, warm_start=ensure(cfg))
+    model = place(model)
+    return iter(run_model_episodes(cfg, records, model=model, tokenizer=tokenizer))
 
 
 def _mean(xs: Iterable[float]) -> float:
@@ -99,9 +83,9 @@ def score_episodes(episodes: Iterable[dict], records_by_id: dict[str, dict], rew
 
 def summarize(rows: list[dict], errors: int, n_records: int, data_stats: dict, cfg: Any) -> dict:
     m: dict[str, Any] = {
-        "policy": str(getattr(cfg.policy, "value", cfg.policy)),
-        "retriever": str(getattr(cfg.env.retriever, "value", cfg.env.retriever)),
-        "scope": str(getattr(cfg.env.scope, "value", cfg.env.scope)),
+        "policy": str(cfg.policy),
+        "retriever": str(cfg.env.retriever),
+        "scope": str(cfg.env.scope),
         "reward_name": cfg.reward.name,
         "n_records": n_records,
         "n_episodes": len(rows) + errors,
@@ -151,7 +135,7 @@ def evaluate(cfg: Any) -> float:
     data_stats: dict = {}
     records = load_records(cfg.env.data, cfg.env, int(cfg.seed), stats=data_stats)
     records_by_id = {r["id"]: r for r in records}
-    policy = str(getattr(cfg.policy, "value", cfg.policy))
+    policy = str(cfg.policy)
     hint = len(records) if policy in ("oracle", "no_tool", "model") else None
     rows, errors = score_episodes(policy_episodes(cfg, records), records_by_id, cfg.reward, hint)
     metrics = summarize(rows, errors, len(records), data_stats, cfg)

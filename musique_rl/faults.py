@@ -1,6 +1,6 @@
 """Planted faults: the one place that turns ``fault=<name>`` into behaviour.
 
-Each fault reproduces a defect from FIELD-NOTES ("Known defects") so the diagnostics can be
+Each fault reproduces a defect from docs/failure_modes.md so the diagnostics can be
 proven to catch it (``+fault=<name>``; never on by default: ``fault`` defaults to ``none``).
 The code that a fault changes asks this module, by name, instead of reading ``cfg.fault``:
 
@@ -24,32 +24,37 @@ from __future__ import annotations
 
 from typing import Any
 
-FAULTS = (
-    "none",
-    "blind_context",
-    "env_tokens_trained",
-    "stale_sampler",
-    "std_epsilon",
-    "kl_tool_tokens",
-    "kl_flipped",
-    "tiny_budgets",
-    "first_turn_reward",
-    "tiny_updates",
-)
+from musique_rl.registry import Registry
+
+# The one registration of each fault (name -> what it plants); the schema's `fault` values come
+# from here. Its behaviour lives in the code path that asks `is_on(cfg, name)` (table above); a
+# conf/fault/<name>.yaml exists for `+fault=<name>` and sets the config values a fault needs.
+FAULTS = Registry("fault")
+for _name, _what in {
+    "none": "a clean run",
+    "blind_context": "forward-pass attention mask = loss mask (verifiers 0.1.x)",
+    "env_tokens_trained": "tool/template tokens carry loss",
+    "stale_sampler": "sampler weights never synced",
+    "std_epsilon": "tiny std epsilon amplifies near-ties",
+    "kl_tool_tokens": "KL computed on tool tokens",
+    "kl_flipped": "KL penalty with the wrong sign",
+    "tiny_budgets": "token budgets that silently truncate",
+    "first_turn_reward": "reward parsed from the first assistant turn",
+    "tiny_updates": "lr x0.01, grad clip 0.001",
+}.items():
+    FAULTS.register(_name, _what)
 
 
 def active(cfg: Any) -> str:
     """The planted fault's name ('none' when the run is clean)."""
     value = cfg.get("fault", "none") if hasattr(cfg, "get") else getattr(cfg, "fault", "none")
-    name = str(getattr(value, "value", value) or "none")
-    if name not in FAULTS:
-        raise ValueError(f"fault={name!r}: expected one of {list(FAULTS)}")
+    name = str(value or "none")
+    FAULTS[name]  # raises, naming the key and the registered faults
     return name
 
 
 def is_on(cfg: Any, name: str) -> bool:
-    if name not in FAULTS:
-        raise ValueError(f"unknown fault {name!r}")
+    FAULTS[name]  # a typo in the code path that asks fails loudly
     return active(cfg) == name
 
 

@@ -333,7 +333,7 @@ def build_generator(
     settings = sampling_settings(cfg, tokenizer)
     if temperature is not None:
         settings.temperature = float(temperature)
-    backend = backend or str(getattr(cfg.train.backend, "value", cfg.train.backend))
+    backend = backend or str(cfg.train.backend)
     if backend == "vllm":
         if trainer is None:
             raise ValueError("train.backend=vllm samples through the trainer's vLLM server; evaluation uses hf")

@@ -98,7 +98,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def resolve_vllm_mode(cfg: Any, gpus: list[str] | None = None, env: dict[str, str] | None = None) -> str:
     """``train.vllm_mode`` with ``auto`` decided: colocate on one GPU, server on two or more."""
-    mode = str(getattr(cfg.train.vllm_mode, "value", cfg.train.vllm_mode))
+    mode = str(cfg.train.vllm_mode)
     if mode not in ("auto", "colocate", "server"):
         raise ValueError(f"train.vllm_mode={mode!r}: expected auto, colocate or server")
     if mode != "auto":
@@ -113,8 +113,8 @@ def resolve_vllm_mode(cfg: Any, gpus: list[str] | None = None, env: dict[str, st
 
 def wants_topology(cfg: Any) -> bool:
     """True for a vLLM server-mode training job that is not itself one of the trainer processes."""
-    backend = str(getattr(cfg.train.backend, "value", cfg.train.backend))
-    mode = str(getattr(cfg.mode, "value", cfg.mode))
+    backend = str(cfg.train.backend)
+    mode = str(cfg.mode)
     if backend != "vllm" or mode != "train" or os.environ.get(ROLE_ENV) == "trainer":
         return False
     return resolve_vllm_mode(cfg) == "server"
@@ -157,7 +157,7 @@ def plan(cfg: Any, *, gpus: list[str], job_dir: Path, overrides: list[str],
     main_port = free_port()
     while main_port in (port, group_port):
         main_port = free_port()
-    dtype = str(getattr(cfg.model.dtype, "value", cfg.model.dtype))
+    dtype = str(cfg.model.dtype)
     max_len = env.get("MUSIQUE_RL_VLLM_MAX_MODEL_LEN")
     args = ScriptArguments(
         model=str(cfg.model.name_or_path),

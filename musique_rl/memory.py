@@ -50,7 +50,7 @@ MINI = dict(family="qwen2", hidden=64, intermediate=128, layers=2, heads=4, kv_h
             tie=False, rope_theta=1e6)
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 GIB = 2**30
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+from musique_rl.schema import CONF_DIR
 
 
 def hf_config(arch: dict[str, Any], vocab: int | None = None, eos: int | None = None, pad: int | None = None) -> Any:

@@ -34,7 +34,7 @@ def bf16_supported() -> bool:
 
 def resolve_dtype(model_cfg: Any) -> torch.dtype:
     """``model.dtype`` as a torch dtype; 'auto' = bf16 where supported, else float32."""
-    name = str(getattr(model_cfg.dtype, "value", model_cfg.dtype))
+    name = str(model_cfg.dtype)
     if name == "auto":
         return torch.bfloat16 if bf16_supported() else torch.float32
     if name == "bfloat16" and not bf16_supported():

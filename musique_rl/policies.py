@@ -23,16 +23,12 @@ from pathlib import Path
 from typing import Any
 
 from musique_rl.prompts import build_messages
+from musique_rl.registry import Registry
 from musique_rl.tools import content_id, execute, parse_tool_calls
 
 log = logging.getLogger(__name__)
 
 _REF_RE = re.compile(r"#(\d+)")
-
-
-def _fmt(env_or_cfg: Any) -> str:
-    f = env_or_cfg
-    return str(getattr(f, "value", f))
 
 
 def tool_call_text(name: str, arguments: dict, fmt: str) -> str:
@@ -83,8 +79,8 @@ def _episode(record: dict, messages: list[dict], stop_reason: str, tool_calls: i
 
 
 def oracle_episode(record: dict, env_cfg: Any, retriever: Any, tool_call_format: str = "hermes") -> dict:
-    fmt = _fmt(tool_call_format)
-    scope = _fmt(env_cfg.scope)
+    fmt = str(tool_call_format)
+    scope = str(env_cfg.scope)
     messages = build_messages(record, env_cfg)
     calls = errors = 0
     if not env_cfg.supporting_in_prompt:
@@ -133,7 +129,7 @@ def replay_episodes(path: str, records_by_id: dict[str, dict], tool_call_format:
         if ep["id"] not in records_by_id:
             missing += 1
             continue
-        calls, errors = _count_tool_calls(ep["messages"], _fmt(tool_call_format))
+        calls, errors = _count_tool_calls(ep["messages"], str(tool_call_format))
         out = {
             "id": ep["id"],
             "messages": ep["messages"],
@@ -150,6 +146,36 @@ def replay_episodes(path: str, records_by_id: dict[str, dict], tool_call_format:
         log.warning("replay: %d episode(s) in %s name records not in env.data; skipped", missing, path)
     if not yielded:
         raise ValueError(f"replay_path={path!r}: no episode matches a record of env.data ({missing} unknown ids)")
+
+
+# ---------------------------------------------------------------- the registry
+# The scripted policies by the name `policy=` gives them: (cfg, records) -> episodes. The schema's
+# `policy` values are these plus `model`, the configured LLM (rollouts, in the RL core).
+POLICIES = Registry("policy")
+
+
+def _tool_call_format(cfg: Any) -> str:
+    return str(cfg.model.tool_call_format) if "model" in cfg else "hermes"
+
+
+@POLICIES.register("oracle")
+def oracle_episodes(cfg: Any, records: list[dict]) -> Iterator[dict]:
+    from musique_rl.retrieval import build_retriever
+
+    retriever = build_retriever(cfg.env, records)
+    return (oracle_episode(r, cfg.env, retriever, _tool_call_format(cfg)) for r in records)
+
+
+@POLICIES.register("no_tool")
+def no_tool_episodes(cfg: Any, records: list[dict]) -> Iterator[dict]:
+    return (no_tool_episode(r, cfg.env) for r in records)
+
+
+@POLICIES.register("replay")
+def replayed_episodes(cfg: Any, records: list[dict]) -> Iterator[dict]:
+    if not cfg.get("replay_path"):
+        raise ValueError("policy=replay needs replay_path=<jsonl of {id, messages}> (e.g. an earlier episodes.jsonl)")
+    return replay_episodes(cfg.replay_path, {r["id"]: r for r in records}, _tool_call_format(cfg))
 
 
 # ---------------------------------------------------------------- the noisy oracle (warm-start data)

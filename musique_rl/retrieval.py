@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from musique_rl.registry import Registry
 from musique_rl.tools import as_document, content_id
 
 log = logging.getLogger(__name__)
@@ -70,10 +71,19 @@ def _doc_text(doc: dict) -> str:
 
 
 # ---------------------------------------------------------------- base
+# Every retriever, by the name env.retriever gives it; filled by Retriever subclasses as they are
+# defined (a new retriever is one subclass with a `name`), read by the schema and build_retriever.
+RETRIEVERS = Registry("env.retriever")
+
+
 class Retriever:
     """Scope handling shared by every retriever; subclasses rank documents of one collection."""
 
     name = "base"
+
+    def __init_subclass__(cls, **kwargs: Any):
+        super().__init_subclass__(**kwargs)
+        RETRIEVERS.register(cls.name, cls)
 
     def __init__(self, scope: str, corpus: list[dict] | None = None):
         self.scope = scope
@@ -318,16 +328,6 @@ def build_lucene_index(docs: list[dict]) -> Path:
     return target
 
 
-# ---------------------------------------------------------------- the one place
-RETRIEVERS = {
-    "bm25": BM25Retriever,
-    "lucene": LuceneRetriever,
-    "semantic": SemanticRetriever,
-    "hybrid": HybridRetriever,
-    "golden": GoldenRetriever,
-}
-
-
 def load_corpus(env_cfg: Any, records: list[dict]) -> list[dict]:
     """Corpus-scope documents: env.corpus (json list of {title, text}) or every record paragraph;
     duplicates (same title and text) kept once."""
@@ -355,16 +355,14 @@ def load_corpus(env_cfg: Any, records: list[dict]) -> list[dict]:
 def build_retriever(env_cfg: Any, records: list[dict] | None = None, warm: bool = True) -> Retriever:
     """The retriever named by env.retriever over env.scope; ``records`` feed the default corpus
     and, with ``warm``, the precomputed per-question indexes."""
-    name = str(getattr(env_cfg.retriever, "value", env_cfg.retriever))
-    scope = str(getattr(env_cfg.scope, "value", env_cfg.scope))
-    if name not in RETRIEVERS:
-        raise ValueError(f"env.retriever={name!r}: choose from {sorted(RETRIEVERS)}")
+    retriever_class = RETRIEVERS[env_cfg.retriever]  # an unknown name fails here, listing the registered ones
+    scope = str(env_cfg.scope)
     if scope not in ("question", "corpus"):
         raise ValueError(f"env.scope={scope!r}: choose 'question' or 'corpus'")
     corpus = load_corpus(env_cfg, records or []) if scope == "corpus" else None
     if corpus is not None and not corpus:
         raise ValueError("env.scope=corpus: the corpus is empty (set env.corpus or load records)")
-    retriever = RETRIEVERS[name](scope, corpus)
+    retriever = retriever_class(scope, corpus)
     if warm and records:
         retriever.warm(records)
     return retriever

@@ -164,7 +164,7 @@ class RolloutEngine:
         self.retriever = retriever
         self.records_by_id = records_by_id
         self.chat = ChatTokens(tokenizer, cfg.env)
-        self.fmt = str(getattr(cfg.model.tool_call_format, "value", cfg.model.tool_call_format))
+        self.fmt = str(cfg.model.tool_call_format)
         self.env_token_mask = env_mask_value(cfg)  # 0 normally; 1 under train.mask_env_tokens=false
         self.stop_ids = {tokenizer.eos_token_id}
         if tokenizer.pad_token_id is not None:

@@ -9,39 +9,43 @@ Only keys the code reads live here; ``???`` (MISSING) marks values an option fil
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
+from pathlib import Path
+from enum import StrEnum
 from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
+from musique_rl.faults import FAULTS
+from musique_rl.policies import POLICIES
+from musique_rl.retrieval import RETRIEVERS
+
 
 # ---------------------------------------------------------------- enums (allowed values)
-class Mode(str, Enum):
+class Mode(StrEnum):
     train = "train"
     eval = "eval"
 
 
-class Policy(str, Enum):
-    model = "model"  # the configured LLM (sampled at train.temperature)
-    oracle = "oracle"  # scripted: follows question_decomposition, cites gold, answers gold
-    no_tool = "no_tool"  # answers without retrieving: the floor
-    replay = "replay"  # re-scores stored episodes from `replay_path`
+# Plug-ins: their names come from the registry where each is written (musique_rl/registry.py).
+Policy = POLICIES.choices("Policy", __name__, extra=("model",))  # model = the configured LLM; the rest scripted
+Retriever = RETRIEVERS.choices("Retriever", __name__)
+Fault = FAULTS.choices("Fault", __name__)  # planted defects (docs/failure_modes.md), proving the instruments only
 
 
-class Dtype(str, Enum):
+class Dtype(StrEnum):
     auto = "auto"
     float32 = "float32"
     bfloat16 = "bfloat16"
     float16 = "float16"
 
 
-class ToolCallFormat(str, Enum):
+class ToolCallFormat(StrEnum):
     hermes = "hermes"  # Qwen2.5 / Qwen3: <tool_call>{"name":..,"arguments":..}</tool_call>
     llama3_json = "llama3_json"  # Llama 3.1: bare JSON object {"name":..,"parameters":..}
 
 
-class LossType(str, Enum):  # TRL 1.16 GRPOConfig.loss_type
+class LossType(StrEnum):  # TRL 1.16 GRPOConfig.loss_type
     grpo = "grpo"
     bnpo = "bnpo"
     dr_grpo = "dr_grpo"
@@ -50,65 +54,42 @@ class LossType(str, Enum):  # TRL 1.16 GRPOConfig.loss_type
     sapo = "sapo"
 
 
-class ScaleRewards(str, Enum):  # TRL 1.16 GRPOConfig.scale_rewards
+class ScaleRewards(StrEnum):  # TRL 1.16 GRPOConfig.scale_rewards
     group = "group"
     batch = "batch"
     none = "none"
 
 
-class Retriever(str, Enum):
-    bm25 = "bm25"
-    lucene = "lucene"
-    semantic = "semantic"
-    hybrid = "hybrid"
-    golden = "golden"
-
-
-class RetrievalScope(str, Enum):
+class RetrievalScope(StrEnum):
     question = "question"  # the record's own paragraphs (as the seeds' vf_musique)
     corpus = "corpus"  # every paragraph of the corpus file / dataset
 
 
-class Backend(str, Enum):
+class Backend(StrEnum):
     hf = "hf"  # transformers generate, in-process (CPU, tests, small GPUs)
     vllm = "vllm"  # TRL's vLLM integration (train.vllm_mode: colocate on one GPU, server on several)
 
 
-class VllmMode(str, Enum):  # TRL 1.16 GRPOConfig.vllm_mode, plus auto
+class VllmMode(StrEnum):  # TRL 1.16 GRPOConfig.vllm_mode, plus auto
     auto = "auto"  # colocate when the job sees one GPU, server when it sees two or more
     colocate = "colocate"  # vLLM inside each training process, sharing its GPU
     server = "server"  # `vllm serve` on the first GPU, the trainer on the others (musique_rl/gpu_job.py)
 
 
-class Arm(str, Enum):
+class Arm(StrEnum):
     control = "control"
     treatment = "treatment"
 
 
-class Direction(str, Enum):
+class Direction(StrEnum):
     increase = "increase"
     decrease = "decrease"
 
 
-class Priority(str, Enum):
+class Priority(StrEnum):
     high = "high"
     medium = "medium"
     low = "low"
-
-
-class Fault(str, Enum):
-    """Planted defects (FIELD-NOTES 'Known defects'), for proving the instruments only."""
-
-    none = "none"
-    blind_context = "blind_context"  # attention mask = loss mask (verifiers 0.1.x)
-    env_tokens_trained = "env_tokens_trained"  # tool/template tokens carry loss
-    stale_sampler = "stale_sampler"  # sampler weights never synced
-    std_epsilon = "std_epsilon"  # tiny std epsilon amplifies near-ties
-    kl_tool_tokens = "kl_tool_tokens"  # KL computed on tool tokens
-    kl_flipped = "kl_flipped"  # KL penalty with the wrong sign
-    tiny_budgets = "tiny_budgets"  # token budgets that silently truncate
-    first_turn_reward = "first_turn_reward"  # reward parsed from the first assistant turn
-    tiny_updates = "tiny_updates"  # lr x0.01, grad clip 0.001
 
 
 # ---------------------------------------------------------------- groups
@@ -201,7 +182,7 @@ class EnvConfig:
     noise_rate: float = 1.0  # P(keep) of each non-supporting paragraph; supporting always kept
     max_paragraphs: Optional[int] = None
     skip_invalid: bool = False  # skip (and count) invalid records instead of failing
-    retriever: Retriever = Retriever.bm25
+    retriever: Retriever = Retriever["bm25"]
     scope: RetrievalScope = RetrievalScope.question
     corpus: Optional[str] = None  # corpus json for scope=corpus; None = all records' paragraphs
     top_n: int = 1  # documents per retrieve_documents call (the seeds: 1)
@@ -280,9 +261,9 @@ class Config:
     env: EnvConfig = MISSING
     hypothesis: Optional[HypothesisConfig] = None  # set by +hypothesis=hNN
     mode: Mode = Mode.train
-    policy: Policy = Policy.model
+    policy: Policy = Policy["model"]
     replay_path: Optional[str] = None  # jsonl of {"id", "messages"} for policy=replay
-    fault: Fault = Fault.none  # set by +fault=<name>; never on by default
+    fault: Fault = Fault["none"]  # set by +fault=<name>; never on by default
     seed: int = 1  # also the data-order seed, identical across arms
     train: TrainSettings = field(default_factory=TrainSettings)
     diagnostics: DiagnosticsConfig = field(default_factory=DiagnosticsConfig)
@@ -297,16 +278,32 @@ def _arm(control: Any, treatment: Any, *, _root_: Any) -> Any:
     """
     hyp = _root_.get("hypothesis")
     arm = hyp.arm if hyp is not None else "treatment"
-    return treatment if str(getattr(arm, "value", arm)) == "treatment" else control
+    return treatment if str(arm) == "treatment" else control
+
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+
+
+def register_sweeps(conf_dir: Path = CONF_DIR) -> list[str]:
+    """A named sweep for every hypothesis: ``+sweep=<id>`` is conf/sweep/_base.yaml (both arms x
+    seeds, then the verdict) over conf/hypothesis/<id>.yaml. A hypothesis that needs another grid
+    writes its own conf/sweep/<id>.yaml, which this leaves alone. So a new hypothesis is one file."""
+    store, added = ConfigStore.instance(), []
+    for path in sorted((conf_dir / "hypothesis").glob("*.yaml")):
+        if not (conf_dir / "sweep" / path.name).exists():
+            store.store(group="sweep", name=path.stem, node={"defaults": ["_base", "_self_"]}, package="_global_")
+            added.append(path.stem)
+    return added
 
 
 def register() -> None:
-    """Register schemas and resolvers (idempotent: Hydra may import us twice)."""
+    """Register schemas, named sweeps and resolvers (idempotent: Hydra may import us twice)."""
     if not OmegaConf.has_resolver("arm"):
         OmegaConf.register_new_resolver("arm", _arm)
     if not OmegaConf.has_resolver("mul"):
         OmegaConf.register_new_resolver("mul", lambda a, b: a * b)
     # One root schema types every group: the option files merge into its typed nodes.
     ConfigStore.instance().store(name="schema", node=Config)
+    register_sweeps()
 
 register()

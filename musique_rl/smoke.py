@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+from musique_rl.schema import CONF_DIR
 HYPOTHESES = tuple(sorted(p.stem for p in (CONF_DIR / "hypothesis").glob("h*.yaml")))
 LARGE = "qwen2.5-7b-instruct"  # the 7b case's model config and architecture (memory.ARCHITECTURES)
 

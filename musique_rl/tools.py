@@ -126,7 +126,7 @@ def parse_tool_calls(text: str, fmt: str = "hermes") -> list[ToolCall]:
     """
     if not isinstance(text, str):
         return []
-    fmt = str(getattr(fmt, "value", fmt))
+    fmt = str(fmt)
     calls: list[ToolCall] = []
     too_many = ToolCall(name="", error=f"more than {MAX_CALLS_PER_TURN} tool calls in one turn; the rest were ignored")
     if fmt == "hermes":

@@ -204,10 +204,10 @@ def run_tags(cfg: DictConfig) -> dict[str, str]:
     sha, dirty = git_commit()
     tags = {
         "hypothesis": str(hyp) if hyp else "none",
-        "arm": str(getattr(arm, "value", arm)) if hyp else "none",
+        "arm": str(arm) if hyp else "none",
         "seed": str(seed),
-        "fault": str(getattr(fault, "value", fault)),
-        "mode": str(getattr(cfg.get("mode"), "value", cfg.get("mode"))),
+        "fault": str(fault),
+        "mode": str(cfg.get("mode")),
         "git_commit": sha,
         "git_dirty": str(dirty).lower(),
         "mlflow.source.git.commit": sha,
@@ -242,16 +242,16 @@ def tag_provenance(tracker: Tracker, origin: dict[str, Any]) -> None:
 
 def run_name(cfg: DictConfig) -> str:
     hyp = OmegaConf.select(cfg, "hypothesis.id", default=None)
-    fault = str(getattr(cfg.get("fault"), "value", cfg.get("fault") or "none"))
+    fault = str(cfg.get("fault") or "none")
     seed = OmegaConf.select(cfg, "seed", default="?")
     parts = []
     if hyp:
         arm = OmegaConf.select(cfg, "hypothesis.arm")
-        parts += [str(hyp), str(getattr(arm, "value", arm))]
+        parts += [str(hyp), str(arm)]
     if fault != "none":
         parts.append(f"fault-{fault}")
     if not parts:
-        parts.append(str(getattr(cfg.get("mode"), "value", cfg.get("mode") or "train")))
+        parts.append(str(cfg.get("mode") or "train"))
     parts.append(f"s{seed}")
     return "-".join(parts)
 
@@ -424,7 +424,7 @@ def job(cfg: DictConfig, output_dir: Path | None = None) -> Iterator[Tracker | N
         raise
     finally:
         _ACTIVE.pop()
-        if status == "FINISHED" and str(getattr(cfg.get("mode"), "value", cfg.get("mode"))) == "train":
+        if status == "FINISHED" and str(cfg.get("mode")) == "train":
             finish_train_run(tracker, out)
         if mlflow.active_run() is not None and mlflow.active_run().info.run_id == run_id:
             mlflow.end_run(status=status)

@@ -337,7 +337,7 @@ def grpo_config(cfg: Any, output_dir: str | Path) -> Any:
 
     t, loss = cfg.train, cfg.loss
     micro, accumulation = batch_layout(cfg, num_processes())
-    backend = str(getattr(t.backend, "value", t.backend))
+    backend = str(t.backend)
     vllm = vllm_settings(cfg) if backend == "vllm" else {}
     bf16 = resolve_dtype(cfg.model) == torch.bfloat16
     return GRPOConfig(
@@ -347,8 +347,8 @@ def grpo_config(cfg: Any, output_dir: str | Path) -> Any:
         gradient_accumulation_steps=accumulation,
         steps_per_generation=accumulation,  # one rollout per optimizer step, split into the micro-batches
         num_generations=int(t.num_generations),
-        loss_type=str(getattr(loss.loss_type, "value", loss.loss_type)),
-        scale_rewards=str(getattr(loss.scale_rewards, "value", loss.scale_rewards)),
+        loss_type=str(loss.loss_type),
+        scale_rewards=str(loss.scale_rewards),
         beta=float(loss.beta),
         epsilon=float(loss.epsilon),
         epsilon_high=None if loss.epsilon_high is None else float(loss.epsilon_high),

@@ -35,13 +35,13 @@ class Hypothesis:
         missing = [k for k in ("id", "metric", "direction") if h.get(k) in (None, "???")]
         if missing:
             raise VerdictError(f"{where}: hypothesis block lacks {', '.join(missing)}")
-        direction = str(getattr(h["direction"], "value", h["direction"]))
+        direction = str(h["direction"])
         if direction not in ("increase", "decrease"):
             raise VerdictError(f"{where}: hypothesis.direction={direction!r}, expected increase|decrease")
         return cls(
             id=str(h["id"]),
             title=str(h.get("title") or ""),
-            priority=str(getattr(h.get("priority"), "value", h.get("priority")) or "medium"),
+            priority=str(h.get("priority") or "medium"),
             metric=str(h["metric"]),
             direction=direction,
             min_effect=float(h.get("min_effect") or 0.0),
