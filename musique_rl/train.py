@@ -188,12 +188,13 @@ def train(cfg: Any, run_dir: str | Path | None = None, callbacks: list | None = 
 
     before, before_g = evaluate("before", model)
 
+    tracker = tracking.active()
     instruments = None
     if cfg.diagnostics.enabled:
         from musique_rl.diagnostics import Instruments
 
-        instruments = Instruments.from_config(cfg, tokenizer=tokenizer)
-    tracker = tracking.active()
+        views = tracker.log_text if tracker is not None else None  # the HTML token view, into the run
+        instruments = Instruments.from_config(cfg, tokenizer=tokenizer, artifact_logger=views)
     if tracker is not None:
         tracking.tag_provenance(tracker, origin)
     callbacks = ([tracker.callback()] if tracker is not None else []) + list(callbacks or [])

@@ -21,10 +21,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 History = Sequence[tuple[int, float]]  # (step, value), sorted by step
@@ -457,9 +459,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from mlflow.tracking import MlflowClient
 
-    from musique_rl.tracking import tracking_uri
-
-    uri = args.tracking_uri or tracking_uri()
+    # The default of tracking.tracking_uri() outside a Hydra job, spelled here so that the doctor
+    # (diagnostics layer) does not import the experiment layer that runs it.
+    uri = args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path.cwd().resolve() / 'mlflow.db'}"
     client = MlflowClient(uri)
     if args.run_id:
         runs = [client.get_run(args.run_id)]

@@ -37,18 +37,9 @@ from musique_rl.diagnostics.updates import update_metrics
 
 log = logging.getLogger(__name__)
 
-# (text, artifact_file) -> None; default: the job's MLflow run, when tracking is on
+# (text, artifact_file) -> None: where the trajectory view goes. The experiment layer passes the
+# job's MLflow run (train.py); diagnostics never reach up to find it.
 ArtifactLogger = Callable[[str, str], None]
-
-
-def _run_text_logger(text: str, artifact_file: str) -> None:
-    """Into the job's MLflow run through `tracking.active()`; nothing (and no mlflow import) when
-    tracking is off: a GPU image without mlflow runs with tracking.enabled=false."""
-    from musique_rl.tracking import active
-
-    tracker = active()
-    if tracker is not None:
-        tracker.log_text(text, artifact_file)
 
 
 def _cpu(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -66,7 +57,7 @@ class Instruments:
         trajectory_views: episodes rendered into the HTML token view each time (0 = none).
         max_prompt_tokens / max_completion_tokens: the env's budgets, for the share at each cap.
         tokenizer: decodes tokens for the trajectory view (None = token ids are shown).
-        artifact_logger: where the HTML view goes; default the active MLflow run.
+        artifact_logger: where the HTML view goes (the job's MLflow run); None = no view.
         enabled: False makes every call return {} at no cost (diagnostics.enabled=false).
         probe_size: sequences kept from the first batch as the fixed parity-probe set.
     """
@@ -81,7 +72,7 @@ class Instruments:
         max_prompt_tokens: int | None = None,
         max_completion_tokens: int | None = None,
         tokenizer: Any = None,
-        artifact_logger: ArtifactLogger | None = _run_text_logger,
+        artifact_logger: ArtifactLogger | None = None,
         enabled: bool = True,
         probe_size: int = 8,
     ):
