@@ -76,6 +76,13 @@ def _slice(records: list[dict], split: str | None) -> list[dict]:
 
 # ---------------------------------------------------------------- loading
 def _read_local(path: str) -> list[dict]:
+    """A local .json list or .jsonl file, as plain records.
+
+    Why not ``datasets.load_dataset("json", data_files=...)``: it infers one Arrow schema over all
+    records, so a malformed record fails (or is silently coerced, e.g. a missing ``answer_aliases``
+    becomes None in every record's type) with an Arrow error that names no record id or line; here
+    each record reaches ``validate`` as written, and a bad line is named. The split slice still uses
+    the datasets library's own parser (``_slice``)."""
     p = Path(path).expanduser()
     if not p.is_file():
         raise FileNotFoundError(f"env.data: local dataset file {str(p)!r} does not exist")

@@ -93,15 +93,11 @@ def _store_lock(uri: str) -> Iterator[None]:
     if path is None:
         yield
         return
-    import fcntl
+    from filelock import FileLock
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(str(path) + ".lock", "w") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
+    with FileLock(str(path) + ".lock"):
+        yield
 
 
 def ensure_experiment(uri: str, name: str) -> str:
@@ -276,8 +272,7 @@ class Tracker:
             for k, v in metrics.items()
             if isinstance(v, int | float) and not isinstance(v, bool) and v is not None
         ]
-        for i in range(0, len(batch), 1000):  # MLflow's per-request metric limit
-            self.client.log_batch(self.run_id, metrics=batch[i : i + 1000])
+        self.client.log_batch(self.run_id, metrics=batch)  # MLflow splits it into per-request chunks
 
     def log_text(self, text: str, artifact_file: str) -> None:
         self.client.log_text(self.run_id, redact(text), artifact_file)
@@ -439,8 +434,7 @@ def _log_config(tracker: Tracker, cfg: DictConfig) -> None:
 
     items = [Param(k, v) for k, v in config_params(cfg).items()]
     try:
-        for i in range(0, len(items), 100):  # MLflow's per-request param limit
-            tracker.client.log_batch(tracker.run_id, params=items[i : i + 100])
+        tracker.client.log_batch(tracker.run_id, params=items)  # MLflow splits it into per-request chunks
     except Exception:
         # a resumed run already holds its params; a changed value is refused by MLflow: say so, go on
         log.warning("params not (re)logged to run %s (resumed run?)", tracker.run_id, exc_info=True)
