@@ -79,9 +79,9 @@ def _read_local(path: str) -> list[dict]:
     """A local .json list or .jsonl file, as plain records.
 
     Why not ``datasets.load_dataset("json", data_files=...)``: it infers one Arrow schema over all
-    records, so a malformed record fails (or is silently coerced, e.g. a missing ``answer_aliases``
-    becomes None in every record's type) with an Arrow error that names no record id or line; here
-    each record reaches ``validate`` as written, and a bad line is named. The split slice still uses
+    records: a field whose type differs between records fails with an Arrow error about a column, not
+    a record id, and a field missing from some records is filled with None in them; here each record
+    reaches ``validate`` as written, which names the record id and field, and a bad line is named. The split slice still uses
     the datasets library's own parser (``_slice``)."""
     p = Path(path).expanduser()
     if not p.is_file():
