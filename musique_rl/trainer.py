@@ -27,21 +27,20 @@ with full fine-tuning, TRL loads a reference copy.
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
 import torch
+from trl import GRPOTrainer
 
 from musique_rl import faults
+from musique_rl.diagnostics.callback import InstrumentsCallback, merge_metrics, metrics_sink
+from musique_rl.diagnostics.ledger import sources_tensor
+from musique_rl.diagnostics.sync import model_scorer, peft_base_scorer
+from musique_rl.generation import HFGenerator, build_generator, frozen_copy, sampling_settings
+from musique_rl.rollout import RolloutEngine
 
 log = logging.getLogger(__name__)
-
-os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is TRL-experimental; we pin TRL
-# Metrics reach MLflow through musique_rl.tracking (report_to="none"), never through transformers'
-# MLflow integration; without this TRL imports mlflow wherever it is installed (trl/extras/profiling.py),
-# also with tracking.enabled=false. Set before anything here imports TRL.
-os.environ.setdefault("DISABLE_MLFLOW_INTEGRATION", "TRUE")
 
 PINNED_TRL = "1.16.0"
 TRL_ADVANTAGE_LINE = "advantages = advantages / (std_rewards + 1e-4)"  # what group_advantages replaces
@@ -88,203 +87,205 @@ def group_advantages(
 
 
 # ---------------------------------------------------------------- the trainer
-def _grpo_trainer_class():
-    from trl import GRPOTrainer
+class MusiqueGRPOTrainer(GRPOTrainer):
+    """GRPOTrainer + multi-turn rollouts, configurable advantage epsilon, diagnostics, faults.
 
-    class MusiqueGRPOTrainer(GRPOTrainer):
-        """GRPOTrainer + multi-turn rollouts, configurable advantage epsilon, diagnostics, faults."""
+    Configured in its constructor from the composed config; every other argument is TRL's
+    (``model``, ``reward_funcs``, ``args``, ``train_dataset``, ``processing_class``, ``peft_config``).
+    ``engine`` is the RolloutEngine whose ``rollout_func`` TRL calls; it samples through
+    ``self.musique_generator``, built here once TRL has made its model (and vLLM engine, if any):
+    a frozen copy under the planted fault stale_sampler, else the trained model itself.
+    """
 
-        def setup_musique(
-            self,
-            cfg: Any,
-            engine: Any,
-            generator: Any,
-            instruments: Any = None,
-            sampler_model: Any = None,
-            base_model: Any = None,
-        ) -> None:
-            self.musique_cfg = cfg
-            self.musique_engine = engine
-            self.musique_generator = generator  # read by RolloutEngine.rollout_func
-            self.instruments = instruments
-            self._sampler_model = sampler_model  # None = the sampler is the trained model itself
-            self._base_model = base_model  # frozen start (full fine-tuning), for the parity probe
-            self._adv_epsilon = float(cfg.loss.adv_epsilon)
-            self._last_rewards: torch.Tensor | None = None
-            self._captured_logps: torch.Tensor | None = None
-            self._blind = faults.blind_context(cfg)
-            self._kl_env = faults.kl_on_env_tokens(cfg)
-            self._kl_sign = faults.kl_sign(cfg)
+    def __init__(
+        self,
+        *,
+        musique_cfg: Any,
+        engine: Any,
+        instruments: Any = None,
+        sampler_model: Any = None,
+        base_model: Any = None,
+        **trl_kwargs: Any,
+    ):
+        check_trl_version()
+        super().__init__(rollout_func=engine.rollout_func, **trl_kwargs)
+        cfg = musique_cfg
+        self.musique_cfg = cfg
+        self.musique_engine = engine
+        self.instruments = instruments
+        self._sampler_model = sampler_model  # None = the sampler is the trained model itself
+        self._base_model = base_model  # frozen start (full fine-tuning), for the parity probe
+        self._adv_epsilon = float(cfg.loss.adv_epsilon)
+        self._last_rewards: torch.Tensor | None = None
+        self._captured_logps: torch.Tensor | None = None
+        self._blind = faults.blind_context(cfg)
+        self._kl_env = faults.kl_on_env_tokens(cfg)
+        self._kl_sign = faults.kl_sign(cfg)
+        tokenizer = self.processing_class
+        if sampler_model is not None:
+            self.musique_generator = HFGenerator(sampler_model, tokenizer, sampling_settings(cfg, tokenizer))
+        else:
+            self.musique_generator = build_generator(cfg, tokenizer, trainer=self)  # read by RolloutEngine.rollout_func
+        if instruments is not None:  # before the tracking callback: it adds h08/grad_norm_before_clip in on_log
+            self.add_callback(InstrumentsCallback(instruments, sink=metrics_sink(self)))
 
-        # -- metrics from our instruments go where TRL's go (averaged per logging step)
-        def _merge_metrics(self, metrics: dict[str, float] | None) -> None:
-            mode = "train" if self.model.training else "eval"
-            for k, v in (metrics or {}).items():
-                self._metrics[mode][k].append(float(v))
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        jitter = faults.reward_jitter(self.musique_cfg)
+        if jitter:  # planted fault std_epsilon: float-level reward noise (faults.reward_jitter)
+            gen = torch.Generator().manual_seed(int(self.state.global_step))  # CPU: the same noise on any device
+            noise = torch.randn(rewards_per_func.shape, generator=gen, dtype=torch.float64)
+            noisy = rewards_per_func.double() + jitter * noise.to(rewards_per_func.device)
+            rewards_per_func = noisy.to(rewards_per_func.dtype)
+        self._last_rewards_per_func = rewards_per_func  # gathered over all processes
+        return rewards_per_func
 
-        def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
-            rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
-            jitter = faults.reward_jitter(self.musique_cfg)
-            if jitter:  # planted fault std_epsilon: float-level reward noise (faults.reward_jitter)
-                gen = torch.Generator().manual_seed(int(self.state.global_step))  # CPU: the same noise on any device
-                noise = torch.randn(rewards_per_func.shape, generator=gen, dtype=torch.float64)
-                noisy = rewards_per_func.double() + jitter * noise.to(rewards_per_func.device)
-                rewards_per_func = noisy.to(rewards_per_func.dtype)
-            self._last_rewards_per_func = rewards_per_func  # gathered over all processes
-            return rewards_per_func
+    def _generate_and_score_completions(self, inputs):
+        output = super()._generate_and_score_completions(inputs)
+        mode = "train" if self.model.training else "eval"
+        num_generations = self.num_generations if mode == "train" else self.num_generations_eval
+        rpf = self._last_rewards_per_func
+        rewards = (rpf * self.reward_weights.to(rpf.device).unsqueeze(0)).nansum(dim=1)
+        rewards[torch.isnan(rpf).all(dim=1)] = torch.nan
+        n_local = output["completion_ids"].shape[0]
+        local = slice(self.accelerator.process_index * n_local, (self.accelerator.process_index + 1) * n_local)
+        if self._adv_epsilon != TRL_EPSILON:
+            advantages = group_advantages(rewards, num_generations, str(self.scale_rewards), self._adv_epsilon)
+            output["advantages"] = advantages[local].to(output["advantages"].device)
+        self._last_rewards = rewards
+        output["token_sources"] = self._token_sources(output["completion_ids"].shape[1]).to(
+            output["completion_ids"].device
+        )
+        if self.instruments is not None:
+            self._observe_batch(output, rewards[local], num_generations)
+            # After scoring, not before the rollout: the weights are still those the sampler was
+            # synced to, and the first batch has supplied the probe sequences, so step 0 gets
+            # its baseline too.
+            self._parity_probe()
+        return output
 
-        def _generate_and_score_completions(self, inputs):
-            output = super()._generate_and_score_completions(inputs)
-            mode = "train" if self.model.training else "eval"
-            num_generations = self.num_generations if mode == "train" else self.num_generations_eval
-            rpf = self._last_rewards_per_func
-            rewards = (rpf * self.reward_weights.to(rpf.device).unsqueeze(0)).nansum(dim=1)
-            rewards[torch.isnan(rpf).all(dim=1)] = torch.nan
-            n_local = output["completion_ids"].shape[0]
-            local = slice(self.accelerator.process_index * n_local, (self.accelerator.process_index + 1) * n_local)
-            if self._adv_epsilon != TRL_EPSILON:
-                advantages = group_advantages(rewards, num_generations, str(self.scale_rewards), self._adv_epsilon)
-                output["advantages"] = advantages[local].to(output["advantages"].device)
-            self._last_rewards = rewards
-            output["token_sources"] = self._token_sources(output["completion_ids"].shape[1]).to(
-                output["completion_ids"].device
-            )
-            if self.instruments is not None:
-                self._observe_batch(output, rewards[local], num_generations)
-                # After scoring, not before the rollout: the weights are still those the sampler was
-                # synced to, and the first batch has supplied the probe sequences, so step 0 gets
-                # its baseline too.
-                self._parity_probe()
-            return output
+    def _token_sources(self, width: int) -> torch.Tensor:
+        """(N, width) diagnostics.Source codes of this process's completion tokens (PAD after)."""
+        return sources_tensor([ep.sources for ep in self.musique_engine.last_episodes], width)
 
-        def _token_sources(self, width: int) -> torch.Tensor:
-            """(N, width) diagnostics.Source codes of this process's completion tokens (PAD after)."""
-            from musique_rl.diagnostics.ledger import sources_tensor
+    def _observe_batch(self, output: dict, rewards: torch.Tensor, num_generations: int) -> None:
+        episodes = self.musique_engine.last_episodes
+        reward_fn = self.reward_funcs[0]
+        comps = getattr(reward_fn, "last_components", None) or []
+        components = {}
+        if comps and any(c is not None for c in comps):
+            names = next(c for c in comps if c is not None).keys()
+            components = {k: [float("nan") if c is None else c[k] for c in comps] for k in names}
+        metrics = self.instruments.observe_batch(
+            rewards=rewards.detach().cpu(),
+            advantages=output["advantages"].detach().cpu(),
+            prompt_mask=output["prompt_mask"].cpu(),
+            completion_mask=output["completion_mask"].cpu(),
+            tool_mask=output["tool_mask"].cpu() if "tool_mask" in output else None,
+            token_sources=output["token_sources"].cpu(),
+            episodes=[ep.as_dict() for ep in episodes],
+            reward_components=components,
+            reward_errors=int(sum(1 for c in comps if c is None)),
+            prompt_ids=output["prompt_ids"].cpu(),
+            completion_ids=output["completion_ids"].cpu(),
+            sampling_logps=output["sampling_per_token_logps"].cpu()
+            if "sampling_per_token_logps" in output
+            else None,
+            trainer_logps=output["old_per_token_logps"].cpu() if "old_per_token_logps" in output else None,
+            step=int(self.state.global_step),
+        )
+        merge_metrics(self, metrics)
 
-            return sources_tensor([ep.sources for ep in self.musique_engine.last_episodes], width)
+    def _parity_probe(self) -> None:
+        """After the weight sync that preceded this rollout (and before the update that follows
+        it): do trainer, sampler and base agree?"""
+        if self.instruments is None or not self.model.training:
+            return
+        if not self.instruments.should_probe(int(self.state.global_step)):
+            return
+        temperature = float(self.temperature)
+        model = self.accelerator.unwrap_model(self.model)
+        trainer_scorer = model_scorer(model, temperature)
+        sampler = self._sampler_model if self._sampler_model is not None else None
+        sampler_scorer = model_scorer(sampler, temperature) if sampler is not None else trainer_scorer
+        if hasattr(model, "disable_adapter"):
+            base_scorer = peft_base_scorer(model, temperature)
+        elif self._base_model is not None:
+            base_scorer = model_scorer(self._base_model, temperature)
+        else:
+            base_scorer = None
+        was_training = model.training
+        model.eval()
+        try:
+            metrics = self.instruments.parity_probe(trainer=trainer_scorer, sampler=sampler_scorer, base=base_scorer)
+        finally:
+            model.train(was_training)
+        merge_metrics(self, metrics)  # after train() is restored: merge_metrics files by model.training
 
-        def _observe_batch(self, output: dict, rewards: torch.Tensor, num_generations: int) -> None:
-            episodes = self.musique_engine.last_episodes
-            reward_fn = self.reward_funcs[0]
-            comps = getattr(reward_fn, "last_components", None) or []
-            components = {}
-            if comps and any(c is not None for c in comps):
-                names = next(c for c in comps if c is not None).keys()
-                components = {k: [float("nan") if c is None else c[k] for c in comps] for k in names}
-            metrics = self.instruments.observe_batch(
-                rewards=rewards.detach().cpu(),
-                advantages=output["advantages"].detach().cpu(),
-                prompt_mask=output["prompt_mask"].cpu(),
-                completion_mask=output["completion_mask"].cpu(),
-                tool_mask=output["tool_mask"].cpu() if "tool_mask" in output else None,
-                token_sources=output["token_sources"].cpu(),
-                episodes=[ep.as_dict() for ep in episodes],
-                reward_components=components,
-                reward_errors=int(sum(1 for c in comps if c is None)),
-                prompt_ids=output["prompt_ids"].cpu(),
-                completion_ids=output["completion_ids"].cpu(),
-                sampling_logps=output["sampling_per_token_logps"].cpu()
-                if "sampling_per_token_logps" in output
-                else None,
-                trainer_logps=output["old_per_token_logps"].cpu() if "old_per_token_logps" in output else None,
-                step=int(self.state.global_step),
-            )
-            self._merge_metrics(metrics)
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
+        logps, entropies, aux = super()._get_per_token_logps_and_entropies(
+            model, input_ids, attention_mask, logits_to_keep, *args, **kwargs
+        )
+        self._captured_logps = logps
+        return logps, entropies, aux
 
-        def _parity_probe(self) -> None:
-            """After the weight sync that preceded this rollout (and before the update that follows
-            it): do trainer, sampler and base agree?"""
-            if self.instruments is None or not self.model.training:
-                return
-            if not self.instruments.should_probe(int(self.state.global_step)):
-                return
-            from musique_rl.diagnostics.sync import model_scorer, peft_base_scorer
+    def _accumulation_steps(self) -> float:
+        """Micro-batches per optimizer step (TRL's divisor of each micro-batch's loss); 1 outside training."""
+        return float(getattr(self, "current_gradient_accumulation_steps", 1) or 1) if self.model.training else 1.0
 
-            temperature = float(self.temperature)
-            model = self.accelerator.unwrap_model(self.model)
-            trainer_scorer = model_scorer(model, temperature)
-            sampler = self._sampler_model if self._sampler_model is not None else None
-            sampler_scorer = model_scorer(sampler, temperature) if sampler is not None else trainer_scorer
-            if hasattr(model, "disable_adapter"):
-                base_scorer = peft_base_scorer(model, temperature)
-            elif self._base_model is not None:
-                base_scorer = model_scorer(self._base_model, temperature)
-            else:
-                base_scorer = None
-            was_training = model.training
-            model.eval()
-            try:
-                metrics = self.instruments.parity_probe(trainer=trainer_scorer, sampler=sampler_scorer, base=base_scorer)
-            finally:
-                model.train(was_training)
-            self._merge_metrics(metrics)  # after train() is restored: _merge_metrics files by model.training
-
-        def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
-            logps, entropies, aux = super()._get_per_token_logps_and_entropies(
-                model, input_ids, attention_mask, logits_to_keep, *args, **kwargs
-            )
-            self._captured_logps = logps
-            return logps, entropies, aux
-
-        def _accumulation_steps(self) -> float:
-            """Micro-batches per optimizer step (TRL's divisor of each micro-batch's loss); 1 outside training."""
-            return float(getattr(self, "current_gradient_accumulation_steps", 1) or 1) if self.model.training else 1.0
-
-        def _compute_loss(self, model, inputs):
-            completion_mask = inputs["completion_mask"]
-            tool_mask = inputs.get("tool_mask")
-            loss_mask = completion_mask if tool_mask is None else completion_mask * tool_mask
-            real_prompt_mask = inputs["prompt_mask"]  # the true masks, for the coverage instrument
-            if self._blind:
-                # Planted fault (verifiers 0.1.x): the forward pass's attention mask IS the loss
-                # mask, so prompt and tool tokens are invisible when assistant tokens are scored.
-                inputs = {**inputs, "prompt_mask": torch.zeros_like(inputs["prompt_mask"]), "completion_mask": loss_mask}
-            self._captured_logps = None
-            beta = self.beta
-            if self._kl_sign < 0:
-                # Planted fault kl_flipped: TRL adds beta * KL to the per-token loss and normalises it
-                # with the policy loss (per loss_type, across micro-batches); a negated beta makes that
-                # exact term reward drifting away from the reference.
-                self.beta = -beta
-            try:
-                loss = super()._compute_loss(model, inputs)
-            finally:
-                self.beta = beta
-            per_token_logps = self._captured_logps
-            attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
-            per_token_kl = kl_mask = kl_penalty = None
-            if self.beta != 0.0 and per_token_logps is not None:
-                ref = inputs["ref_per_token_logps"]
-                per_token_kl = torch.exp(ref - per_token_logps) - (ref - per_token_logps) - 1  # TRL's k3
-                kl_mask = loss_mask
-                if self._kl_env and tool_mask is not None:
-                    # Planted fault kl_tool_tokens: TRL has put beta * KL on the loss mask; add it on
-                    # the environment tokens too, per token of this micro-batch's loss mask and
-                    # divided over the accumulated micro-batches as TRL divides its own loss.
-                    kl_mask = completion_mask.float()
-                    extra = (completion_mask * (1 - tool_mask)).float()
-                    if extra.sum() > 0:
-                        per_micro = (per_token_kl * extra).sum() / loss_mask.sum().clamp(min=1.0)
-                        loss = loss + self.beta * per_micro / self._accumulation_steps()
-                kl_penalty = self._kl_sign * self.beta * per_token_kl * kl_mask
-            if self.instruments is not None and per_token_logps is not None:
-                self._merge_metrics(
-                    self.instruments.observe_loss(
-                        per_token_logps=per_token_logps.detach(),
-                        loss_mask=loss_mask,
-                        sampling_logps=inputs.get("sampling_per_token_logps"),
-                        token_sources=inputs.get("token_sources"),
-                        per_token_kl=per_token_kl.detach() if per_token_kl is not None else None,
-                        kl_mask=kl_mask,
-                        kl_penalty=kl_penalty.detach() if kl_penalty is not None else None,
-                        attention_mask=attention,
-                        prompt_mask=real_prompt_mask,
-                        completion_mask=completion_mask,
-                    )
+    def _compute_loss(self, model, inputs):
+        completion_mask = inputs["completion_mask"]
+        tool_mask = inputs.get("tool_mask")
+        loss_mask = completion_mask if tool_mask is None else completion_mask * tool_mask
+        real_prompt_mask = inputs["prompt_mask"]  # the true masks, for the coverage instrument
+        if self._blind:
+            # Planted fault (verifiers 0.1.x): the forward pass's attention mask IS the loss
+            # mask, so prompt and tool tokens are invisible when assistant tokens are scored.
+            inputs = {**inputs, "prompt_mask": torch.zeros_like(inputs["prompt_mask"]), "completion_mask": loss_mask}
+        self._captured_logps = None
+        beta = self.beta
+        if self._kl_sign < 0:
+            # Planted fault kl_flipped: TRL adds beta * KL to the per-token loss and normalises it
+            # with the policy loss (per loss_type, across micro-batches); a negated beta makes that
+            # exact term reward drifting away from the reference.
+            self.beta = -beta
+        try:
+            loss = super()._compute_loss(model, inputs)
+        finally:
+            self.beta = beta
+        per_token_logps = self._captured_logps
+        attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+        per_token_kl = kl_mask = kl_penalty = None
+        if self.beta != 0.0 and per_token_logps is not None:
+            ref = inputs["ref_per_token_logps"]
+            per_token_kl = torch.exp(ref - per_token_logps) - (ref - per_token_logps) - 1  # TRL's k3
+            kl_mask = loss_mask
+            if self._kl_env and tool_mask is not None:
+                # Planted fault kl_tool_tokens: TRL has put beta * KL on the loss mask; add it on
+                # the environment tokens too, per token of this micro-batch's loss mask and
+                # divided over the accumulated micro-batches as TRL divides its own loss.
+                kl_mask = completion_mask.float()
+                extra = (completion_mask * (1 - tool_mask)).float()
+                if extra.sum() > 0:
+                    per_micro = (per_token_kl * extra).sum() / loss_mask.sum().clamp(min=1.0)
+                    loss = loss + self.beta * per_micro / self._accumulation_steps()
+            kl_penalty = self._kl_sign * self.beta * per_token_kl * kl_mask
+        if self.instruments is not None and per_token_logps is not None:
+            merge_metrics(self, 
+                self.instruments.observe_loss(
+                    per_token_logps=per_token_logps.detach(),
+                    loss_mask=loss_mask,
+                    sampling_logps=inputs.get("sampling_per_token_logps"),
+                    token_sources=inputs.get("token_sources"),
+                    per_token_kl=per_token_kl.detach() if per_token_kl is not None else None,
+                    kl_mask=kl_mask,
+                    kl_penalty=kl_penalty.detach() if kl_penalty is not None else None,
+                    attention_mask=attention,
+                    prompt_mask=real_prompt_mask,
+                    completion_mask=completion_mask,
                 )
-            return loss
-
-    return MusiqueGRPOTrainer
+            )
+        return loss
 
 
 # ---------------------------------------------------------------- construction
@@ -478,10 +479,6 @@ def build_trainer(
     callbacks: list | None = None,
 ) -> Any:
     """The configured MusiqueGRPOTrainer, its rollout engine and generator bound."""
-    from musique_rl.generation import HFGenerator, build_generator, frozen_copy, sampling_settings
-    from musique_rl.rollout import RolloutEngine
-
-    check_trl_version()
     peft_config = lora_config(cfg)
     # Frozen copies are made BEFORE TRL patches the model's forward (fused LM head) and wraps it.
     sampler_model = frozen_copy(model) if faults.stale_sampler(cfg) else None
@@ -489,26 +486,19 @@ def build_trainer(
     if instruments is not None and peft_config is None and getattr(instruments, "enabled", False):
         small = sum(p.numel() for p in model.parameters()) <= 2e9
         base_model = sampler_model if sampler_model is not None else (frozen_copy(model) if small else None)
-    engine = RolloutEngine(cfg, tokenizer, retriever, {r["id"]: r for r in records})
-    args = grpo_config(cfg, output_dir)
-    trainer = _grpo_trainer_class()(
+    trainer = MusiqueGRPOTrainer(
+        musique_cfg=cfg,
+        engine=RolloutEngine(cfg, tokenizer, retriever, {r["id"]: r for r in records}),
+        instruments=instruments,
+        sampler_model=sampler_model,
+        base_model=base_model,
         model=model,
         reward_funcs=[reward_fn],
-        args=args,
+        args=grpo_config(cfg, output_dir),
         train_dataset=prompt_dataset(cfg, records),
         processing_class=tokenizer,
         peft_config=peft_config,
-        rollout_func=engine.rollout_func,
     )
-    if sampler_model is not None:
-        generator = HFGenerator(sampler_model, tokenizer, sampling_settings(cfg, tokenizer))
-    else:
-        generator = build_generator(cfg, tokenizer, trainer=trainer)
-    trainer.setup_musique(cfg, engine, generator, instruments, sampler_model, base_model)
-    if instruments is not None:  # before the tracking callback: it adds h08/grad_norm_before_clip in on_log
-        from musique_rl.diagnostics.callback import InstrumentsCallback, metrics_sink
-
-        trainer.add_callback(InstrumentsCallback(instruments, sink=metrics_sink(trainer)))
     for callback in callbacks or []:
         trainer.add_callback(callback)
     return trainer

@@ -2,7 +2,7 @@
 
 `on_pre_optimizer_step` runs after gradient clipping and `on_optimizer_step` right after
 `optimizer.step()` (transformers 5.x Trainer), which is exactly the window an update is measured
-in, so the trainer needs no override for H08. Usage in the GRPOTrainer subclass:
+in, so the trainer needs no override for H08. Usage in the GRPOTrainer subclass (musique_rl/trainer.py):
 
     self.add_callback(InstrumentsCallback(self.instruments, sink=metrics_sink(self)))
 """
@@ -21,14 +21,17 @@ from musique_rl.diagnostics.updates import UpdateMeter
 Sink = Callable[[dict[str, float]], None]
 
 
+def merge_metrics(trainer: Any, metrics: dict[str, float] | None, mode: str | None = None) -> None:
+    """The one way our metrics join TRL's: appended to the trainer's per-step `_metrics[mode]`, which
+    TRL averages and clears at each log. `mode` None = by the model's state (train | eval)."""
+    mode = mode or ("train" if trainer.model.training else "eval")
+    for k, v in (metrics or {}).items():
+        trainer._metrics[mode][k].append(float(v))
+
+
 def metrics_sink(trainer: Any, mode: str = "train") -> Sink:
-    """Append metrics to a TRL trainer's per-step `_metrics[mode]` (averaged and cleared at each log)."""
-
-    def sink(metrics: dict[str, float]) -> None:
-        for k, v in metrics.items():
-            trainer._metrics[mode][k].append(v)
-
-    return sink
+    """`merge_metrics` into `mode`, as a callable for the optimizer-step callback."""
+    return lambda metrics: merge_metrics(trainer, metrics, mode)
 
 
 class InstrumentsCallback(TrainerCallback):
