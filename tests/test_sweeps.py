@@ -16,12 +16,35 @@ from omegaconf import OmegaConf, open_dict
 import musique_rl.schema  # noqa: F401  (schema and the ${arm:..} resolver)
 
 ROOT = Path(__file__).resolve().parent.parent
-SWEEPS = sorted(p.stem for p in (ROOT / "sweeps").glob("h*.yaml"))
+SWEEPS = sorted(p.stem for p in (ROOT / "conf" / "hypothesis").glob("h*.yaml"))  # one named sweep each
 
 
 def test_every_hypothesis_has_a_named_sweep_on_the_search_path():
-    assert SWEEPS == sorted(p.stem for p in (ROOT / "conf" / "hypothesis").glob("h*.yaml"))
+    assert len(SWEEPS) >= 8
     assert (ROOT / "conf" / "sweep").resolve() == (ROOT / "sweeps").resolve()
+    # the generic grid serves every hypothesis: no per-hypothesis copies of it
+    assert not sorted((ROOT / "sweeps").glob("h*.yaml"))
+
+
+def test_a_new_hypothesis_is_one_file_and_its_sweep_comes_with_it(tmp_path):
+    """The recipe of docs/architecture.md, done: copy conf/, add conf/hypothesis/h99.yaml, and
+    `+sweep=h99` composes the paired grid; a hypothesis with its own sweeps file keeps it."""
+    import shutil
+
+    from musique_rl.schema import register_sweeps
+
+    conf = tmp_path / "conf"
+    shutil.copytree(ROOT / "conf", conf, symlinks=False)
+    text = (conf / "hypothesis" / "h02.yaml").read_text().replace("id: h02", "id: h99")
+    (conf / "hypothesis" / "h99.yaml").write_text(text)
+    (conf / "sweep" / "h98.yaml").write_text("# @package _global_\ndefaults:\n  - _base\n  - _self_\n")
+    (conf / "hypothesis" / "h98.yaml").write_text(text.replace("id: h99", "id: h98"))
+    added = register_sweeps(conf)
+    assert "h99" in added and "h98" not in added
+    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+        cfg = compose("train", overrides=["+sweep=h99"], return_hydra_config=True)
+    assert cfg.hypothesis.id == "h99"
+    assert OmegaConf.to_container(cfg.hydra.sweeper.params) == {"hypothesis.arm": "control,treatment", "seed": "1,2,3,4,5"}
 
 
 @pytest.fixture(scope="module")
