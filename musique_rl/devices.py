@@ -10,7 +10,10 @@ runs every fault and hypothesis arm on the GPU to keep it so.
 
 from __future__ import annotations
 
+import os
 from typing import Any
+
+ROLE_ENV = "MUSIQUE_RL_GPU_ROLE"  # "trainer" inside the accelerate-launched processes (gpu_job.py)
 
 
 def place(model: Any) -> Any:
@@ -23,3 +26,38 @@ def place(model: Any) -> Any:
     if getattr(model, "hf_device_map", None):
         return model
     return model.to(process_state().device)
+
+
+def visible_gpus(env: dict[str, str] | None = None) -> list[str]:
+    """GPU ids of this allocation: SLURM/CUDA_VISIBLE_DEVICES, else every device torch sees."""
+    env = os.environ if env is None else env
+    ids = env.get("CUDA_VISIBLE_DEVICES")
+    if ids is not None and ids.strip():
+        return [g.strip() for g in ids.split(",") if g.strip()]
+    import torch
+
+    return [str(i) for i in range(torch.cuda.device_count())]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nobody listens on now (the kernel's pick for port 0)."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def resolve_vllm_mode(cfg: Any, gpus: list[str] | None = None, env: dict[str, str] | None = None) -> str:
+    """``train.vllm_mode`` with ``auto`` decided: colocate on one GPU, server on two or more."""
+    mode = str(cfg.train.vllm_mode)
+    if mode not in ("auto", "colocate", "server"):
+        raise ValueError(f"train.vllm_mode={mode!r}: expected auto, colocate or server")
+    if mode != "auto":
+        return mode
+    env = os.environ if env is None else env
+    if env.get(ROLE_ENV) == "trainer":
+        return "server"  # a trainer process of a server topology (gpu_job passes the mode explicitly too)
+    if int(env.get("WORLD_SIZE", "1") or 1) > 1:
+        return "colocate"  # one of several launched processes: each runs its own engine on its GPU
+    return "server" if len(visible_gpus(env) if gpus is None else gpus) >= 2 else "colocate"

@@ -52,8 +52,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+# the process and port rules the trainer (RL core) applies too; here re-exported for the topology
+from musique_rl.devices import ROLE_ENV, free_port, resolve_vllm_mode, visible_gpus  # noqa: F401
+
 ROOT = Path(__file__).resolve().parent.parent
-ROLE_ENV = "MUSIQUE_RL_GPU_ROLE"  # "trainer" inside the accelerate-launched processes
 DEFAULT_ACCELERATE_CONFIG = ROOT / "launchers" / "accelerate" / "zero3.yaml"
 
 
@@ -87,30 +89,6 @@ class Topology:
         ])
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nobody listens on now (the kernel's pick for port 0)."""
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
-def resolve_vllm_mode(cfg: Any, gpus: list[str] | None = None, env: dict[str, str] | None = None) -> str:
-    """``train.vllm_mode`` with ``auto`` decided: colocate on one GPU, server on two or more."""
-    mode = str(cfg.train.vllm_mode)
-    if mode not in ("auto", "colocate", "server"):
-        raise ValueError(f"train.vllm_mode={mode!r}: expected auto, colocate or server")
-    if mode != "auto":
-        return mode
-    env = os.environ if env is None else env
-    if env.get(ROLE_ENV) == "trainer":
-        return "server"  # a trainer process of a server topology (gpu_job passes the mode explicitly too)
-    if int(env.get("WORLD_SIZE", "1") or 1) > 1:
-        return "colocate"  # one of several launched processes: each runs its own engine on its GPU
-    return "server" if len(visible_gpus(env) if gpus is None else gpus) >= 2 else "colocate"
-
-
 def wants_topology(cfg: Any) -> bool:
     """True for a vLLM server-mode training job that is not itself one of the trainer processes."""
     backend = str(cfg.train.backend)
@@ -122,17 +100,6 @@ def wants_topology(cfg: Any) -> bool:
 
 # overrides the topology sets for its trainer processes (any the user gave are replaced)
 _TRAINER_KEYS = ("train.vllm_mode", "train.vllm_server_port", "train.vllm_group_port")
-
-
-def visible_gpus(env: dict[str, str] | None = None) -> list[str]:
-    """GPU ids of this allocation: SLURM/CUDA_VISIBLE_DEVICES, else every device torch sees."""
-    env = os.environ if env is None else env
-    ids = env.get("CUDA_VISIBLE_DEVICES")
-    if ids is not None and ids.strip():
-        return [g.strip() for g in ids.split(",") if g.strip()]
-    import torch
-
-    return [str(i) for i in range(torch.cuda.device_count())]
 
 
 def plan(cfg: Any, *, gpus: list[str], job_dir: Path, overrides: list[str],

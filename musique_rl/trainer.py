@@ -34,9 +34,6 @@ import torch
 from trl import GRPOTrainer
 
 from musique_rl import faults
-from musique_rl.diagnostics.callback import InstrumentsCallback, merge_metrics, metrics_sink
-from musique_rl.diagnostics.ledger import sources_tensor
-from musique_rl.diagnostics.sync import model_scorer, peft_base_scorer
 from musique_rl.generation import HFGenerator, build_generator, frozen_copy, sampling_settings
 from musique_rl.rollout import RolloutEngine
 
@@ -126,8 +123,15 @@ class MusiqueGRPOTrainer(GRPOTrainer):
             self.musique_generator = HFGenerator(sampler_model, tokenizer, sampling_settings(cfg, tokenizer))
         else:
             self.musique_generator = build_generator(cfg, tokenizer, trainer=self)  # read by RolloutEngine.rollout_func
-        if instruments is not None:  # before the tracking callback: it adds h08/grad_norm_before_clip in on_log
-            self.add_callback(InstrumentsCallback(instruments, sink=metrics_sink(self)))
+        if instruments is not None:  # before any callback that reads its on_log additions (h08/grad_norm_before_clip)
+            self.add_callback(instruments.callback(sink=lambda metrics: self.merge_metrics(metrics, "train")))
+
+    def merge_metrics(self, metrics: dict[str, float] | None, mode: str | None = None) -> None:
+        """The one way our metrics join TRL's: appended to the per-step `_metrics[mode]`, which TRL
+        averages and clears at each log. `mode` None = by the model's state (train | eval)."""
+        mode = mode or ("train" if self.model.training else "eval")
+        for k, v in (metrics or {}).items():
+            self._metrics[mode][k].append(float(v))
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
@@ -153,10 +157,9 @@ class MusiqueGRPOTrainer(GRPOTrainer):
             advantages = group_advantages(rewards, num_generations, str(self.scale_rewards), self._adv_epsilon)
             output["advantages"] = advantages[local].to(output["advantages"].device)
         self._last_rewards = rewards
-        output["token_sources"] = self._token_sources(output["completion_ids"].shape[1]).to(
-            output["completion_ids"].device
-        )
         if self.instruments is not None:
+            width = output["completion_ids"].shape[1]
+            output["token_sources"] = self._token_sources(width).to(output["completion_ids"].device)
             self._observe_batch(output, rewards[local], num_generations)
             # After scoring, not before the rollout: the weights are still those the sampler was
             # synced to, and the first batch has supplied the probe sequences, so step 0 gets
@@ -166,7 +169,7 @@ class MusiqueGRPOTrainer(GRPOTrainer):
 
     def _token_sources(self, width: int) -> torch.Tensor:
         """(N, width) diagnostics.Source codes of this process's completion tokens (PAD after)."""
-        return sources_tensor([ep.sources for ep in self.musique_engine.last_episodes], width)
+        return self.instruments.token_sources([ep.sources for ep in self.musique_engine.last_episodes], width)
 
     def _observe_batch(self, output: dict, rewards: torch.Tensor, num_generations: int) -> None:
         episodes = self.musique_engine.last_episodes
@@ -194,7 +197,7 @@ class MusiqueGRPOTrainer(GRPOTrainer):
             trainer_logps=output["old_per_token_logps"].cpu() if "old_per_token_logps" in output else None,
             step=int(self.state.global_step),
         )
-        merge_metrics(self, metrics)
+        self.merge_metrics(metrics)
 
     def _parity_probe(self) -> None:
         """After the weight sync that preceded this rollout (and before the update that follows
@@ -203,24 +206,16 @@ class MusiqueGRPOTrainer(GRPOTrainer):
             return
         if not self.instruments.should_probe(int(self.state.global_step)):
             return
-        temperature = float(self.temperature)
         model = self.accelerator.unwrap_model(self.model)
-        trainer_scorer = model_scorer(model, temperature)
-        sampler = self._sampler_model if self._sampler_model is not None else None
-        sampler_scorer = model_scorer(sampler, temperature) if sampler is not None else trainer_scorer
-        if hasattr(model, "disable_adapter"):
-            base_scorer = peft_base_scorer(model, temperature)
-        elif self._base_model is not None:
-            base_scorer = model_scorer(self._base_model, temperature)
-        else:
-            base_scorer = None
         was_training = model.training
         model.eval()
         try:
-            metrics = self.instruments.parity_probe(trainer=trainer_scorer, sampler=sampler_scorer, base=base_scorer)
+            metrics = self.instruments.probe_models(
+                model, temperature=float(self.temperature), sampler_model=self._sampler_model, base_model=self._base_model
+            )
         finally:
             model.train(was_training)
-        merge_metrics(self, metrics)  # after train() is restored: merge_metrics files by model.training
+        self.merge_metrics(metrics)  # after train() is restored: merge_metrics files by model.training
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
         logps, entropies, aux = super()._get_per_token_logps_and_entropies(
@@ -271,7 +266,7 @@ class MusiqueGRPOTrainer(GRPOTrainer):
                     loss = loss + self.beta * per_micro / self._accumulation_steps()
             kl_penalty = self._kl_sign * self.beta * per_token_kl * kl_mask
         if self.instruments is not None and per_token_logps is not None:
-            merge_metrics(self, 
+            self.merge_metrics(
                 self.instruments.observe_loss(
                     per_token_logps=per_token_logps.detach(),
                     loss_mask=loss_mask,
@@ -396,7 +391,7 @@ def vllm_settings(cfg: Any) -> dict[str, Any]:
     one the user runs: ``train.vllm_server_port`` must then be set. The NCCL weight-sync port is
     ``train.vllm_group_port``, else a free one chosen now, so two jobs on one node do not collide.
     """
-    from musique_rl.gpu_job import free_port, resolve_vllm_mode
+    from musique_rl.devices import free_port, resolve_vllm_mode
 
     t = cfg.train
     mode = resolve_vllm_mode(cfg)

@@ -107,10 +107,12 @@ def test_step0_trainer_logprobs_equal_the_samplers(tiny_cfg, warm_tiny, tmp_path
     assert loss_mask.sum() > 0 and (~loss_mask & out["completion_mask"].bool()).any()  # tool tokens present
     gap = (_trainer_logps(tr, out) - out["sampling_per_token_logps"]).abs()[loss_mask]
     assert gap.max() < 1e-4, gap.max()
-    # loss-bearing tokens are exactly the assistant tokens of the ledger
-    from musique_rl.diagnostics.ledger import Source
+    # loss-bearing tokens are exactly the assistant tokens of the ledger (the rollout's token labels;
+    # the trainer attaches them to the batch only when instruments read them)
+    from musique_rl.diagnostics.ledger import Source, sources_tensor
 
-    assert torch.equal(loss_mask, out["token_sources"] == int(Source.ASSISTANT))
+    sources = sources_tensor([ep.sources for ep in tr.musique_engine.last_episodes], loss_mask.shape[1])
+    assert torch.equal(loss_mask, sources == int(Source.ASSISTANT))
 
 
 def test_blind_context_fault_breaks_parity(tiny_cfg, warm_tiny, tmp_path):

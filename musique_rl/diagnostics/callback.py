@@ -2,9 +2,10 @@
 
 `on_pre_optimizer_step` runs after gradient clipping and `on_optimizer_step` right after
 `optimizer.step()` (transformers 5.x Trainer), which is exactly the window an update is measured
-in, so the trainer needs no override for H08. Usage in the GRPOTrainer subclass (musique_rl/trainer.py):
+in, so the trainer needs no override for H08. `Instruments.callback(sink)` builds it; the trainer
+adds it before any callback that reads its `on_log` additions:
 
-    self.add_callback(InstrumentsCallback(self.instruments, sink=metrics_sink(self)))
+    self.add_callback(instruments.callback(sink=lambda metrics: self.merge_metrics(metrics, "train")))
 """
 
 from __future__ import annotations
@@ -14,30 +15,16 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from musique_rl.diagnostics.instruments import Instruments
 from musique_rl.diagnostics.sync import BaseChecksum, lora_b_norm
 from musique_rl.diagnostics.updates import UpdateMeter
 
 Sink = Callable[[dict[str, float]], None]
 
 
-def merge_metrics(trainer: Any, metrics: dict[str, float] | None, mode: str | None = None) -> None:
-    """The one way our metrics join TRL's: appended to the trainer's per-step `_metrics[mode]`, which
-    TRL averages and clears at each log. `mode` None = by the model's state (train | eval)."""
-    mode = mode or ("train" if trainer.model.training else "eval")
-    for k, v in (metrics or {}).items():
-        trainer._metrics[mode][k].append(float(v))
-
-
-def metrics_sink(trainer: Any, mode: str = "train") -> Sink:
-    """`merge_metrics` into `mode`, as a callable for the optimizer-step callback."""
-    return lambda metrics: merge_metrics(trainer, metrics, mode)
-
-
 class InstrumentsCallback(TrainerCallback):
     """H08 update size and H06 LoRA-B / frozen-base checks at each optimizer step."""
 
-    def __init__(self, instruments: Instruments, sink: Sink):
+    def __init__(self, instruments: Any, sink: Sink):  # an Instruments (instruments.py builds this callback)
         self.instruments = instruments
         self.sink = sink
         self.meter: UpdateMeter | None = None

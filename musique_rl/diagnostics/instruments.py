@@ -27,11 +27,12 @@ import torch
 
 from musique_rl.diagnostics import preflight
 from musique_rl.diagnostics.advantages import advantage_stats
+from musique_rl.diagnostics.callback import InstrumentsCallback
 from musique_rl.diagnostics.episodes import episode_shape
 from musique_rl.diagnostics.kl import kl_stats
-from musique_rl.diagnostics.ledger import Source, attention_coverage, mask_agreement, token_ledger
+from musique_rl.diagnostics.ledger import Source, attention_coverage, mask_agreement, sources_tensor, token_ledger
 from musique_rl.diagnostics.reward_signal import reward_component_stats
-from musique_rl.diagnostics.sync import Scorer, logp_gap, parity
+from musique_rl.diagnostics.sync import Scorer, logp_gap, model_scorer, parity, peft_base_scorer
 from musique_rl.diagnostics.truncation import episode_truncation, length_stats
 from musique_rl.diagnostics.updates import update_metrics
 
@@ -295,6 +296,31 @@ class Instruments:
         s = sampler(*args) if sampler is not None else None
         b = base(*args) if base is not None else None
         return parity(*map(_cpu, (t, s, b)), p["mask"])
+
+    def callback(self, sink: Callable[[dict[str, float]], None]) -> Any:
+        """The TrainerCallback that measures each optimizer step (H08 update size, H06 LoRA B and
+        frozen-base checks) and hands the metrics to `sink`."""
+        return InstrumentsCallback(self, sink=sink)
+
+    def probe_models(
+        self, model: Any, *, temperature: float, sampler_model: Any = None, base_model: Any = None
+    ) -> dict[str, float]:
+        """`parity_probe` over HF models: the trained one, the sampler's own copy (None: the trained
+        model samples) and the frozen start (a PEFT model's base with adapters disabled, else
+        `base_model`, else none)."""
+        if not self.enabled or self._probe is None:
+            return {}
+        trainer = model_scorer(model, temperature)
+        sampler = model_scorer(sampler_model, temperature) if sampler_model is not None else trainer
+        if hasattr(model, "disable_adapter"):
+            base = peft_base_scorer(model, temperature)
+        else:
+            base = model_scorer(base_model, temperature) if base_model is not None else None
+        return self.parity_probe(trainer=trainer, sampler=sampler, base=base)
+
+    def token_sources(self, sources: list[list[str | int]], width: int) -> torch.Tensor:
+        """(N, width) `ledger.Source` codes of the episodes' completion tokens, PAD after."""
+        return sources_tensor(sources, width)
 
     # ------------------------------------------------------------------ helpers
     def _keep_probe(self, prompt_ids, prompt_mask, completion_ids, completion_mask, loss_mask, token_sources):
