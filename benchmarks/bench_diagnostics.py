@@ -62,7 +62,7 @@ def run_once(diagnostics: bool, steps: int, seed: int, store: Path, extra: list[
 
     import musique_rl.schema  # noqa: F401
     from musique_rl import tracking
-    from musique_rl import trainer as trainer_mod
+    from musique_rl.core import trainer as trainer_mod
     from musique_rl.train import train
 
     captured = {}

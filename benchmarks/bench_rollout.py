@@ -32,13 +32,13 @@ def main() -> None:
 
     import torch
 
-    from musique_rl.data import load_records
-    from musique_rl.generation import build_generator
-    from musique_rl.models import load_model
-    from musique_rl.retrieval import build_retriever
-    from musique_rl.rollout import RolloutEngine
-    from musique_rl.tiny_model import cpu_threads_for_tiny
-    from musique_rl.warm_start import ensure
+    from musique_rl.core.generation import build_generator
+    from musique_rl.core.models import load_model
+    from musique_rl.core.rollout import RolloutEngine
+    from musique_rl.core.tiny_model import cpu_threads_for_tiny
+    from musique_rl.core.warm_start import ensure
+    from musique_rl.env.data import load_records
+    from musique_rl.env.retrieval import build_retriever
     from tests.conftest import compose_cfg
 
     cpu_threads_for_tiny()

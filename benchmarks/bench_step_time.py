@@ -34,9 +34,9 @@ def run_arm(arm: str, cfg, model, tok, records, steps: int) -> tuple[list[float]
     import torch
     from trl import GRPOTrainer
 
-    from musique_rl import rewards
-    from musique_rl.retrieval import build_retriever
-    from musique_rl.trainer import build_trainer, grpo_config, prompt_dataset
+    from musique_rl.core.trainer import build_trainer, grpo_config, prompt_dataset
+    from musique_rl.env import rewards
+    from musique_rl.env.retrieval import build_retriever
 
     torch.manual_seed(int(cfg.seed))
     reward_fn = rewards.RewardFunction(cfg.reward, {r["id"]: r for r in records})
@@ -65,10 +65,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     args = ap.parse_args()
 
-    from musique_rl.data import load_records
-    from musique_rl.models import load_model
-    from musique_rl.tiny_model import cpu_threads_for_tiny
-    from musique_rl.warm_start import ensure
+    from musique_rl.core.models import load_model
+    from musique_rl.core.tiny_model import cpu_threads_for_tiny
+    from musique_rl.core.warm_start import ensure
+    from musique_rl.env.data import load_records
     from tests.conftest import compose_cfg
 
     cpu_threads_for_tiny()

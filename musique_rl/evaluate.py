@@ -20,8 +20,8 @@ from typing import Any
 
 from tqdm import tqdm
 
-from musique_rl.data import load_records
-from musique_rl.rewards import COMPONENTS, as_spec, check_weights, max_total, n_hops, score_episode, total
+from musique_rl.env.data import load_records
+from musique_rl.env.rewards import COMPONENTS, as_spec, check_weights, max_total, n_hops, score_episode, total
 
 log = logging.getLogger(__name__)
 
@@ -39,13 +39,13 @@ def run_dir() -> Path:
 def policy_episodes(cfg: Any, records: list[dict]) -> Iterator[dict]:
     """Episodes of ``cfg.policy`` over ``records`` (replay: over the stored file)."""
     if str(cfg.policy) != "model":
-        from musique_rl.policies import POLICIES
+        from musique_rl.env.policies import POLICIES
 
         return POLICIES[cfg.policy](cfg, records)
-    from musique_rl.devices import place
-    from musique_rl.models import load_model
-    from musique_rl.rollout import run_model_episodes
-    from musique_rl.warm_start import ensure
+    from musique_rl.core.devices import place
+    from musique_rl.core.models import load_model
+    from musique_rl.core.rollout import run_model_episodes
+    from musique_rl.core.warm_start import ensure
 
     model, tokenizer = load_model(cfg, warm_start=ensure(cfg))
     model = place(model)

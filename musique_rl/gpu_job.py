@@ -53,7 +53,7 @@ from pathlib import Path
 from typing import Any
 
 # the process and port rules the trainer (RL core) applies too; here re-exported for the topology
-from musique_rl.devices import ROLE_ENV, free_port, resolve_vllm_mode, visible_gpus  # noqa: F401
+from musique_rl.core.devices import ROLE_ENV, free_port, resolve_vllm_mode, visible_gpus  # noqa: F401
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_ACCELERATE_CONFIG = ROOT / "launchers" / "accelerate" / "zero3.yaml"

@@ -28,8 +28,9 @@ import json
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
+
+from musique_rl.schema import CONF_DIR
 
 # The hub config.json values of each large model config (conf/model/*.yaml), enough to build the
 # same tensors: a random-init copy has the real model's memory footprint without a download.
@@ -50,7 +51,6 @@ MINI = dict(family="qwen2", hidden=64, intermediate=128, layers=2, heads=4, kv_h
             tie=False, rope_theta=1e6)
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 GIB = 2**30
-from musique_rl.schema import CONF_DIR
 
 
 def hf_config(arch: dict[str, Any], vocab: int | None = None, eos: int | None = None, pad: int | None = None) -> Any:
@@ -195,10 +195,10 @@ def probe(cfg: Any, model: Any, tokenizer: Any, micro_batches: list[int], prompt
     """Peak memory and seconds of one micro-batch's loss, backward and optimizer step, per size."""
     import torch
 
-    from musique_rl import rewards
-    from musique_rl.data import load_records
-    from musique_rl.retrieval import build_retriever
-    from musique_rl.trainer import build_trainer
+    from musique_rl.core.trainer import build_trainer
+    from musique_rl.env import rewards
+    from musique_rl.env.data import load_records
+    from musique_rl.env.retrieval import build_retriever
 
     records = load_records(cfg.env.data, cfg.env, int(cfg.seed))[:16]
     reward_fn = rewards.RewardFunction(cfg.reward, {r["id"]: r for r in records})
@@ -291,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
 
         import torch
 
-        from musique_rl.models import load_model
+        from musique_rl.core.models import load_model
 
         if not torch.cuda.is_available():
             print("memory: no CUDA device; use --estimate for the formula", file=sys.stderr)

@@ -9,16 +9,16 @@ Only keys the code reads live here; ``???`` (MISSING) marks values an option fil
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from enum import StrEnum
+from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
-from musique_rl.faults import FAULTS
-from musique_rl.policies import POLICIES
-from musique_rl.retrieval import RETRIEVERS
+from musique_rl.core.faults import FAULTS
+from musique_rl.env.policies import POLICIES
+from musique_rl.env.retrieval import RETRIEVERS
 
 
 # ---------------------------------------------------------------- enums (allowed values)
@@ -27,7 +27,7 @@ class Mode(StrEnum):
     eval = "eval"
 
 
-# Plug-ins: their names come from the registry where each is written (musique_rl/registry.py).
+# Plug-ins: their names come from the registry where each is written (musique_rl/env/registry.py).
 Policy = POLICIES.choices("Policy", __name__, extra=("model",))  # model = the configured LLM; the rest scripted
 Retriever = RETRIEVERS.choices("Retriever", __name__)
 Fault = FAULTS.choices("Fault", __name__)  # planted defects (docs/failure_modes.md), proving the instruments only
@@ -139,7 +139,7 @@ class LoraConfig:  # PEFT LoraConfig names
 
 
 @dataclass
-class LossConfig:  # TRL GRPOConfig names, except adv_epsilon (see musique_rl/trainer.py)
+class LossConfig:  # TRL GRPOConfig names, except adv_epsilon (see musique_rl/core/trainer.py)
     loss_type: LossType = MISSING
     scale_rewards: ScaleRewards = ScaleRewards.group
     adv_epsilon: float = 1e-4  # added to the std before dividing; TRL hard-codes 1e-4
@@ -154,7 +154,7 @@ class LossConfig:  # TRL GRPOConfig names, except adv_epsilon (see musique_rl/tr
 
 @dataclass
 class RewardConfig:
-    """Weighted sum of reward components (musique_rl/rewards.py documents each one's range)."""
+    """Weighted sum of reward components (musique_rl/env/rewards.py documents each one's range)."""
 
     name: str = MISSING  # preset name, logged as a tag
     weights: Dict[str, float] = MISSING  # component -> weight
@@ -165,7 +165,7 @@ class RewardConfig:
 
 @dataclass
 class SyntheticConfig:
-    """The embedded generator of MuSiQue-schema records (musique_rl/synthetic.py)."""
+    """The embedded generator of MuSiQue-schema records (musique_rl/env/synthetic.py)."""
 
     num_train: int = 2000
     num_eval: int = 200

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from musique_rl.schema import CONF_DIR
+
 HYPOTHESES = tuple(sorted(p.stem for p in (CONF_DIR / "hypothesis").glob("h*.yaml")))
 LARGE = "qwen2.5-7b-instruct"  # the 7b case's model config and architecture (memory.ARCHITECTURES)
 
@@ -68,7 +69,7 @@ class Row:
 
 
 def cases() -> list[Case]:
-    from musique_rl.faults import FAULTS
+    from musique_rl.core.faults import FAULTS
 
     out = [Case("default", [], 20), Case("micro_batch", ["train.gradient_checkpointing=true"], 5)]
     out += [Case(f"fault={f}", [f"+fault={f}"], 5) for f in FAULTS if f != "none"]
@@ -135,7 +136,7 @@ def large_model_dir(root: Path, cuda: bool) -> tuple[Path, float]:
     import torch
 
     from musique_rl import memory
-    from musique_rl.models import load_model
+    from musique_rl.core.models import load_model
 
     out = root / "qwen2.5-7b-shaped"
     if (out / "config.json").exists():
@@ -152,7 +153,7 @@ def run_case(case: Case, steps: int | None, extra: list[str], root: Path, cuda: 
     import torch
 
     from musique_rl import train as train_mod
-    from musique_rl.warm_start import WarmStartGateError
+    from musique_rl.core.warm_start import WarmStartGateError
 
     n = int(steps or case.steps)
     overrides = [*COMMON, *([] if cuda else CPU_SHAPES), *case.overrides, f"train.max_steps={n}"]
@@ -259,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if a.steps is not None and a.steps < 1:
         p.error("--steps must be >= 1")
-    from musique_rl.warm_start import machine
+    from musique_rl.core.warm_start import machine
 
     m = machine()
     device = f"{m['device']} (torch {m['torch']})" if cuda else f"CPU {m['cpu']}, {m['torch_threads']} torch threads"

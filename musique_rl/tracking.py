@@ -228,7 +228,7 @@ def tag_provenance(tracker: Tracker, origin: dict[str, Any]) -> None:
     """Tag what a run's figures depend on besides code and config (``warm_start.provenance``): every
     ``warm_start/*`` and ``machine/*`` value, plus ``warm_start_hash`` and one ``machine`` string that
     the verdict compares across the runs of a sweep."""
-    from musique_rl.warm_start import machine_string
+    from musique_rl.core.warm_start import machine_string
 
     for k, v in origin.items():
         tracker.set_tag(k, v)

@@ -61,8 +61,8 @@ def held_out_eval(
 
     Always scored on the LAST assistant turn (the fault first_turn_reward only misleads training).
     """
-    from musique_rl import rewards
-    from musique_rl.rollout import run_model_episodes
+    from musique_rl.core.rollout import run_model_episodes
+    from musique_rl.env import rewards
 
     episodes = run_model_episodes(cfg, records, model=model, tokenizer=tokenizer, retriever=retriever, greedy=greedy)
     comps = [rewards.score_episode(r, e["messages"]) for r, e in zip(records, episodes, strict=True)]
@@ -140,12 +140,14 @@ def train(cfg: Any, run_dir: str | Path | None = None, callbacks: list | None = 
     transformers TrainerCallbacks (musique_rl.smoke times the steps with one)."""
     import transformers
 
-    from musique_rl import data, faults, rewards, tracking
-    from musique_rl.devices import place
-    from musique_rl.models import load_model, process_state
-    from musique_rl.retrieval import build_retriever
-    from musique_rl.trainer import build_trainer, last_checkpoint
-    from musique_rl.warm_start import ensure, provenance
+    from musique_rl import tracking
+    from musique_rl.core import faults
+    from musique_rl.core.devices import place
+    from musique_rl.core.models import load_model, process_state
+    from musique_rl.core.trainer import build_trainer, last_checkpoint
+    from musique_rl.core.warm_start import ensure, provenance
+    from musique_rl.env import data, rewards
+    from musique_rl.env.retrieval import build_retriever
 
     t0 = time.time()
     logging.getLogger("bm25s").setLevel(logging.WARNING)  # one DEBUG line per indexed record otherwise
@@ -153,7 +155,7 @@ def train(cfg: Any, run_dir: str | Path | None = None, callbacks: list | None = 
     out_dir = run_directory(run_dir)
     transformers.set_seed(int(cfg.seed))
     if str(cfg.model.name_or_path) == "tiny":
-        from musique_rl.tiny_model import cpu_threads_for_tiny
+        from musique_rl.core.tiny_model import cpu_threads_for_tiny
 
         cpu_threads_for_tiny()
 

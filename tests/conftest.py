@@ -72,7 +72,7 @@ TEST_OVERRIDES = [
 def tiny_cfg():
     import torch
 
-    torch.set_num_threads(1)  # see musique_rl.tiny_model.cpu_threads_for_tiny
+    torch.set_num_threads(1)  # see musique_rl.core.tiny_model.cpu_threads_for_tiny
     return compose_cfg(TEST_OVERRIDES)
 
 
@@ -80,8 +80,8 @@ def tiny_cfg():
 def warm_tiny(tiny_cfg):
     """(model, tokenizer) of the default tiny model's warm start (shipped in musique_rl/warm_starts/).
     Tests must not modify it: deep-copy the model before training it."""
-    from musique_rl.models import load_model
-    from musique_rl.warm_start import ensure
+    from musique_rl.core.models import load_model
+    from musique_rl.core.warm_start import ensure
 
     return load_model(tiny_cfg, warm_start=ensure(tiny_cfg))
 
@@ -90,7 +90,7 @@ def warm_tiny(tiny_cfg):
 def raw_tiny():
     """(model, tokenizer, records, message lists, env configs) of a small UNTRAINED tiny model: a
     tokenizer in seconds, for tests of token bookkeeping that need no skill."""
-    from musique_rl.tiny_model import build_untrained
+    from musique_rl.core.tiny_model import build_untrained
 
     cfg = compose_cfg([*TEST_OVERRIDES, "model.tiny.sft_records=120"])
     return build_untrained(cfg)

@@ -35,10 +35,10 @@ class ScriptedRewards:
 
 
 def main(out: Path) -> None:
-    from musique_rl.data import load_records
-    from musique_rl.models import process_state
-    from musique_rl.tiny_model import build_untrained
-    from musique_rl.trainer import build_trainer
+    from musique_rl.core.models import process_state
+    from musique_rl.core.tiny_model import build_untrained
+    from musique_rl.core.trainer import build_trainer
+    from musique_rl.env.data import load_records
     from tests.conftest import TEST_OVERRIDES, compose_cfg
 
     state = process_state()
@@ -53,7 +53,7 @@ def main(out: Path) -> None:
         last_episodes: list = []
 
         def rollout_func(self, prompts, trainer):
-            from musique_rl.rollout import record_id_of
+            from musique_rl.core.rollout import record_id_of
 
             ids = [record_id_of(p) for p in prompts]
             eps = [{"id": rid, "k": i % G, "messages": []} for i, rid in enumerate(ids)]
@@ -69,7 +69,7 @@ def main(out: Path) -> None:
     tr.model.train()
     batch = next(iter(tr.get_train_dataloader()))
     output = tr._generate_and_score_completions(batch)
-    from musique_rl.rollout import record_id_of
+    from musique_rl.core.rollout import record_id_of
 
     rows = [{"id": record_id_of(b["prompt"]), "advantage": float(a)} for b, a in zip(batch, output["advantages"], strict=True)]
     (out / f"advantages_{state.process_index}_of_{state.num_processes}.json").write_text(json.dumps(rows))

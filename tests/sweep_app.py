@@ -20,7 +20,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from musique_rl import schema, tracking  # noqa: F401  (typed schema and the ${arm:..} resolver)
+from musique_rl import schema, tracking  # noqa: F401  typed schema and the ${arm:..} resolver
 
 CONF = str(Path(__file__).resolve().parent.parent / "conf")
 

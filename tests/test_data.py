@@ -1,4 +1,4 @@
-"""Dataset specs, validation and filters (musique_rl/data.py)."""
+"""Dataset specs, validation and filters (musique_rl/env/data.py)."""
 
 import copy
 import json
@@ -6,7 +6,7 @@ import json
 import pytest
 from omegaconf import OmegaConf
 
-from musique_rl.data import InvalidRecordError, load_records, parse_spec
+from musique_rl.env.data import InvalidRecordError, load_records, parse_spec
 from musique_rl.schema import EnvConfig
 
 

@@ -16,7 +16,7 @@ import types
 import pytest
 import torch
 
-from musique_rl.generation import (
+from musique_rl.core.generation import (
     HFGenerator,
     SamplingSettings,
     VLLMColocateGenerator,
@@ -217,6 +217,6 @@ def test_vllm_colocate_generator_samples_token_ids_in_process(tiny_cfg, monkeypa
 
 
 def test_vllm_is_imported_lazily():
-    code = "import sys, musique_rl.generation, musique_rl.rollout, musique_rl.trainer; print('vllm' in sys.modules)"
+    code = "import sys, musique_rl.core.generation, musique_rl.core.rollout, musique_rl.core.trainer; print('vllm' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

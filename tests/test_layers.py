@@ -1,7 +1,15 @@
-"""The model layer only builds and loads: it never reaches up into rollouts, warm starts or training.
+"""The package's layers import only downward, and nothing imports in a circle.
+
+Layers, bottom to top (docs/architecture.md draws them):
+  env/          the environment: data, synthetic worlds, retrieval, tools, parsing, rewards,
+                prompts, scripted policies, the plug-in registry
+  core/         the RL core: models, generation, rollouts, the trainer, warm starts, faults, devices
+  diagnostics/  instruments and the doctor
+  the rest      the experiment layer: schema, tracking, verdict/, train, evaluate, launch topology,
+                the entrypoint and the CLIs
 
 Read from the source (every ``import`` and ``from ... import``, at module level or inside a
-function), so a lazy import that would close a circle counts too.
+function), so a lazy import that would climb a layer or close a circle counts too.
 """
 
 from __future__ import annotations
@@ -10,34 +18,113 @@ import ast
 from pathlib import Path
 
 PKG = Path(__file__).resolve().parent.parent / "musique_rl"
-MODEL_LAYER = ("models", "tiny_model")
-ABOVE_THE_MODEL_LAYER = ("rollout", "generation", "warm_start", "trainer", "train", "evaluate", "app", "tracking",
-                         "verdict", "diagnostics", "gpu_job")
+LAYERS = ("env", "core", "diagnostics", "experiment")
 
 
-def imported_modules(path: Path) -> set[str]:
-    """The musique_rl modules a file imports (first component under the package)."""
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(PKG.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(p): p for p in PKG.rglob("*.py")}
+
+
+def layer(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in LAYERS[:3] else "experiment"
+
+
+def imports(module: str) -> set[str]:
+    """The musique_rl modules ``module`` imports (a ``from pkg import name`` counts as pkg.name when
+    that is a module)."""
+    path = MODULES[module]
+    is_pkg = path.name == "__init__.py"
     out = set()
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("musique_rl"):
-            parts = node.module.split(".")
-            if len(parts) > 1:
-                out.add(parts[1])
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = module.split(".")
+                base = base[: len(base) - node.level + (1 if is_pkg else 0)]
+                target = ".".join(base + ([node.module] if node.module else []))
             else:
-                out.update(a.name for a in node.names)
+                target = node.module or ""
+            if not target.startswith("musique_rl"):
+                continue
+            for alias in node.names:
+                sub = f"{target}.{alias.name}"
+                out.add(sub if sub in MODULES else target)
         elif isinstance(node, ast.Import):
-            out.update(a.name.split(".")[1] for a in node.names if a.name.startswith("musique_rl."))
-    return out
+            out.update(a.name for a in node.names if a.name.startswith("musique_rl."))
+    out.discard(module)
+    return {m for m in out if m in MODULES}
 
 
-def test_the_model_layer_imports_nothing_above_it():
-    for name in MODEL_LAYER:
-        above = imported_modules(PKG / f"{name}.py") & set(ABOVE_THE_MODEL_LAYER)
-        assert not above, f"musique_rl/{name}.py imports {sorted(above)}: the model layer must only build and load"
+GRAPH = {m: imports(m) for m in MODULES}
+
+
+def test_every_import_points_down_or_sideways():
+    rank = {name: i for i, name in enumerate(LAYERS)}
+    climbs = [
+        f"{m} ({layer(m)}) imports {t} ({layer(t)})"
+        for m, targets in sorted(GRAPH.items())
+        for t in sorted(targets)
+        if rank[layer(t)] > rank[layer(m)] and t != "musique_rl"
+    ]
+    assert not climbs, "imports that climb a layer:\n" + "\n".join(climbs)
+
+
+def test_no_import_circle():
+    # Tarjan's strongly connected components: any with two or more modules is a circle
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    circles: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in GRAPH[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                circles.append(sorted(comp))
+
+    for v in GRAPH:
+        if v not in index:
+            visit(v)
+    assert not circles, f"import circles: {circles}"
+
+
+def test_the_layers_are_packages_and_hold_what_they_say():
+    for name in ("env", "core", "diagnostics"):
+        assert (PKG / name / "__init__.py").is_file()
+    assert {"musique_rl.env.retrieval", "musique_rl.env.rewards", "musique_rl.env.policies"} <= set(MODULES)
+    assert {"musique_rl.core.trainer", "musique_rl.core.rollout", "musique_rl.core.warm_start"} <= set(MODULES)
+
+
+def test_the_model_modules_only_build_and_load():
+    """models and tiny_model sit at the bottom of the core: rollouts, warm starts and the trainer
+    use them, never the other way round."""
+    for name in ("musique_rl.core.models", "musique_rl.core.tiny_model"):
+        above = {t for t in GRAPH[name] if layer(t) == "core"} - {"musique_rl.core.models", "musique_rl.core.tiny_model"}
+        assert not above, f"{name} imports {sorted(above)}: the model modules must only build and load"
 
 
 def test_the_warm_start_builder_sits_above_rollouts_and_nothing_below_imports_it():
-    assert {"rollout", "tiny_model"} <= imported_modules(PKG / "warm_start.py")
-    for path in PKG.glob("*.py"):
-        if path.stem in MODEL_LAYER + ("rollout", "generation", "policies", "synthetic", "tools", "retrieval", "prompts"):
-            assert "warm_start" not in imported_modules(path), path.name
+    assert {"musique_rl.core.rollout", "musique_rl.core.tiny_model"} <= GRAPH["musique_rl.core.warm_start"]
+    for m, targets in GRAPH.items():
+        if layer(m) == "env" or m in ("musique_rl.core.rollout", "musique_rl.core.generation", "musique_rl.core.models"):
+            assert "musique_rl.core.warm_start" not in targets, m

@@ -1,8 +1,8 @@
-"""Final-answer parsing (musique_rl/parsing.py)."""
+"""Final-answer parsing (musique_rl/env/parsing.py)."""
 
 import pytest
 
-from musique_rl.parsing import assistant_turn, parse_citations, parse_final
+from musique_rl.env.parsing import assistant_turn, parse_citations, parse_final
 
 VALID = {str(i) for i in range(20)}
 

@@ -1,8 +1,8 @@
-"""System/user messages and tool schemas (musique_rl/prompts.py)."""
+"""System/user messages and tool schemas (musique_rl/env/prompts.py)."""
 
 from omegaconf import OmegaConf
 
-from musique_rl.prompts import SYSTEM_PROMPT, build_messages, tool_schemas
+from musique_rl.env.prompts import SYSTEM_PROMPT, build_messages, tool_schemas
 from musique_rl.schema import EnvConfig
 
 

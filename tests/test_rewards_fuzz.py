@@ -12,11 +12,11 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 import musique_rl.schema  # noqa: F401  (registers the schema)
-from musique_rl.parsing import parse_final
-from musique_rl.retrieval import build_retriever
-from musique_rl.rewards import COMPONENTS, RewardFunction, as_spec, max_total, n_hops, total
+from musique_rl.env.parsing import parse_final
+from musique_rl.env.retrieval import build_retriever
+from musique_rl.env.rewards import COMPONENTS, RewardFunction, as_spec, max_total, n_hops, total
+from musique_rl.env.tools import execute, parse_tool_calls
 from musique_rl.schema import EnvConfig
-from musique_rl.tools import execute, parse_tool_calls
 
 N = 10_000
 PRESETS = sorted(p.stem for p in (Path(__file__).parents[1] / "conf" / "reward").glob("*.yaml"))

@@ -9,10 +9,10 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from musique_rl import prompts
-from musique_rl.generation import Sample, build_generator
-from musique_rl.retrieval import build_retriever
-from musique_rl.rollout import ChatTokens, RolloutEngine
+from musique_rl.core.generation import Sample, build_generator
+from musique_rl.core.rollout import ChatTokens, RolloutEngine
+from musique_rl.env import prompts
+from musique_rl.env.retrieval import build_retriever
 
 
 class ScriptedGenerator:
@@ -105,7 +105,7 @@ def test_scripted_multi_turn_episodes_are_token_exact(raw_tiny, tiny_cfg):
 
 def test_sampled_episodes_of_the_warm_model_are_token_exact(warm_tiny, tiny_cfg):
     """Real sampling, batched across live episodes: the trained ids are the sampled ids."""
-    from musique_rl.data import load_records
+    from musique_rl.env.data import load_records
 
     model, tok = warm_tiny
     recs = load_records(tiny_cfg.env.eval_data, tiny_cfg.env, 1)[:8]
@@ -145,7 +145,7 @@ def test_env_tokens_enter_the_loss_only_when_asked(raw_tiny, tiny_cfg, override)
 
 
 def test_rollout_func_returns_what_trl_needs_in_order(raw_tiny, tiny_cfg):
-    from musique_rl.trainer import prompt_dataset
+    from musique_rl.core.trainer import prompt_dataset
 
     model, tok, records, _, _ = raw_tiny
     recs = records[:2]

@@ -45,7 +45,7 @@ def test_a_failing_case_is_reported_and_fails_the_command(capsys, tmp_path):
 
 def test_case_list_covers_every_fault_and_hypothesis_and_the_7b_shape():
     names = [c.name for c in smoke.select(None, cuda=True)]
-    from musique_rl.faults import FAULTS
+    from musique_rl.core.faults import FAULTS
 
     assert names[:2] == ["default", "micro_batch"] and names[-1] == "7b"
     assert {f"fault={f}" for f in FAULTS if f != "none"} <= set(names)
@@ -60,7 +60,7 @@ def test_a_locally_built_model_loads_like_a_hub_model_with_the_tiny_tokenizer(ti
     save_pretrained, loaded by model.name_or_path through the model config the 7b case uses."""
     from conftest import compose_cfg
 
-    from musique_rl.models import load_model
+    from musique_rl.core.models import load_model
 
     tok = warm_tiny[1]
     memory.save_random_model(memory.MINI, tok, str(tmp_path), device="cpu", dtype=None)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from omegaconf import OmegaConf
 
-from musique_rl import synthetic
-from musique_rl.data import load_records, validate_record
+from musique_rl.env import synthetic
+from musique_rl.env.data import load_records, validate_record
 from musique_rl.schema import EnvConfig
 
 
@@ -66,7 +66,7 @@ def test_every_plausible_mistake_retrieves_a_real_wrong_paragraph(train_records)
     """With bm25, the right sub-question retrieves the supporting paragraph, and the two mistakes
     the warm start samples (relations in the wrong order; the question's entity re-used at hop 2)
     retrieve a distractor about the same entity: decisions that need the context, not luck."""
-    from musique_rl.retrieval import build_retriever
+    from musique_rl.env.retrieval import build_retriever
 
     env = OmegaConf.structured(EnvConfig(data="synthetic,default,train"))
     retriever = build_retriever(env, train_records)
@@ -85,7 +85,7 @@ def test_every_plausible_mistake_retrieves_a_real_wrong_paragraph(train_records)
 
 
 def test_names_survive_retrieval_tokenisation():
-    from musique_rl.retrieval import tokenize
+    from musique_rl.env.retrieval import tokenize
 
     assert all(tokenize(n) == [n.lower()] for n in synthetic.NAMES)
     assert len(set(synthetic.NAMES)) == len(synthetic.NAMES)

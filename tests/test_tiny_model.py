@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from musique_rl import policies, prompts, tiny_model, warm_start
-from musique_rl.rewards import score_episode
+from musique_rl.core import tiny_model, warm_start
+from musique_rl.env import policies, prompts
+from musique_rl.env.rewards import score_episode
 
 
 def test_tokenizer_reloads_exactly_and_keeps_its_pre_tokenizer(raw_tiny, tmp_path):
@@ -35,7 +36,7 @@ def test_tokenizer_reloads_exactly_and_keeps_its_pre_tokenizer(raw_tiny, tmp_pat
 
 def test_a_name_is_one_token_the_same_wherever_it_appears(raw_tiny):
     """Copying a person is copying one token id: question, document, query and answer agree."""
-    from musique_rl.synthetic import NAMES, RELATIONS
+    from musique_rl.env.synthetic import NAMES, RELATIONS
 
     tok = raw_tiny[1]
     assert all(len(tok.encode(" " + n, add_special_tokens=False)) == 1 for n in NAMES + RELATIONS)
@@ -112,7 +113,9 @@ def test_the_default_warm_start_is_shipped_gated_and_unaltered(tiny_cfg):
     assert report["gate_passed"] and warm_start.gate_failures(report["gate"], report["gate_shapes"]) == []
     assert set(report["gate"]) == {"tool", "single_step"}  # both episode shapes (h07) are measured
     assert tiny_model.weights_hash(path) == report["weights_hash"]
-    shipped = [tiny_model.build_key(warm_start.compose_config(o)) for o in warm_start.SHIPPED_CONFIGS.values()]
+    from musique_rl import warm_start as command  # the CLI: compose_config and the shipped list
+
+    shipped = [tiny_model.build_key(command.compose_config(o)) for o in command.SHIPPED_CONFIGS.values()]
     assert key in shipped  # `make warm-start` builds it
     assert sorted(p.name for p in tiny_model.SHIPPED_DIR.glob("tiny-*")) == sorted(f"tiny-{k}" for k in shipped)
 
@@ -133,7 +136,7 @@ def test_warm_start_is_decent_but_improvable(tiny_cfg, warm_tiny):
     """Re-measured here, on this machine, on a world and questions the gate did not see (seed 3):
     a baseline like the seeds' 0.6, and choices the policy already samples (pass@8 well above
     pass@1), in the shape every gated run trains (with the tool)."""
-    from musique_rl.data import load_records
+    from musique_rl.env.data import load_records
 
     model, tok = warm_tiny
     recs = load_records(tiny_cfg.env.eval_data, tiny_cfg.env, 3)[:16]

@@ -1,10 +1,10 @@
-"""Tool-call parsing and execution (musique_rl/tools.py): malformed calls never raise."""
+"""Tool-call parsing and execution (musique_rl/env/tools.py): malformed calls never raise."""
 
 import pytest
 from omegaconf import OmegaConf
 
+from musique_rl.env.tools import execute, format_documents, parse_document_ids, parse_tool_calls
 from musique_rl.schema import EnvConfig
-from musique_rl.tools import execute, format_documents, parse_document_ids, parse_tool_calls
 
 
 def env(**kw):
@@ -115,7 +115,7 @@ def test_execute_returns_documents_and_errors_without_raising(toy_record):
     ("llama3_json", '{"name": "retrieve_documents", "parameters": {"query": "a"}};'),
 ])
 def test_a_flood_of_calls_is_capped_with_an_error(fmt, one):
-    from musique_rl.tools import MAX_CALLS_PER_TURN
+    from musique_rl.env.tools import MAX_CALLS_PER_TURN
 
     calls = parse_tool_calls(one * 100_000, fmt)  # once took 85 s (quadratic slicing)
     assert len(calls) == MAX_CALLS_PER_TURN + 1 and "more than" in calls[-1].error

@@ -9,10 +9,10 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from musique_rl import rewards
-from musique_rl import trainer as trainer_mod
-from musique_rl.data import load_records
-from musique_rl.retrieval import build_retriever
+from musique_rl.core import trainer as trainer_mod
+from musique_rl.env import rewards
+from musique_rl.env.data import load_records
+from musique_rl.env.retrieval import build_retriever
 
 
 def _cfg(tiny_cfg, overrides: dict):

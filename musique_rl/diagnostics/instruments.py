@@ -30,7 +30,13 @@ from musique_rl.diagnostics.advantages import advantage_stats
 from musique_rl.diagnostics.callback import InstrumentsCallback
 from musique_rl.diagnostics.episodes import episode_shape
 from musique_rl.diagnostics.kl import kl_stats
-from musique_rl.diagnostics.ledger import Source, attention_coverage, mask_agreement, sources_tensor, token_ledger
+from musique_rl.diagnostics.ledger import (
+    Source,
+    attention_coverage,
+    mask_agreement,
+    sources_tensor,
+    token_ledger,
+)
 from musique_rl.diagnostics.reward_signal import reward_component_stats
 from musique_rl.diagnostics.sync import Scorer, logp_gap, model_scorer, parity, peft_base_scorer
 from musique_rl.diagnostics.truncation import episode_truncation, length_stats

@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from musique_rl import tracking
+from musique_rl.core.warm_start import machine_string
 from musique_rl.verdict.sweep import HYPOTHESIS_DIR, UNKNOWN, Hypothesis, Run, Sweep, VerdictError
-from musique_rl.warm_start import machine_string
 
 log = logging.getLogger(__name__)
 

@@ -32,8 +32,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from musique_rl import parsing, prompts, tools
-from musique_rl.faults import env_mask_value
+from musique_rl.core.faults import env_mask_value
+from musique_rl.env import parsing, prompts, tools
 
 log = logging.getLogger(__name__)
 
@@ -155,7 +155,7 @@ class Episode:
 
 # ---------------------------------------------------------------- the batched multi-turn loop
 class RolloutEngine:
-    """Runs episodes for records with a generation backend (musique_rl/generation.py)."""
+    """Runs episodes for records with a generation backend (musique_rl/core/generation.py)."""
 
     def __init__(self, cfg: Any, tokenizer: Any, retriever: Any, records_by_id: dict[str, dict]):
         self.cfg = cfg
@@ -295,10 +295,10 @@ def run_model_episodes(
 
     Sampled at ``train.eval_temperature`` (default: ``train.temperature``) unless ``greedy``.
     """
-    from musique_rl.generation import build_generator
+    from musique_rl.core.generation import build_generator
 
     if retriever is None:
-        from musique_rl.retrieval import build_retriever
+        from musique_rl.env.retrieval import build_retriever
 
         retriever = build_retriever(cfg.env, records)
     if temperature is None:

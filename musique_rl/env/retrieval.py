@@ -14,7 +14,7 @@
 
 Scope (``env.scope``): ``question`` searches the record's own paragraphs, ids = paragraph idx;
 ``corpus`` searches ``env.corpus`` (a json list of {title, text}) or, when unset, every paragraph
-of the loaded records, ids = ``tools.content_id`` (see musique_rl/tools.py).
+of the loaded records, ids = ``tools.content_id`` (see musique_rl/env/tools.py).
 
 A retriever answers ``retrieve(query, record, top_n) -> [{id, title, text}]`` (best first) and
 ``get(doc_id, record) -> doc | None``.
@@ -34,8 +34,8 @@ from typing import Any
 
 import numpy as np
 
-from musique_rl.registry import Registry
-from musique_rl.tools import as_document, content_id
+from musique_rl.env.registry import Registry
+from musique_rl.env.tools import as_document, content_id
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ slicing (``bdsaglam/musique,answerable,train[:256]``). Each part is one of
 - a hub dataset, loaded with ``datasets.load_dataset(path, name, split=split)``;
 - a local file in the original MuSiQue format (jsonl, or a json list): the part is its path,
   optionally followed by ``,name,split[slice]`` to slice it (the name is ignored);
-- ``synthetic,<name>,<split>``: the embedded generator (musique_rl/synthetic.py), ``env.synthetic``
+- ``synthetic,<name>,<split>``: the embedded generator (musique_rl/env/synthetic.py), ``env.synthetic``
   sizes; split ``train`` gives ``num_train`` records, any other ``num_eval``.
 All parts are concatenated, validated, filtered (env.answerable_only, env.hops, env.noise_rate,
 env.max_paragraphs) and shuffled with the seed. ``load_records`` is the entry point.
@@ -119,9 +119,9 @@ def _read_hub(path: str, name: str | None, split: str) -> list[dict]:
 
 def _read_synthetic(part: dict, env_cfg: Any, seed: int) -> list[dict]:
     try:
-        from musique_rl.synthetic import generate_records
+        from musique_rl.env.synthetic import generate_records
     except ImportError as e:
-        raise RuntimeError("env.data=synthetic needs musique_rl/synthetic.py (the embedded generator)") from e
+        raise RuntimeError("env.data=synthetic needs musique_rl/env/synthetic.py (the embedded generator)") from e
     syn = env_cfg.synthetic
     base = part["split"].split("[", 1)[0]
     n = syn.num_train if base == "train" else syn.num_eval

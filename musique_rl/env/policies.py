@@ -22,9 +22,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from musique_rl.prompts import build_messages
-from musique_rl.registry import Registry
-from musique_rl.tools import content_id, execute, parse_tool_calls
+from musique_rl.env.prompts import build_messages
+from musique_rl.env.registry import Registry
+from musique_rl.env.tools import content_id, execute, parse_tool_calls
 
 log = logging.getLogger(__name__)
 
@@ -160,7 +160,7 @@ def _tool_call_format(cfg: Any) -> str:
 
 @POLICIES.register("oracle")
 def oracle_episodes(cfg: Any, records: list[dict]) -> Iterator[dict]:
-    from musique_rl.retrieval import build_retriever
+    from musique_rl.env.retrieval import build_retriever
 
     retriever = build_retriever(cfg.env, records)
     return (oracle_episode(r, cfg.env, retriever, _tool_call_format(cfg)) for r in records)
@@ -270,8 +270,8 @@ def noisy_oracle_dataset(
 
     from omegaconf import OmegaConf
 
-    from musique_rl.retrieval import build_retriever
-    from musique_rl.synthetic import generate_records
+    from musique_rl.env.retrieval import build_retriever
+    from musique_rl.env.synthetic import generate_records
 
     syn = env_cfg.synthetic
     per_world = [

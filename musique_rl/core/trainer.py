@@ -3,7 +3,7 @@
 ``build_trainer(cfg, ...)`` maps the config onto TRL 1.16 names (``GRPOConfig``: loss_type,
 scale_rewards, beta, epsilon / epsilon_high, num_iterations, learning rate with warmup,
 max_grad_norm, temperature / top_p / top_k; PEFT ``LoraConfig``) and hands TRL our
-``rollout_func`` (musique_rl/rollout.py), which returns ``prompt_ids``, ``completion_ids``,
+``rollout_func`` (musique_rl/core/rollout.py), which returns ``prompt_ids``, ``completion_ids``,
 ``logprobs``, ``env_mask`` and the ``episode`` dicts the reward function reads.
 
 ``MusiqueGRPOTrainer`` extends GRPOTrainer at three points, each as small as TRL allows:
@@ -18,7 +18,7 @@ max_grad_norm, temperature / top_p / top_k; PEFT ``LoraConfig``) and hands TRL o
     weight sync).
   - ``_compute_loss``: calls TRL's loss; adds the planted KL faults and ``instruments.observe_loss``;
     the planted fault ``blind_context`` gives the forward pass the loss mask as attention mask.
-Every planted fault is switched in musique_rl/faults.py and is off by default.
+Every planted fault is switched in musique_rl/core/faults.py and is off by default.
 
 Reference model for the KL (beta > 0): under PEFT, TRL disables the adapter (no second copy);
 with full fine-tuning, TRL loads a reference copy.
@@ -33,9 +33,9 @@ from typing import Any
 import torch
 from trl import GRPOTrainer
 
-from musique_rl import faults
-from musique_rl.generation import HFGenerator, build_generator, frozen_copy, sampling_settings
-from musique_rl.rollout import RolloutEngine
+from musique_rl.core import faults
+from musique_rl.core.generation import HFGenerator, build_generator, frozen_copy, sampling_settings
+from musique_rl.core.rollout import RolloutEngine
 
 log = logging.getLogger(__name__)
 
@@ -285,7 +285,7 @@ class MusiqueGRPOTrainer(GRPOTrainer):
 
 # ---------------------------------------------------------------- construction
 def num_processes() -> int:
-    from musique_rl.models import process_state  # gloo on CPU-only machines
+    from musique_rl.core.models import process_state  # gloo on CPU-only machines
 
     return int(process_state().num_processes)
 
@@ -329,7 +329,7 @@ def grpo_config(cfg: Any, output_dir: str | Path) -> Any:
     """TRL ``GRPOConfig`` from the composed config (names map one to one; see schema.py)."""
     from trl import GRPOConfig
 
-    from musique_rl.models import resolve_dtype
+    from musique_rl.core.models import resolve_dtype
 
     t, loss = cfg.train, cfg.loss
     micro, accumulation = batch_layout(cfg, num_processes())
@@ -391,7 +391,7 @@ def vllm_settings(cfg: Any) -> dict[str, Any]:
     one the user runs: ``train.vllm_server_port`` must then be set. The NCCL weight-sync port is
     ``train.vllm_group_port``, else a free one chosen now, so two jobs on one node do not collide.
     """
-    from musique_rl.devices import free_port, resolve_vllm_mode
+    from musique_rl.core.devices import free_port, resolve_vllm_mode
 
     t = cfg.train
     mode = resolve_vllm_mode(cfg)
@@ -438,7 +438,7 @@ def prompt_dataset(cfg: Any, records: list[dict]) -> Any:
     thing that reaches ``rollout_func`` besides the prompt, FIELD-NOTES)."""
     from datasets import Dataset
 
-    from musique_rl import prompts
+    from musique_rl.env import prompts
 
     rows = []
     for r in records:

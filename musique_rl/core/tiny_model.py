@@ -1,5 +1,5 @@
 """The embedded CPU model (``model=tiny``): a locally built tokenizer, a small Qwen2, and where its
-warm start lives. This module builds and loads; ``musique_rl/warm_start.py`` trains the warm start.
+warm start lives. This module builds and loads; ``musique_rl/core/warm_start.py`` trains the warm start.
 
 Nothing is downloaded:
   1. a byte-level BPE tokenizer (HF ``tokenizers``) trained on rendered warm-start conversations,
@@ -37,7 +37,7 @@ from omegaconf import OmegaConf
 log = logging.getLogger(__name__)
 
 BUILD_VERSION = "2"  # bump when the build recipe changes (SFT schedule, gate): a new key, a rebuild
-SHIPPED_DIR = Path(__file__).resolve().parent / "warm_starts"  # warm starts committed to the repository
+SHIPPED_DIR = Path(__file__).resolve().parent.parent / "warm_starts"  # warm starts committed to the repository
 FINGERPRINT_EPISODES = 16  # rendered conversations hashed into the key (the data's behaviour, not its code)
 BPE_EPISODES = 1000  # warm-start conversations the tokenizer is trained on
 # The synthetic worlds of the warm-start data: many (policies.noisy_oracle_dataset says why), none of
@@ -71,7 +71,7 @@ def isolating_pattern() -> str:
     every word a policy must copy (a name, a relation, a document id) is the same token ids
     wherever it appears: in the question, a document, a query or the answer.
     """
-    from musique_rl.synthetic import RELATIONS
+    from musique_rl.env.synthetic import RELATIONS
 
     return r" ?\p{Lu}\p{L}*| ?\b(?:" + "|".join(RELATIONS) + r")\b|\p{N}"
 
@@ -219,13 +219,13 @@ def warm_start_config(cfg: Any) -> Any:
 def names_text() -> str:
     """Every name once with its leading space, so the BPE gives each its own token whatever world a
     run draws its people from."""
-    from musique_rl.synthetic import NAMES, RELATIONS
+    from musique_rl.env.synthetic import NAMES, RELATIONS
 
     return " " + " ".join([*NAMES, *RELATIONS])
 
 
 def tools_for(env_cfg: Any) -> list[dict] | None:
-    from musique_rl import prompts
+    from musique_rl.env import prompts
 
     return prompts.tool_schemas(env_cfg) or None
 
@@ -233,7 +233,7 @@ def tools_for(env_cfg: Any) -> list[dict] | None:
 def warm_start_conversations(cfg: Any, n_records: int | None = None) -> tuple[list[dict], list[list[dict]], list]:
     """(records, message lists, env config per episode) of the noisy-oracle SFT data (the first
     ``n_records`` of it: the generator, the retriever and the rng stream are prefix-stable)."""
-    from musique_rl.policies import noisy_oracle_dataset
+    from musique_rl.env.policies import noisy_oracle_dataset
 
     tiny = cfg.model.tiny
     return noisy_oracle_dataset(

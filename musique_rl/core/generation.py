@@ -3,7 +3,7 @@
 A backend continues a batch of token-id contexts by at most ``max_new_tokens`` each and returns,
 per context, the sampled ids (ending at a stop token if one was sampled), the log-prob of each
 sampled id under the distribution it was drawn from, and whether it stopped on a stop token.
-The rollout (musique_rl/rollout.py) never decodes and re-encodes: what is sampled is what trains.
+The rollout (musique_rl/core/rollout.py) never decodes and re-encodes: what is sampled is what trains.
 
 - ``HFGenerator``: transformers ``generate`` in-process (CPU, tests, single GPUs). Sampling
   settings are always explicit: ``generate`` would otherwise apply ``top_k=50`` from the

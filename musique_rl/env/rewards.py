@@ -35,8 +35,8 @@ from typing import Any
 
 import numpy as np
 
-from musique_rl.parsing import TAGS, assistant_turn, parse_final
-from musique_rl.tools import paragraph_ids, parse_document_ids
+from musique_rl.env.parsing import TAGS, assistant_turn, parse_final
+from musique_rl.env.tools import paragraph_ids, parse_document_ids
 
 log = logging.getLogger(__name__)
 

@@ -48,11 +48,11 @@ def resolve_dtype(model_cfg: Any) -> torch.dtype:
 
 def load_model(cfg: Any, warm_start: Any = None) -> tuple[Any, Any]:
     """(model, tokenizer) for ``cfg.model``. The tiny model's warm start must exist (shipped, or built by
-    ``musique_rl.warm_start.ensure``, which jobs call first and whose result they pass as
+    ``musique_rl.core.warm_start.ensure``, which jobs call first and whose result they pass as
     ``warm_start``, saving a second key computation): this layer loads, it does not train."""
     name = str(cfg.model.name_or_path)
     if name == "tiny":
-        from musique_rl import tiny_model
+        from musique_rl.core import tiny_model
 
         path = warm_start or tiny_model.locate(cfg)
         if path is None:

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from musique_rl.tools import format_documents
+from musique_rl.env.tools import format_documents
 
-# The final-answer format every reward parses (musique_rl/parsing.py).
+# The final-answer format every reward parses (musique_rl/env/parsing.py).
 ANSWER_FORMAT = "<think>reasoning</think>\n<cite>ids</cite>\n<answer>short answer</answer>"
 
 SYSTEM_PROMPT = (

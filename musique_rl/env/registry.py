@@ -9,8 +9,9 @@ compute, with the registered names listed.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from enum import StrEnum
-from typing import Any, Iterator
+from typing import Any
 
 
 class Registry:

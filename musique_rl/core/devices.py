@@ -21,7 +21,7 @@ def place(model: Any) -> Any:
     CPU elsewhere), before anything samples from it; the trainer would move it there anyway, but
     the held-out evaluation before training and ``mode=eval`` run first. A model dispatched over
     several devices by ``device_map`` (``hf_device_map``) stays where it is."""
-    from musique_rl.models import process_state
+    from musique_rl.core.models import process_state
 
     if getattr(model, "hf_device_map", None):
         return model

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from musique_rl.registry import Registry
+from musique_rl.env.registry import Registry
 
 # The one registration of each fault (name -> what it plants); the schema's `fault` values come
 # from here. Its behaviour lives in the code path that asks `is_on(cfg, name)` (table above); a

@@ -68,7 +68,7 @@ class World:
 def build_world(seed: int, num_people: int = len(NAMES)) -> World:
     """People and one fact per (person, relation); deterministic in ``seed``. With 400 people and
     8 relations a world holds 3,200 facts: far more than a tiny model memorises, so it must read."""
-    rng = random.Random(f"musique_rl.synthetic.world.{seed}")
+    rng = random.Random(f"musique_rl.synthetic.world.{seed}")  # a salt: data, never renamed with the module
     people = tuple(rng.sample(NAMES, num_people))
     facts = {}
     for p in people:
@@ -220,7 +220,7 @@ def generate_records(
     if n < 0:
         raise ValueError(f"synthetic records: n={n} must be >= 0")
     world = build_world(seed)
-    rng = random.Random(f"musique_rl.synthetic.{split}.{seed}")
+    rng = random.Random(f"musique_rl.synthetic.{split}.{seed}")  # a salt: data, never renamed with the module
     records: list[dict] = []
     seen: set[str] = set()
     attempts = 0
