@@ -52,7 +52,7 @@ def test_perfect_episode_scores_one_everywhere_and_combined_is_hops_over_two(toy
 
 
 def test_combined_yaml_is_the_seeds_formula(toy_record):
-    # FIELD-NOTES: (n/2) * (EM + 0.9 F1 + 1.0 R∩S/S + 0.4 R∩S/R + 0.6 C∩S/S + 0.1 format) / 4
+    # docs/failure_modes.md: (n/2) * (EM + 0.9 F1 + 1.0 R∩S/S + 0.4 R∩S/R + 0.6 C∩S/S + 0.1 format) / 4
     final = "<cite>1, 0</cite><answer>Lovelace</answer>"  # F1 2/3, cites 1 of 2 supporting, 2 of 3 tags
     c = score_episode(toy_record, episode(final, docs=("1", "0", "2")))
     expect = (3 / 2) * (0 + 0.9 * (2 / 3) + 1.0 * (1 / 2) + 0.4 * (1 / 3) + 0.6 * (1 / 2) + 0.1 * (2 / 3)) / 4

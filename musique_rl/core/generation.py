@@ -7,7 +7,7 @@ The rollout (musique_rl/core/rollout.py) never decodes and re-encodes: what is s
 
 - ``HFGenerator``: transformers ``generate`` in-process (CPU, tests, single GPUs). Sampling
   settings are always explicit: ``generate`` would otherwise apply ``top_k=50`` from the
-  model's generation config (FIELD-NOTES), and sampler and trainer would disagree.
+  model's generation config (docs/failure_modes.md), and sampler and trainer would disagree.
   Log-probs: the temperature / top-k / top-p warpers run inside our own logits processor (the
   same transformers warper classes ``generate`` uses), which keeps the log-softmax of the final
   distribution for one step and reads the sampled id from the next step's input, so memory stays
@@ -115,7 +115,7 @@ class HFGenerator:
 
     ``model_source``: a model, or a zero-argument callable returning a context manager that yields
     the model to sample from (the trainer binding uses TRL's ``unwrap_model_for_generation``,
-    which unwraps DDP / gathers ZeRO-3 shards and turns gradient checkpointing off: FIELD-NOTES
+    which unwraps DDP / gathers ZeRO-3 shards and turns gradient checkpointing off: docs/failure_modes.md
     measured generation with checkpointing and ``use_cache=False`` to be very slow on CPU).
     """
 

@@ -8,7 +8,7 @@ episode is kept as token ids from the start:
   - ``completion_ids``: the sampled ids of every assistant turn exactly as sampled (each ending
     on ``<|im_end|>``), interleaved with the environment's ids: tool results and the template
     scaffolding around them, INCLUDING the assistant header of the next turn. Nothing is ever
-    decoded and re-encoded (FIELD-NOTES defect 2); text is decoded only for the messages the
+    decoded and re-encoded (docs/failure_modes.md defect 2); text is decoded only for the messages the
     tools and rewards read.
   - ``env_mask``: 1 on sampled ids, 0 on environment ids (TRL's ``rollout_func`` contract: TRL
     multiplies it into the loss mask, so tool and template tokens carry neither loss nor KL).
@@ -22,7 +22,7 @@ An episode ends on a final answer (``answer``), a turn with no tool call (``no_t
 ``env.max_turns`` (``max_turns``), a turn cut at ``env.max_tokens_per_turn`` (``turn_budget``),
 or ``env.max_completion_tokens`` over all assistant + tool ids (``episode_budget``). A tool result
 that would overflow the episode budget is dropped and counted (``dropped_tool_results``): the
-silent truncation of FIELD-NOTES defect 8, made visible. ``question_in_context`` is False when
+silent truncation of docs/failure_modes.md defect 8, made visible. ``question_in_context`` is False when
 the prompt had to be cut to ``env.max_prompt_tokens`` and the question went with it.
 """
 
@@ -190,7 +190,7 @@ class RolloutEngine:
         in_context = True
         if len(ids) > limit:
             # Keep the end (the question and the assistant header), as left-truncating trainers do;
-            # record whether the question survived (FIELD-NOTES defect 8).
+            # record whether the question survived (docs/failure_modes.md defect 8).
             ids = ids[-limit:]
             in_context = record["question"] in self.tokenizer.decode(ids, skip_special_tokens=False)
         return Episode(record=record, messages=messages, prompt_ids=ids, question_in_context=in_context)

@@ -351,7 +351,7 @@ def grpo_config(cfg: Any, output_dir: str | Path) -> Any:
         num_iterations=int(loss.num_iterations),
         learning_rate=float(loss.learning_rate),
         # Constant after warmup: the runs are short (tens of steps) and a decay to 0 would halve the
-        # effective rate; warmup matters (FIELD-NOTES: Adam's first step at 1e-3 broke the tiny model).
+        # effective rate; warmup matters (docs/failure_modes.md: Adam's first step at 1e-3 broke the tiny model).
         lr_scheduler_type="constant_with_warmup",
         warmup_steps=int(loss.warmup_steps),
         max_grad_norm=float(loss.max_grad_norm),
@@ -435,7 +435,7 @@ def lora_config(cfg: Any) -> Any:
 
 def prompt_dataset(cfg: Any, records: list[dict]) -> Any:
     """One row per record: the prompt messages, the user message carrying the record id (the only
-    thing that reaches ``rollout_func`` besides the prompt, FIELD-NOTES)."""
+    thing that reaches ``rollout_func`` besides the prompt, docs/failure_modes.md)."""
     from datasets import Dataset
 
     from musique_rl.env import prompts

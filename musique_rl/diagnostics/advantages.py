@@ -1,6 +1,6 @@
 """H01: how much learning signal each group carries, and how much std scaling amplified it.
 
-FIELD-NOTES defect 7: with a strong baseline many groups are (near-)ties; dividing by the group
+docs/failure_modes.md defect 7: with a strong baseline many groups are (near-)ties; dividing by the group
 std turns a 0.01 win into the same advantage as a 1.0 win (one winner in 8 always gets 2.47).
 Amplification is measured from the tensors the trainer really used (|advantage| / |reward - group
 mean|), not from the config, so an epsilon that is not what the config says is caught too.

@@ -3,7 +3,7 @@
     python -m musique_rl.diagnostics.doctor --run-id <id>          # one run
     python -m musique_rl.diagnostics.doctor --experiment h02       # every run of an experiment
 
-Each rule is a fingerprint of a known defect (FIELD-NOTES "Known defects") in the h01..h08
+Each rule is a fingerprint of a known defect (docs/failure_modes.md) in the h01..h08
 metrics. A diagnosis is a ranked list of findings, each naming its hypothesis id, a verdict in
 words, and the numbers behind it; flagged findings first, by severity:
 
@@ -36,8 +36,8 @@ History = Sequence[tuple[int, float]]  # (step, value), sorted by step
 # floor meets a std below any meaningful reward difference: float noise becomes full-size advantages.
 AMPLIFICATION_MAX = 1e4
 # H02/H06: mean |sampler - trainer| log-prob (nats/token). Identical fp32 weights agree to ~3e-6
-# (FIELD-NOTES); at 0.01 a 100-token sequence's importance ratio reaches e^1 = 2.7, near TRL's 3.0
-# clip where the sequence correction starts masking whole sequences (FIELD-NOTES defect 5).
+# (docs/failure_modes.md); at 0.01 a 100-token sequence's importance ratio reaches e^1 = 2.7, near TRL's 3.0
+# clip where the sequence correction starts masking whole sequences (docs/failure_modes.md defect 5).
 LOGP_GAP_MAX = 0.01
 # H02: sampled assistant tokens left out of the loss; beyond a fifth, the loss ignores what was sampled
 ASSISTANT_UNTRAINED_MAX = 0.2

@@ -1,6 +1,6 @@
 """H03: the KL penalty on the tokens it belongs to, with the sign it should have.
 
-FIELD-NOTES defects 3 and 10: KL computed on tool tokens (Search-R1's negative-KL explosion), a KL
+docs/failure_modes.md defects 3 and 10: KL computed on tool tokens (Search-R1's negative-KL explosion), a KL
 penalty with a flipped sign, beta silently not forwarded. TRL's k3 estimator
 exp(ref - logp) - (ref - logp) - 1 is >= 0 for every token, so any negative per-token penalty is a
 sign error, not noise.

@@ -1,6 +1,6 @@
 """H02 token ledger: what the loss is trained on, token by token, by where each token came from.
 
-FIELD-NOTES defects 1-3: tool results or chat-template scaffolding in the loss (Search-R1: MuSiQue
+docs/failure_modes.md defects 1-3: tool results or chat-template scaffolding in the loss (Search-R1: MuSiQue
 EM 0.196 masked vs 0.108 unmasked), and a trainer that cannot see the context. The rollout labels
 every completion token with its `Source`; the ledger compares those labels with the masks the
 trainer actually used, so a masking bug shows up as a count that must be 0.
@@ -94,7 +94,7 @@ def attention_coverage(
 ) -> dict[str, float]:
     """Share of real context tokens the trainer's forward pass attends to (must be 1).
 
-    FIELD-NOTES defect 1 (verifiers 0.1.x): the attention mask given to the forward pass was the
+    docs/failure_modes.md defect 1 (verifiers 0.1.x): the attention mask given to the forward pass was the
     LOSS mask, so prompt and tool tokens were invisible when scoring assistant tokens.
     attention_mask: (N, P + C) the mask the forward pass used; prompt_mask (N, P), completion_mask (N, C).
     """

@@ -1,6 +1,6 @@
 """Learnability pre-flight: will groups from this policy carry any learning signal?
 
-FIELD-NOTES defect 7: a group whose completions all pass (or all fail) has zero reward variance and
+docs/failure_modes.md defect 7: a group whose completions all pass (or all fail) has zero reward variance and
 no gradient. For a question the policy passes with probability p, a group of G completions is
 all-same with probability p^G + (1-p)^G. Averaged over questions from the initial policy's own
 groups, that forecasts the share of groups that will teach nothing, before any compute is spent.

@@ -1,6 +1,6 @@
 """H05: what the reward pays for. Each component's level, spread, and share of the total's signal.
 
-FIELD-NOTES defect 9: the reward read the first assistant turn instead of the last, parsing brittle
+docs/failure_modes.md defect 9: the reward read the first assistant turn instead of the last, parsing brittle
 to `[3, 5]` citations, partial credit dominating correctness, exceptions scored 0 silently. A
 component that never varies inside a group cannot teach anything; one uncorrelated with the total
 is not what the policy is being paid for.

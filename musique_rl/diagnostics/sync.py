@@ -1,6 +1,6 @@
 """H06: does the sampler serve the weights the trainer is training?
 
-FIELD-NOTES defect 4: LoRA merge-push-unmerge drifts the frozen base (TRL #6688), and several
+docs/failure_modes.md defect 4: LoRA merge-push-unmerge drifts the frozen base (TRL #6688), and several
 frameworks shipped rollouts from the base model after LoRA updates (ms-swift #9855, verl #3821,
 TRL #5312). Two instruments: the per-step log-prob gap between sampler and trainer on the sampled
 tokens (it grows with steps when the sampler is stale), and a parity probe after a weight sync that
@@ -23,7 +23,7 @@ Scorer = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
 
 # Mean |log-prob difference| (nats/token) below which two fp32 copies of the same weights agree:
 # the same model in one process differs by ~1e-6; batched left-padded generate vs a fresh forward by
-# ~3e-6 (FIELD-NOTES). Above it, the two are different functions.
+# ~3e-6 (docs/failure_modes.md). Above it, the two are different functions.
 PARITY_ATOL = 1e-3
 # "sampler matches X" = the sampler is at least this many times closer to X than to the other model
 PARITY_RATIO = 10.0

@@ -1,6 +1,6 @@
 """H04: hidden truncation. Which cap ended each episode, and what the context lost.
 
-FIELD-NOTES defect 8: in multi-turn the completion budget includes retrieved text; a tool result
+docs/failure_modes.md defect 8: in multi-turn the completion budget includes retrieved text; a tool result
 that would overflow is dropped silently and the episode ends with no answer; a rolling context can
 drop the question itself. The rollout records all of it on each Episode; this module counts it.
 """

@@ -1,6 +1,6 @@
 """H08: is the policy moving at all? Update size relative to the weights, and gradient clipping.
 
-FIELD-NOTES defect 6: lr 1e-6..1e-5 with LoRA and max_grad_norm 0.01-0.1 leave KL to the reference
+docs/failure_modes.md defect 6: lr 1e-6..1e-5 with LoRA and max_grad_norm 0.01-0.1 leave KL to the reference
 at ~1e-3 and nothing moves. A healthy step changes weights by ~1e-3 of their norm (the usual rule
 of thumb for Adam); a ratio orders of magnitude below that is an update too small to matter.
 """

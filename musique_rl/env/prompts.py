@@ -4,7 +4,7 @@ Kept short on purpose: the embedded tiny model has a 2k-token context and a 512-
 BPE (roughly 2-3 characters a token), so the system prompt is budgeted at ~100 tokens. The tool
 call syntax itself is not spelled out here: the chat template renders the tool schemas
 (`tool_schemas`) in the model's own format (hermes / llama3_json), the same way when sampling and
-when training (FIELD-NOTES defect 2).
+when training (docs/failure_modes.md defect 2).
 """
 
 from __future__ import annotations
