@@ -241,33 +241,19 @@ class Instruments:
 
     # ------------------------------------------------------------------ 3. around optimizer.step()
     def observe_update(
-        self,
-        *,
-        update_norm: float | None = None,
-        weight_norm: float | None = None,
-        grad_norm_after_clip: float | None = None,
-        grad_norm_before_clip: float | None = None,
-        learning_rate: float | None = None,
-        lora_b_norm: float | None = None,
-        base_checksum_drift: float | None = None,
+        self, *, lora_b_norm: float | None = None, base_checksum_drift: float | None = None, **step: float | None
     ) -> dict[str, float]:
         """Metrics of one optimizer step, from plain numbers (`callback.InstrumentsCallback` measures them).
 
-        update_norm: ||w_after - w_before|| over the trainable (metered) parameters.
-        weight_norm: ||w_before|| over the same parameters.
-        grad_norm_after_clip / grad_norm_before_clip: total gradient L2 norms.
+        step: `updates.update_metrics`' numbers (update_norm = ||w_after - w_before|| over the
+            trainable parameters, weight_norm = ||w_before||, grad_norm_after_clip /
+            grad_norm_before_clip, learning_rate); any may be None.
         lora_b_norm: L2 norm of all LoRA B matrices (None without LoRA).
         base_checksum_drift: relative change of the frozen weights' squared norm since the start.
         """
         if not self.enabled:
             return {}
-        out = update_metrics(
-            update_norm=update_norm,
-            weight_norm=weight_norm,
-            grad_norm_after_clip=grad_norm_after_clip,
-            grad_norm_before_clip=grad_norm_before_clip,
-            learning_rate=learning_rate,
-        )
+        out = update_metrics(**step)
         if lora_b_norm is not None:
             out["h06/lora_b_norm"] = lora_b_norm
         if base_checksum_drift is not None:
