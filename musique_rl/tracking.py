@@ -461,8 +461,9 @@ def finish_train_run(tracker: Tracker, out_dir: Path | None = None) -> None:
 
 
 def task_wrapper(task: Callable[[DictConfig], Any]) -> Callable[[DictConfig], Any]:
-    """Run `task(cfg)` inside the job's MLflow run. In a multirun a failure is logged and the job
-    returns None, so one bad job does not take the sweep down; in a single run it re-raises."""
+    """Run `task(cfg)` inside the job's MLflow run (FAILED with the traceback when it raises). The
+    exception goes on: in a multirun the launcher records the job as FAILED and the other jobs
+    go on (hydra_plugins/musique_rl_launchers); the multirun then exits non-zero."""
 
     @functools.wraps(task)
     def wrapped(cfg: DictConfig) -> Any:
@@ -470,10 +471,9 @@ def task_wrapper(task: Callable[[DictConfig], Any]) -> Callable[[DictConfig], An
             with job(cfg):
                 return task(cfg)
         except Exception:
-            if _sweep_dir() is None:
-                raise
-            log.exception("job failed; its MLflow run is FAILED with the traceback, the sweep goes on")
-            return None
+            if _sweep_dir() is not None:
+                log.exception("job failed; its MLflow run is FAILED with the traceback, the sweep goes on")
+            raise
 
     return wrapped
 
@@ -582,11 +582,26 @@ class SweepCallback(_HydraCallback):
         sweep_dir.mkdir(parents=True, exist_ok=True)
         (sweep_dir / PARENT_ID_FILE).write_text(self.parent_run_id)
         (sweep_dir / "sweep_id").write_text(sweep)  # musique_rl.verdict finds the sweep's runs by it
-        # Hydra skips on_multirun_end when a job raised (or was killed): close the parent at exit then
-        atexit.register(self.on_multirun_end, config)
+        # Hydra skips on_multirun_end when the sweep itself raised (Ctrl-C, a launcher error): close the parent at exit then
+        atexit.register(self._close_parent)
         log.info("MLflow parent run %s for sweep %s", self.parent_run_id, sweep)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        """Last of the multirun's callbacks (Hydra calls end hooks in reverse order: after the
+        verdict): the job table, the parent run's outcome, and a non-zero exit when a job failed."""
+        from musique_rl import sweep_jobs
+
+        rows = sweep_jobs.read(Path(str(config.hydra.sweep.dir)))
+        if rows:
+            print("\n" + sweep_jobs.table(rows), flush=True)
+        failed = sum(r.failed for r in rows)
+        self._close_parent(len(rows), failed)
+        if failed:
+            log.error("%d of %d jobs failed (table above; tracebacks in their job dirs)", failed, len(rows))
+            raise SystemExit(1)
+
+    def _close_parent(self, jobs: int = 0, failed: int = 0) -> None:
+        """Tags `jobs` and `failed_jobs` on the parent run; FAILED when any job failed or was killed."""
         if self.parent_run_id is None or self.uri is None:
             return
         parent_run_id, self.parent_run_id = self.parent_run_id, None  # once, by the hook or at exit
@@ -600,10 +615,10 @@ class SweepCallback(_HydraCallback):
         for r in children:  # every job has returned: a run still RUNNING belongs to a killed process
             if r.info.status == "RUNNING":
                 client.set_terminated(r.info.run_id, "KILLED")
-        failed = sum(r.info.status in ("FAILED", "KILLED", "RUNNING") for r in children)
-        client.set_tag(parent_run_id, "jobs", str(len(children)))
+        failed = max(failed, sum(r.info.status in ("FAILED", "KILLED", "RUNNING") for r in children))
+        client.set_tag(parent_run_id, "jobs", str(max(jobs, len(children))))
         client.set_tag(parent_run_id, "failed_jobs", str(failed))
-        client.set_terminated(parent_run_id, "FINISHED")
+        client.set_terminated(parent_run_id, "FAILED" if failed else "FINISHED")
         os.environ.pop(PARENT_ENV, None)
         os.environ.pop(SWEEP_ENV, None)
 

@@ -166,14 +166,14 @@ def test_multirun_nests_jobs_survives_a_failure_and_never_logs_a_secret(tmp_path
            f"hydra.sweep.dir={tmp_path / 'sweep'}", f"env.corpus={URI_WITH_PASSWORD}",
            f"model.name_or_path={TOKEN}"]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]  # one failed job does not fail the sweep
+    assert proc.returncode == 1, proc.stderr[-3000:]  # one failed job: the others finish, the multirun says so
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     runs = [r for e in client.search_experiments() for r in client.search_runs([e.experiment_id])]
     parents = [r for r in runs if r.data.tags.get("sweep_parent") == "true"]
     jobs = [r for r in runs if r not in parents]
     assert len(parents) == 1 and len(jobs) == 2
     parent = parents[0]
-    assert parent.info.status == "FINISHED" and parent.data.tags["failed_jobs"] == "1"
+    assert parent.info.status == "FAILED" and parent.data.tags["failed_jobs"] == "1" and parent.data.tags["jobs"] == "2"
     assert {r.data.tags["mlflow.parentRunId"] for r in jobs} == {parent.info.run_id}
     assert {r.data.tags["sweep_id"] for r in jobs} == {parent.data.tags["sweep_id"]}
     status = {r.data.tags["seed"]: r.info.status for r in jobs}

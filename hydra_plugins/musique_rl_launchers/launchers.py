@@ -9,6 +9,11 @@
    keeps at most that many running, starting the next as one ends, and each job's BLAS/OpenMP
    pool is sized to ``cpus_per_task`` threads.
 
+3. A record of every job: ``<sweep dir>/jobs.json`` (status, seconds, the error's last line;
+   musique_rl/sweep_jobs.py). Failed jobs are then handed to Hydra's sweeper as finished ones
+   (it would raise at the first failure and skip ``on_multirun_end``, so the verdict would not
+   run); ``tracking.SweepCallback`` prints the table and exits non-zero when any job failed.
+
 Configs: conf/hydra/launcher/{local,slurm}.yaml. Upstream's ``launch`` is mirrored in
 ``_executor`` (pinned: hydra-submitit-launcher==1.2.0; tests/test_launchers.py checks the version).
 """
@@ -29,6 +34,8 @@ from hydra.core.utils import JobReturn, JobStatus, filter_overrides
 from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf, LocalQueueConf, SlurmQueueConf
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import BaseSubmititLauncher
 from omegaconf import OmegaConf
+
+from musique_rl import sweep_jobs
 
 log = logging.getLogger(__name__)
 
@@ -69,12 +76,18 @@ class _IsolatingLauncher(BaseSubmititLauncher):
         return executor, job_params
 
     def __call__(self, *args: Any, **kwargs: Any) -> JobReturn:
-        """Runs inside the job: a task that raised leaves traceback.txt in its job dir for the verdict."""
+        """Runs inside the job: a task that raised leaves traceback.txt in its job dir for the verdict;
+        the return carries the job's run time and the error's last line back to the launcher."""
+        t0 = time.time()
         ret = super().__call__(*args, **kwargs)
-        if ret.status == JobStatus.FAILED and ret.hydra_cfg is not None:
+        ret.seconds = round(time.time() - t0, 1)
+        if ret.status == JobStatus.FAILED:
             exc = ret._return_value
-            out = Path(str(ret.hydra_cfg.hydra.runtime.output_dir)) / "traceback.txt"
-            out.write_text("".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
+            ret.error = sweep_jobs.error_line(exc)
+            if ret.hydra_cfg is not None:
+                out = Path(str(ret.hydra_cfg.hydra.runtime.output_dir)) / "traceback.txt"
+                out.write_text("".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
+            ret.return_value = RuntimeError(ret.error)  # picklable whatever the task raised
         return ret
 
     @staticmethod
@@ -82,15 +95,32 @@ class _IsolatingLauncher(BaseSubmititLauncher):
         try:
             return job.results()[0]
         except Exception as exc:  # submitit: UncompletedJobError (killed, cancelled), FailedJobError
-            log.error("job %s (%s) died: %s", job.job_id, " ".join(overrides), str(exc).splitlines()[0] if str(exc) else exc)
+            first = str(exc).splitlines()[0] if str(exc) else repr(exc)
+            log.error("job %s (%s) died: %s", job.job_id, " ".join(overrides), first)
             ret = JobReturn(overrides=overrides, status=JobStatus.FAILED)
             ret.return_value = exc
+            ret.died = f"{type(exc).__name__}: {first}"
             return ret
+
+    def _collect(self, jobs: list[Any], job_params: list[tuple]) -> list[JobReturn]:
+        """Every job's return, recorded in the sweep's jobs.json; failures handed on as finished."""
+        returns = [self._result(j, p[0]) for j, p in zip(jobs, job_params, strict=True)]
+        rows = []
+        for ret, params in zip(returns, job_params, strict=True):
+            died = getattr(ret, "died", None)
+            status = "DIED" if died else ("FAILED" if ret.status == JobStatus.FAILED else "COMPLETED")
+            rows.append(sweep_jobs.JobRow(num=params[2], overrides=list(params[0]), status=status,
+                                          seconds=getattr(ret, "seconds", None), error=died or getattr(ret, "error", None)))
+            if ret.status == JobStatus.FAILED:
+                ret.status, ret.return_value = JobStatus.COMPLETED, None
+        assert self.config is not None
+        sweep_jobs.write(str(self.config.hydra.sweep.dir), rows)
+        return returns
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         executor, job_params = self._executor(job_overrides, initial_job_idx)
         jobs = executor.map_array(self, *zip(*job_params, strict=True))
-        return [self._result(j, p[0]) for j, p in zip(jobs, job_params, strict=True)]
+        return self._collect(jobs, job_params)
 
 
 class LocalLauncher(_IsolatingLauncher):
@@ -114,7 +144,7 @@ class LocalLauncher(_IsolatingLauncher):
                     os.environ.pop(k, None)
                 else:
                     os.environ[k] = v
-        return [self._result(j, p[0]) for j, p in zip(jobs, job_params, strict=True)]
+        return self._collect(jobs, job_params)
 
 
 class SlurmLauncher(_IsolatingLauncher):

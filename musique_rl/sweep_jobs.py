@@ -1,0 +1,81 @@
+"""What became of each job of a multirun: ``<sweep dir>/jobs.json`` and the table printed at its end.
+
+The launcher (hydra_plugins/musique_rl_launchers) writes one row per job when the jobs have
+returned; ``tracking.SweepCallback`` prints the table last, tags the MLflow parent run, and makes
+the multirun exit non-zero when any job failed, so scripts, CI and SLURM dependency chains see it.
+A sweep that is resumed (``sweep.resume=<sweep dir>``) merges its new rows into the same file.
+
+Row fields (a contract: documented in the README): ``num`` (Hydra's job number = the job dir's
+name), ``overrides`` (the job's own overrides), ``status`` (COMPLETED | FAILED | DIED | SKIPPED:
+finished in an earlier launch of a resumed sweep), ``seconds`` (the job's own run time; None when
+the process died), ``error`` (the exception's type and last line; None when it completed).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+JOBS_FILE = "jobs.json"
+BAD = ("FAILED", "DIED")
+
+
+@dataclass
+class JobRow:
+    num: int
+    overrides: list[str] = field(default_factory=list)
+    status: str = "COMPLETED"
+    seconds: float | None = None
+    error: str | None = None
+
+    @property
+    def failed(self) -> bool:
+        return self.status in BAD
+
+
+def error_line(exc: BaseException | None) -> str | None:
+    """``Type: last line of the message`` (the line a traceback ends with)."""
+    if exc is None:
+        return None
+    lines = [line for line in str(exc).strip().splitlines() if line.strip()]
+    return f"{type(exc).__name__}: {lines[-1].strip()}" if lines else type(exc).__name__
+
+
+def write(sweep_dir: str | Path, rows: list[JobRow]) -> Path:
+    """Merge ``rows`` into the sweep's jobs.json (a row replaces the earlier one of its job number)."""
+    path = Path(sweep_dir) / JOBS_FILE
+    merged = {r.num: r for r in read(sweep_dir)}
+    merged.update({r.num: r for r in rows})
+    path.write_text(json.dumps([asdict(merged[k]) for k in sorted(merged)], indent=1) + "\n")
+    return path
+
+
+def read(sweep_dir: str | Path) -> list[JobRow]:
+    path = Path(sweep_dir) / JOBS_FILE
+    if not path.exists():
+        return []
+    return [JobRow(**row) for row in json.loads(path.read_text())]
+
+
+def _cell(text: Any, width: int) -> str:
+    text = "-" if text is None or text == "" else str(text)
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def table(rows: list[JobRow], overrides_width: int = 48, error_width: int = 100) -> str:
+    """The console table: one line per job (the overrides its jobs do not share), then a count;
+    failed jobs say why in one line."""
+    common = set.intersection(*(set(r.overrides) for r in rows)) if len(rows) > 1 else set()
+    own = {r.num: " ".join(o for o in r.overrides if o not in common) for r in rows}
+    overrides_width = max(9, min(overrides_width, max((len(v) for v in own.values()), default=9)))
+    head = f"{'job':>4}  {'overrides':<{overrides_width}}  {'status':<9}  {'seconds':>7}  error"
+    lines = [head, "-" * len(head)]
+    for r in sorted(rows, key=lambda r: r.num):
+        secs = f"{r.seconds:.0f}" if r.seconds is not None else "-"
+        lines.append(f"{r.num:>4}  {_cell(own[r.num], overrides_width):<{overrides_width}}  "
+                     f"{r.status:<9}  {secs:>7}  {_cell(r.error, error_width)}")
+    failed = sum(r.failed for r in rows)
+    lines.append(f"{len(rows)} jobs: {len(rows) - failed} finished, {failed} failed")
+    return "\n".join(lines)
