@@ -76,6 +76,11 @@ class VllmMode(StrEnum):  # TRL 1.16 GRPOConfig.vllm_mode, plus auto
     server = "server"  # `vllm serve` on the first GPU, the trainer on the others (musique_rl/gpu_job.py)
 
 
+class Console(StrEnum):
+    compact = "compact"  # one line per logging step (musique_rl/console.py); every metric in metrics.jsonl
+    full = "full"  # TRL's whole metrics dict per logging step, as transformers prints it
+
+
 class Arm(StrEnum):
     control = "control"
     treatment = "treatment"
@@ -231,6 +236,7 @@ class TrainSettings:
     # accumulation over micro-batches of one generation batch).
     micro_batch_size: Optional[int] = None
     logging_steps: int = 1
+    console: Console = Console.compact
     save_steps: int = 20
     resume: str = "auto"  # auto (last checkpoint in the run dir) | never | <checkpoint path>
     eval_episodes: int = 64  # held-out episodes before and after training

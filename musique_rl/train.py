@@ -3,13 +3,15 @@
 The summary (also the LAST line of output, as one JSON object, and ``metrics.json`` in the run
 directory) holds:
   - ``train/reward_first10``, ``train/reward_last10``, ``train/reward_gain``: mean training reward
-    (TRL's per-step ``reward``) of the first and last 10 steps, and their difference;
+    (TRL's per-step ``reward``) of the first and last ``train/reward_window`` logged steps (10, or
+    half of a shorter run: the windows never overlap), and their difference (NaN below 2 steps);
   - ``eval/before/<component>``, ``eval/after/<component>``, ``eval/gain/<component>``: the
     held-out episodes sampled at the training temperature (``train.eval_temperature``), every
     reward component and the configured ``reward`` total;
   - the same for the greedy policy: ``eval/before_greedy/...``, ``eval/after_greedy/...``,
     ``eval/gain_greedy/...``;
   - where the MLflow run is (``mlflow/run_id``, ``mlflow/uri``) when tracking is on;
+  - every logged metric of every step is in ``metrics.jsonl`` beside it (one JSON object a line);
   - what the figures depend on: ``warm_start/*`` (hash and gate of the start), ``machine/*`` and
     ``git/commit`` (``+dirty`` with uncommitted changes).
 The hypotheses' metrics (conf/hypothesis/*.yaml) name ``train/reward_gain`` and
@@ -81,14 +83,23 @@ def reward_curve(log_history: list[dict]) -> list[float]:
     return [float(h["reward"]) for h in log_history if "reward" in h and "step" in h]
 
 
+def gain_window(steps: int) -> int:
+    """Logged steps averaged at each end of the reward curve: 10, or half a shorter run, so the two
+    windows never share a step (a run of 12 steps compares steps 1-6 with 7-12; 0 below 2 steps)."""
+    return min(WINDOW, steps // 2)
+
+
 def summarise(curve: list[float], before: dict, after: dict, before_g: dict, after_g: dict) -> dict[str, Any]:
-    n = min(WINDOW, len(curve))
+    n = gain_window(len(curve))
+    if n == 0:
+        log.warning("train/reward_gain is NaN: %d logged step(s) cannot make two windows", len(curve))
     first = float(np.mean(curve[:n])) if n else float("nan")
     last = float(np.mean(curve[-n:])) if n else float("nan")
     out: dict[str, Any] = {
         "train/reward_first10": first,
         "train/reward_last10": last,
         "train/reward_gain": last - first,
+        "train/reward_window": n,
         "train/steps": len(curve),
     }
     for tag, b, a in (("", before, after), ("_greedy", before_g, after_g)):
@@ -115,8 +126,9 @@ def _print_summary(summary: dict, run_dir: Path) -> None:
     lines = [
         "",
         "=" * 72,
-        f"training reward   first {WINDOW} steps {g['train/reward_first10']:.3f}  ->  last {WINDOW} "
-        f"{g['train/reward_last10']:.3f}   (gain {g['train/reward_gain']:+.3f}, {g['train/steps']} steps)",
+        f"training reward   first {g['train/reward_window']} steps {g['train/reward_first10']:.3f}  ->  last "
+        f"{g['train/reward_window']} {g['train/reward_last10']:.3f}   (gain {g['train/reward_gain']:+.3f}, "
+        f"{g['train/steps']} steps)",
     ]
     for tag, label in (("", "sampled"), ("_greedy", "greedy ")):
         parts = []
@@ -207,6 +219,15 @@ def train(cfg: Any, run_dir: str | Path | None = None, callbacks: list | None = 
     resume = last_checkpoint(ckpt_dir, str(cfg.train.resume))
     if resume:
         print(f"resuming from {resume}", flush=True)
+    from transformers.trainer_callback import ProgressCallback
+
+    from musique_rl.console import StepLog, start_metrics_file
+
+    if state.is_main_process:  # metrics.jsonl: the steps up to the checkpoint kept on resume, the rest dropped
+        start_metrics_file(out_dir / "metrics.jsonl", resume)
+    trainer.pop_callback(ProgressCallback)  # TRL's dict per step; StepLog keeps the bar, writes one line
+    trainer.add_callback(StepLog(out_dir / "metrics.jsonl", full=str(cfg.train.console) == "full",
+                                 warmup_steps=int(cfg.loss.warmup_steps)))
     trainer.train(resume_from_checkpoint=resume)
     trained = trainer.accelerator.unwrap_model(trainer.model)
     after, after_g = evaluate("after", trained)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -29,6 +30,15 @@ def test_summary_windows_and_gains():
     assert reward_curve(history) == [0.2, 0.4]
 
 
+def test_a_short_run_compares_disjoint_halves_and_never_reports_a_silent_zero():
+    s = summarise([0.2] * 6 + [0.5] * 6, {}, {}, {}, {})  # 12 steps: steps 1-6 against 7-12
+    assert s["train/reward_window"] == 6 and s["train/reward_gain"] == pytest.approx(0.3)
+    s = summarise([0.2, 0.6, 0.4], {}, {}, {}, {})
+    assert s["train/reward_window"] == 1 and s["train/reward_gain"] == pytest.approx(0.2)
+    one = summarise([0.7], {}, {}, {}, {})
+    assert one["train/reward_window"] == 0 and math.isnan(one["train/reward_gain"])
+
+
 def test_train_runs_end_to_end_and_writes_the_summary(tiny_cfg, warm_tiny, tmp_path, capsys):
     from musique_rl.train import train
 
@@ -47,7 +57,14 @@ def test_train_runs_end_to_end_and_writes_the_summary(tiny_cfg, warm_tiny, tmp_p
     for part in ("before", "after", "gain", "before_greedy", "after_greedy"):
         for comp in ("reward", "answer_em", "answer_f1", "citation_f1"):
             assert f"eval/{part}/{comp}" in summary
-    assert summary["train/steps"] == 2
+    assert summary["train/steps"] == 2 and summary["train/reward_window"] == 1
+    # the console: one line per step, not TRL's dict; every metric of every step in metrics.jsonl
+    steps = [line for line in out if line.startswith("step ")]
+    assert [line.split(" | ")[0] for line in steps] == ["step 1/2", "step 2/2"]
+    assert not any("'completions/mean_length'" in line for line in out)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "reward" in r] == [1, 2]
+    assert "h02/env_tokens_with_loss" in rows[0] and "completions/mean_length" in rows[0]
     assert (tmp_path / "episodes_before.jsonl").exists() and (tmp_path / "checkpoints").is_dir()
     assert any("held-out sampled" in line for line in out)
     # the instruments report from the first step on, the sampler/trainer parity probe included

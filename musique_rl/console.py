@@ -1,0 +1,93 @@
+"""What a training job prints per step: one line a person can read; every metric goes to a file.
+
+TRL's progress callback writes the whole logs dict at every logging step (~4,000 characters with
+our instruments), between the progress bar's updates. ``StepLog`` takes its place: it keeps the
+bar and writes one line per logging step (step, reward, reward trend, KL, seconds per step, and
+the instruments out of bounds right now, by name), while every metric goes to ``metrics.jsonl``
+in the run directory (and to MLflow through the tracking callback). ``train.console=full``
+restores TRL's dict on the console.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+from transformers.trainer_callback import ProgressCallback
+
+from musique_rl.diagnostics.bounds import out_of_bounds
+
+TREND_WINDOW = 5  # logged steps averaged at each end for the reward trend
+METRICS_FILE = "metrics.jsonl"
+
+
+def _num(v: Any) -> float | None:
+    return float(v) if isinstance(v, int | float) and not isinstance(v, bool) else None
+
+
+def start_metrics_file(path: str | Path, resume_from: str | None = None) -> None:
+    """A fresh metrics.jsonl; resuming from ``checkpoint-<N>``, the lines of steps <= N are kept
+    (the steps after it run again and are written again)."""
+    path = Path(path)
+    keep: list[str] = []
+    if resume_from and path.exists():
+        last = int(Path(resume_from).name.rsplit("-", 1)[-1]) if "-" in Path(resume_from).name else -1
+        keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line).get("step", 0) <= last]
+    path.write_text("".join(line + "\n" for line in keep))
+
+
+class StepLog(ProgressCallback):
+    """A transformers ProgressCallback whose ``on_log`` writes one line (``full``: TRL's dict) and
+    appends every numeric metric of the step to ``metrics_path`` as one JSON object per line."""
+
+    def __init__(self, metrics_path: str | Path | None, full: bool = False, warmup_steps: int = 0):
+        super().__init__()
+        self.metrics_path = Path(metrics_path) if metrics_path else None
+        self.full = full
+        self.warmup_steps = int(warmup_steps)
+        self.rewards: list[float] = []
+        self._last: tuple[float, int] | None = None  # (time, step) of the previous log
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        super().on_train_begin(args, state, control, **kwargs)
+        self._last = (time.time(), int(state.global_step))
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not state.is_world_process_zero or not logs:
+            return
+        step = int(state.global_step)
+        numbers = {k: n for k, v in logs.items() if (n := _num(v)) is not None}
+        if self.metrics_path is not None:
+            with open(self.metrics_path, "a", encoding="utf-8") as fh:
+                fh.write(json.dumps({"step": step, **numbers}, allow_nan=True) + "\n")
+        if self.full:
+            return super().on_log(args, state, control, logs=logs, **kwargs)
+        self._write(self.line(step, int(state.max_steps), numbers))
+
+    def line(self, step: int, max_steps: int, logs: dict[str, float]) -> str:
+        """``step 12/60 | reward 0.512 trend +0.041 | kl 0.0012 | 2.31 s/step | out of bounds: ...``"""
+        if "reward" not in logs:  # the trainer's closing log (train_runtime, train_loss, ...)
+            return "done: " + ", ".join(f"{k} {v:.4g}" for k, v in logs.items())
+        now = time.time()
+        parts = [f"step {step}/{max_steps}"]
+        self.rewards.append(logs["reward"])
+        n = min(TREND_WINDOW, len(self.rewards) // 2)
+        trend = (sum(self.rewards[-n:]) - sum(self.rewards[:n])) / n if n else math.nan
+        parts.append(f"reward {logs['reward']:.3f} trend {trend:+.3f}" if n else f"reward {logs['reward']:.3f}")
+        if "kl" in logs:
+            parts.append(f"kl {logs['kl']:.2g}")
+        if self._last is not None and step > self._last[1]:
+            parts.append(f"{(now - self._last[0]) / (step - self._last[1]):.2f} s/step")
+        self._last = (now, step)
+        bad = out_of_bounds(logs, skip=("h08/",) if step <= self.warmup_steps else ())
+        parts.append("out of bounds: " + ", ".join(bad) if bad else "instruments in bounds")
+        return " | ".join(parts)
+
+    def _write(self, text: str) -> None:
+        if self.training_bar is not None:
+            self.training_bar.write(text)
+        else:
+            print(text, flush=True)
