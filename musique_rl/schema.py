@@ -259,6 +259,13 @@ class TrackingConfig:
 
 
 @dataclass
+class SweepSettings:
+    # a multirun's directory to finish: its jobs with a metrics.json are kept (their MLflow runs
+    # too), the others run again, each resuming from its own checkpoint and MLflow run
+    resume: Optional[str] = None
+
+
+@dataclass
 class Config:
     model: ModelConfig = MISSING
     lora: LoraConfig = MISSING
@@ -274,6 +281,7 @@ class Config:
     train: TrainSettings = field(default_factory=TrainSettings)
     diagnostics: DiagnosticsConfig = field(default_factory=DiagnosticsConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    sweep: SweepSettings = field(default_factory=SweepSettings)
 
 
 def _arm(control: Any, treatment: Any, *, _root_: Any) -> Any:
@@ -306,6 +314,8 @@ def register() -> None:
     """Register schemas, named sweeps and resolvers (idempotent: Hydra may import us twice)."""
     if not OmegaConf.has_resolver("arm"):
         OmegaConf.register_new_resolver("arm", _arm)
+    if not OmegaConf.has_resolver("first_set"):  # ${first_set:a,b}: a unless it is null or empty, else b
+        OmegaConf.register_new_resolver("first_set", lambda *values: next((v for v in values if v not in (None, "")), None))
     if not OmegaConf.has_resolver("mul"):
         OmegaConf.register_new_resolver("mul", lambda a, b: a * b)
     # One root schema types every group: the option files merge into its typed nodes.

@@ -575,7 +575,14 @@ class SweepCallback(_HydraCallback):
         }
         tags = {k: redact_value(k, v)[:_TAG_MAX] for k, v in tags.items()}
         client = MlflowClient(self.uri)
-        self.parent_run_id = client.create_run(exp_id, tags=tags, run_name=tags["mlflow.runName"]).info.run_id
+        earlier = sweep_dir / PARENT_ID_FILE
+        if OmegaConf.select(config, "sweep.resume", default=None) and earlier.exists():
+            # a resumed sweep finishes under its own parent run: the kept jobs' runs are its children
+            self.parent_run_id = earlier.read_text().strip()
+            client.update_run(self.parent_run_id, status="RUNNING")
+            client.set_tag(self.parent_run_id, "resumes", int(client.get_run(self.parent_run_id).data.tags.get("resumes", 0)) + 1)
+        else:
+            self.parent_run_id = client.create_run(exp_id, tags=tags, run_name=tags["mlflow.runName"]).info.run_id
         os.environ[PARENT_ENV] = self.parent_run_id
         os.environ[SWEEP_ENV] = sweep
         # jobs started without our environment (e.g. a requeued SLURM task) read it from the sweep dir

@@ -138,6 +138,34 @@ def test_cancelled_job_ends_killed_the_others_finish_and_the_verdict_names_it(sl
     assert len(parent) == 1 and parent[0].data.tags["verdict"] == "Inconclusive"
 
 
+def test_a_cancelled_job_is_rerun_by_resuming_the_sweep_and_the_verdict_covers_every_pair(slurm, tmp_path):
+    proc = stand_in_sweep(tmp_path, "+sweep=h02", "seed=1,2", env={"SWEEP_APP_STEPS": "6", "SWEEP_APP_STEP_S": "1"})
+    victim = tmp_path / "sweep" / "1"  # control, seed 2
+    try:
+        wait(lambda: job_ids(victim), 120, "control seed 2 to start")
+        task_id = [ln.split()[0] for ln in sh("squeue", "-h", "-o", "%i").splitlines() if ln.endswith("_1")][0]
+        sh("scancel", task_id)
+        proc.wait(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1 and not (victim / "metrics.json").exists()
+    kept = {d.name: (d / "mlflow_run_id").read_text() for d in (tmp_path / "sweep").iterdir() if (d / "metrics.json").exists()}
+    assert len(kept) == 3
+    resumed = stand_in_sweep(tmp_path, "+sweep=h02", "seed=1,2", f"sweep.resume={tmp_path / 'sweep'}",
+                             env={"SWEEP_APP_STEPS": "6", "SWEEP_APP_STEP_S": "1"})
+    resumed.wait(timeout=300)
+    log = (tmp_path / "sweep.log").read_text()
+    assert resumed.returncode == 0, log[-3000:]
+    rows = {r["num"]: r["status"] for r in json.loads((tmp_path / "sweep" / "jobs.json").read_text())}
+    assert rows == {0: "SKIPPED", 1: "COMPLETED", 2: "SKIPPED", 3: "SKIPPED"}
+    for job, run_id in kept.items():
+        assert (tmp_path / "sweep" / job / "mlflow_run_id").read_text() == run_id
+        assert json.loads((tmp_path / "sweep" / job / "progress.json").read_text())["starts"] == 1
+    v = json.loads((tmp_path / "sweep" / "verdict.json").read_text())
+    assert v["n_pairs"] == 2 and v["missing"] == []
+
+
 # ---------------------------------------------------------------- the real tiny training
 # Short runs: the point is the machinery (launcher, tracking, resume, verdict), not learning.
 TINY_RUN = ["train.eval_episodes=8", "train.logging_steps=1"]

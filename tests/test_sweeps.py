@@ -144,3 +144,61 @@ def test_killed_job_leaves_the_others_finished_and_the_verdict_names_it(tmp_path
     v = json.loads((sweep_dir / "verdict.json").read_text())
     assert [(m["arm"], m["seed"]) for m in v["missing"]] == [("control", 1)]
     assert v["status"] == "Inconclusive" and v["n_pairs"] == 1
+
+
+def test_an_interrupted_sweep_resumes_only_its_unfinished_jobs(tmp_path):
+    """A sweep whose launcher and jobs die half-way (a dead node, an allocation that ran out) is
+    finished by the same command with sweep.resume=<its dir>: the finished jobs are kept with
+    their MLflow runs, the others resume from their own files into their own runs, and the
+    verdict covers every seed pair."""
+    import signal
+    import time
+
+    from mlflow.tracking import MlflowClient
+
+    sweep_dir = tmp_path / "sweep"
+    cmd = [sys.executable, str(ROOT / "tests" / "sweep_app.py"), "-m", "+sweep=h02", "seed=1,2",
+           f"hydra.sweep.dir={sweep_dir}", "hydra.callbacks.verdict.readme=false"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}",
+           "SWEEP_APP_STEPS": "6", "SWEEP_APP_STEP_S": "0.5"}
+    first = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             start_new_session=True)
+
+    def started(job: str) -> bool:
+        p = sweep_dir / job / "progress.json"
+        return p.exists() and json.loads(p.read_text())["step"] >= 1
+
+    deadline = time.time() + 120
+    while not ((sweep_dir / "0" / "metrics.json").exists() and started("2")) and time.time() < deadline:
+        time.sleep(0.2)
+    os.killpg(first.pid, signal.SIGKILL)  # the launcher and every job it started, mid-run
+    first.wait()
+    import psutil  # accelerate's dependency: the job processes, whatever session submitit gave them
+
+    for p in psutil.process_iter(["cmdline"]):
+        if "submitit" in " ".join(p.info["cmdline"] or []) and str(sweep_dir) in " ".join(p.info["cmdline"] or []):
+            p.kill()
+    finished = {p.parent.name for p in sweep_dir.glob("*/metrics.json")}
+    assert "0" in finished and "2" not in finished
+    run_ids = {d.name: (d / "mlflow_run_id").read_text() for d in sweep_dir.iterdir() if (d / "mlflow_run_id").exists()}
+    parent = (sweep_dir / "mlflow_parent_run_id").read_text()
+
+    proc = subprocess.run([*cmd, f"sweep.resume={sweep_dir}"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {r["num"]: r["status"] for r in json.loads((sweep_dir / "jobs.json").read_text())}
+    assert {rows[int(j)] for j in finished} == {"SKIPPED"}
+    assert {rows[n] for n in range(4) if str(n) not in finished} == {"COMPLETED"}
+    for job in finished:  # kept: trained once, same run
+        assert json.loads((sweep_dir / job / "progress.json").read_text())["starts"] == 1
+    resumed = json.loads((sweep_dir / "2" / "progress.json").read_text())
+    assert resumed["starts"] == 2 and json.loads((sweep_dir / "2" / "metrics.json").read_text())["job/resumed_from_step"] >= 1
+    for job, run_id in run_ids.items():
+        assert (sweep_dir / job / "mlflow_run_id").read_text() == run_id
+    client = MlflowClient(env["MLFLOW_TRACKING_URI"])
+    runs = [r for e in client.search_experiments() for r in client.search_runs([e.experiment_id])]
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent]
+    assert len(children) == 4 and {r.info.status for r in children} == {"FINISHED"}
+    assert client.get_run(parent).info.status == "FINISHED" and (sweep_dir / "mlflow_parent_run_id").read_text() == parent
+    v = json.loads((sweep_dir / "verdict.json").read_text())
+    assert v["n_pairs"] == 2 and v["missing"] == [] and v["status"] == "Validated"

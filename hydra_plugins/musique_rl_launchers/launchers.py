@@ -102,6 +102,30 @@ class _IsolatingLauncher(BaseSubmititLauncher):
             ret.died = f"{type(exc).__name__}: {first}"
             return ret
 
+    def _plan(self, job_params: list[tuple]) -> tuple[list[tuple], list[sweep_jobs.JobRow]]:
+        """(jobs to launch, rows of the jobs kept). With ``sweep.resume=<sweep dir>`` a job whose dir
+        holds a metrics.json finished in an earlier launch: it is kept (SKIPPED), not run again."""
+        assert self.config is not None
+        if not OmegaConf.select(self.config, "sweep.resume", default=None):
+            return job_params, []
+        if str(OmegaConf.to_container(self.config.hydra.sweep, resolve=False).get("subdir")) != "${hydra.job.num}":
+            raise ValueError("sweep.resume needs hydra.sweep.subdir=${hydra.job.num} (the default): job dirs are found by number")
+        sweep_dir = Path(str(self.config.hydra.sweep.dir))
+        earlier = {r.num: r for r in sweep_jobs.read(sweep_dir)}
+        run, kept = [], []
+        for params in job_params:
+            num, own = params[2], [o for o in params[0] if not o.startswith("sweep.resume=")]
+            before = earlier.get(num)
+            if before is not None and sorted(before.overrides) != sorted(own):
+                raise ValueError(f"sweep.resume={sweep_dir}: job {num} ran {' '.join(before.overrides)!r} but would now run "
+                                 f"{' '.join(own)!r}: resume with the sweep's own command (same overrides and grid)")
+            if (sweep_dir / str(num) / "metrics.json").exists():
+                kept.append(sweep_jobs.JobRow(num, own, "SKIPPED", before.seconds if before else None))
+            else:
+                run.append(params)
+        log.info("sweep.resume: %d job(s) finished earlier are kept, %d run now", len(kept), len(run))
+        return run, kept
+
     def _collect(self, jobs: list[Any], job_params: list[tuple]) -> list[JobReturn]:
         """Every job's return, recorded in the sweep's jobs.json; failures handed on as finished."""
         returns = [self._result(j, p[0]) for j, p in zip(jobs, job_params, strict=True)]
@@ -109,7 +133,8 @@ class _IsolatingLauncher(BaseSubmititLauncher):
         for ret, params in zip(returns, job_params, strict=True):
             died = getattr(ret, "died", None)
             status = "DIED" if died else ("FAILED" if ret.status == JobStatus.FAILED else "COMPLETED")
-            rows.append(sweep_jobs.JobRow(num=params[2], overrides=list(params[0]), status=status,
+            own = [o for o in params[0] if not o.startswith("sweep.resume=")]
+            rows.append(sweep_jobs.JobRow(num=params[2], overrides=own, status=status,
                                           seconds=getattr(ret, "seconds", None), error=died or getattr(ret, "error", None)))
             if ret.status == JobStatus.FAILED:
                 ret.status, ret.return_value = JobStatus.COMPLETED, None
@@ -119,7 +144,9 @@ class _IsolatingLauncher(BaseSubmititLauncher):
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         executor, job_params = self._executor(job_overrides, initial_job_idx)
-        jobs = executor.map_array(self, *zip(*job_params, strict=True))
+        job_params, kept = self._plan(job_params)
+        sweep_jobs.write(str(self.config.hydra.sweep.dir), kept)
+        jobs = executor.map_array(self, *zip(*job_params, strict=True)) if job_params else []
         return self._collect(jobs, job_params)
 
 
@@ -128,7 +155,9 @@ class LocalLauncher(_IsolatingLauncher):
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         executor, job_params = self._executor(job_overrides, initial_job_idx)
-        cap = self.max_parallel or len(job_params)
+        job_params, kept = self._plan(job_params)
+        sweep_jobs.write(str(self.config.hydra.sweep.dir), kept)
+        cap = self.max_parallel or len(job_params) or 1
         threads = str(self.params.get("cpus_per_task") or 1)
         saved = {k: os.environ.get(k) for k in THREAD_VARS}
         os.environ.update({k: threads for k in THREAD_VARS})  # inherited by each job's process

@@ -20,7 +20,7 @@ from typing import Any
 
 from musique_rl.verdict.sweep import ARMS, UNKNOWN, Run
 
-IGNORED_PARAMS = ("seed", "hypothesis.arm")  # what legitimately differs between the jobs of a sweep
+IGNORED_PARAMS = ("seed", "hypothesis.arm", "sweep.resume")  # what legitimately differs between the jobs of a sweep (sweep.resume: the jobs a resume ran)
 
 
 def _is_seed_key(key: str, runs: list[Run]) -> bool:
