@@ -64,6 +64,8 @@ def job(cfg: DictConfig) -> float:
         "job/starts": progress["starts"],
         "job/host": socket.gethostname(),
     }
+    # a reward curve as a training job logs it (metrics.jsonl): rising to the job's value
+    (out / "metrics.jsonl").write_text("".join(json.dumps({"step": k, "reward": value * k / 3}) + "\n" for k in (1, 2, 3)))
     (out / "metrics.json").write_text(json.dumps(metrics))
     if (tracker := tracking.active()) is not None:
         tracker.log_metrics(metrics, step=progress["step"])

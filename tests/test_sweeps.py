@@ -98,6 +98,17 @@ def test_local_sweep_runs_arms_in_parallel_capped_and_prints_its_verdict(tmp_pat
     assert peak == 2
     v = json.loads((sweep_dir / "verdict.json").read_text())
     assert v["status"] == "Validated" and v["n_pairs"] == 2 and v["effect"] == pytest.approx(0.10)
+    # the sweep's two pictures, and the verdict's row links them
+    from musique_rl.verdict.plots import sweep_curves
+
+    curves = sweep_curves(sweep_dir)
+    assert sorted(curves) == ["control", "treatment"] and sorted(curves["control"]) == [1, 2]
+    assert curves["treatment"][1] == [(1, pytest.approx(0.41 / 3)), (2, pytest.approx(0.82 / 3)), (3, pytest.approx(0.41))]
+    for name in ("reward_curves.png", "paired_differences.png"):
+        png = sweep_dir / "plots" / name
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+        assert v["plots"][name] == str(png)
+    assert f"[reward curves]({sweep_dir / 'plots' / 'reward_curves.png'})" in v["status_table"]
 
 
 def test_a_grid_written_by_hand_is_judged_only_when_it_sweeps_both_arms(tmp_path):

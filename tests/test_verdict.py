@@ -332,6 +332,9 @@ def test_cli_writes_verdict_json_and_only_the_readme_section(multirun, tmp_path,
     assert data["interval"] == "t" and data["t_df"] == 3 and data["sign_flip_p"] == pytest.approx(2 / 16)
     assert data["warm_start"] == ["3f2a9c1b0d4e"] and data["machine"] == ["AMD EPYC 7B13 | 1 threads | cpu"]
     assert (multirun / "status.md").read_text().strip() in text
+    # the row links the paired-differences plot, copied beside the README (the sweep dir is not committed)
+    assert "[paired differences](docs/verdicts/h02/paired_differences.png)" in section
+    assert (readme.parent / "docs/verdicts/h02/paired_differences.png").read_bytes()[:4] == b"\x89PNG"
 
     # a later verdict on another hypothesis keeps this row
     other = tmp_path / "other"
@@ -399,7 +402,8 @@ def test_mlflow_runs_are_judged_and_the_verdict_attached_to_the_parent(tmp_path,
     assert v["commits"] == ["25917a6"]
     assert "warm start 3f2a9c1b0d4e; AMD EPYC 7B13 x1 thread, cpu; commit 25917a6" in V.table_row(v)["notes"]
     client = mlflow.tracking.MlflowClient(tracking_uri=uri)
-    assert {a.path for a in client.list_artifacts(parent.info.run_id)} == {"verdict.json", "status.md"}
+    assert {a.path for a in client.list_artifacts(parent.info.run_id)} == {"verdict.json", "status.md", "plots"}
+    assert [a.path for a in client.list_artifacts(parent.info.run_id, "plots")] == ["plots/paired_differences.png"]
     assert client.get_run(parent.info.run_id).data.tags["verdict"] == "Validated"
     # --experiment finds the same (latest) sweep
     assert V.run_verdict(experiment="h01", tracking_uri=uri, out=tmp_path, readme=None)["n_pairs"] == 2

@@ -72,6 +72,8 @@ def table_row(v: dict[str, Any]) -> dict[str, str]:
         notes += "; missing " + ", ".join(f"{m['arm']}/seed {m['seed']} ({m['status']})" for m in v["missing"])
     notes += "; " + provenance_line(v)
     notes += f"; {where} {v['generated_at'][:10]}".rstrip()
+    if v.get("plots"):
+        notes += "; plots: " + ", ".join(f"[{Path(p).stem.replace('_', ' ')}]({p})" for p in v["plots"].values())
     return {
         "hypothesis": f"{h['id']} {h['title']}".strip(),
         "priority": h["priority"],
@@ -158,14 +160,42 @@ def update_readme(table: str, readme: Path = README) -> None:
 
 
 # ---------------------------------------------------------------- all outputs
+def _plots(verdict: dict[str, Any], out_dir: Path, readme: Path | None) -> dict[str, Path]:
+    """The sweep's plots in ``out_dir/plots``; with a README, copies under docs/verdicts/<id>/ (the
+    sweep dir is not in the repository) that its row links to. Sets ``verdict["plots"]``."""
+    import shutil
+
+    from musique_rl.verdict import plots as sweep_plots
+
+    try:
+        drawn = sweep_plots.draw(verdict, out_dir)
+    except Exception as exc:  # a plotting problem must not lose the verdict
+        log.warning("could not draw the sweep's plots: %s", exc)
+        return {}
+    links = {}
+    for name, p in drawn.items():
+        if readme is not None:
+            dest = readme.parent / "docs" / "verdicts" / verdict["hypothesis"]["id"] / name
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(p, dest)
+            links[name] = dest.relative_to(readme.parent).as_posix()
+        else:
+            links[name] = str(p)
+    verdict["plots"] = links
+    return drawn
+
+
+
 def publish(verdict: dict[str, Any], *, out: Path | None = None, readme: Path | None = README) -> dict[str, str]:
     """Write verdict.json and status.md; update README's section; attach both to the parent run."""
     src = verdict["source"]
     out_dir = out if out is not None else Path(src["sweep_dir"]) if src.get("sweep_dir") else Path.cwd()
     out_dir.mkdir(parents=True, exist_ok=True)
+    written = {}
+    plots = _plots(verdict, out_dir, readme)
+    written.update({f"plots/{name}": str(p) for name, p in plots.items()})
     readme_text = readme.read_text() if readme is not None and readme.exists() else ""
     table = status_table(verdict, readme_text)
-    written = {}
     (out_dir / "verdict.json").write_text(json.dumps({**verdict, "status_table": table}, indent=2) + "\n")
     (out_dir / "status.md").write_text(table + "\n")
     written["verdict.json"] = str(out_dir / "verdict.json")
@@ -181,6 +211,8 @@ def publish(verdict: dict[str, Any], *, out: Path | None = None, readme: Path | 
             client = MlflowClient(tracking_uri=src.get("tracking_uri"))
             client.log_artifact(parent, written["verdict.json"])
             client.log_artifact(parent, written["status.md"])
+            for p in plots.values():
+                client.log_artifact(parent, str(p), "plots")
             client.set_tag(parent, "verdict", verdict["status"])
             written["mlflow_parent_run"] = parent
         except Exception as exc:  # the files are written; a tracking hiccup must not lose them
