@@ -455,7 +455,10 @@ def finish_train_run(tracker: Tracker, out_dir: Path | None = None) -> None:
         write_diagnosis(tracker.run_id, diagnosis, uri=tracker.uri)
         if out_dir is not None and out_dir.is_dir():
             (out_dir / "diagnosis.json").write_text(json.dumps(diagnosis, indent=2))
-        log.info("doctor:\n%s", format_diagnosis(diagnosis))
+        # flagged findings with their evidence on the console; the full ranked list is diagnosis.json
+        # (and `python -m musique_rl.diagnostics.doctor --run-id <id>`)
+        checks = sum(d["check"] != "no_data" for d in diagnosis)
+        log.info("doctor (%d checks, all in diagnosis.json):\n%s", checks, format_diagnosis(diagnosis, show_ok=False))
     except Exception:
         log.exception("doctor failed")
 

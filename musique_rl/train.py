@@ -147,6 +147,15 @@ def _print_summary(summary: dict, run_dir: Path) -> None:
 
 
 # ---------------------------------------------------------------- the job
+def _quiet_library_deprecations() -> None:
+    """transformers 5.x warns, for every trainer and model it builds, that gradient_checkpointing will
+    be renamed in v6 (TRL still uses the old name): nothing a user can act on, so it does not fill the
+    console. Other warnings stay."""
+    import warnings
+
+    warnings.filterwarnings("ignore", message=r".*(is_)?gradient_checkpointing.* is deprecated", category=FutureWarning)
+
+
 def train(cfg: Any, run_dir: str | Path | None = None, callbacks: list | None = None) -> float:
     """Run one GRPO job (module docstring); returns ``train/reward_gain``. ``callbacks``: extra
     transformers TrainerCallbacks (musique_rl.smoke times the steps with one)."""
@@ -162,6 +171,7 @@ def train(cfg: Any, run_dir: str | Path | None = None, callbacks: list | None = 
     from musique_rl.env.retrieval import build_retriever
 
     t0 = time.time()
+    _quiet_library_deprecations()
     logging.getLogger("bm25s").setLevel(logging.WARNING)  # one DEBUG line per indexed record otherwise
     state = process_state()
     out_dir = run_directory(run_dir)
