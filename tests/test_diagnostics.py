@@ -341,3 +341,29 @@ def test_callback_measures_an_optimizer_step():
     logs = {"grad_norm": 3.0}
     cb.on_log(None, state, None, logs=logs)
     assert logs["h08/grad_norm_before_clip"] == 3.0
+
+
+def test_a_new_instrument_is_one_registered_function_and_its_doctor_rule():
+    """The recipe of docs/architecture.md, done: a function registered as a per-batch instrument
+    reaches observe_batch's metrics, and a rule registered with @doctor.rule reads it back."""
+    from musique_rl.diagnostics import doctor
+    from musique_rl.diagnostics.batch import BATCH_INSTRUMENTS, Batch
+
+    @BATCH_INSTRUMENTS.register("test long completions")
+    def long_completions(b: Batch) -> dict[str, float]:
+        return {"h04/test_long_share": float((b.completion_mask.sum(dim=1) > 4).float().mean())}
+
+    @doctor.rule
+    def _test_rule(m, params):
+        share = [v for _, v in m.get("h04/test_long_share", [])]
+        return [doctor.Finding("h04", "test_long", bool(share) and share[-1] > 0.5, 1.0 if share and share[-1] > 0.5 else 0.0,
+                               "completions are long", {"h04/test_long_share": share[-1] if share else float("nan")})]
+
+    try:
+        m = Instruments(num_generations=G, artifact_logger=None).observe_batch(**batch(), step=0)
+        assert m["h04/test_long_share"] == 1.0
+        top = doctor.diagnose_metrics({"h04/test_long_share": [(0, m["h04/test_long_share"])]})[0]
+        assert top["check"] == "test_long" and top["flagged"]
+    finally:
+        BATCH_INSTRUMENTS._items.pop("test long completions")
+        doctor.RULES.remove(_test_rule)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from musique_rl.diagnostics.batch import BATCH_INSTRUMENTS, Batch
+
 # Centred rewards below this are float round-off, not a reward difference (fp32 rewards in [0, ~2]
 # carry ~1e-7 relative precision); their ratio to the advantage is not an amplification.
 _ROUNDOFF = 1e-12
@@ -67,3 +69,8 @@ def advantage_stats(
         near_f = factor[near_tie.unsqueeze(1) & moved]
         out["h01/near_tie_amplification_max"] = near_f.max() if near_f.numel() else torch.tensor(0.0)
     return {k: float(v) for k, v in out.items()}
+
+
+@BATCH_INSTRUMENTS.register("h01 advantages")
+def batch_advantages(b: Batch) -> dict[str, float]:
+    return advantage_stats(b.rewards, b.advantages, b.num_generations, b.near_zero_std)

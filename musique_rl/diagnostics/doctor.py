@@ -24,7 +24,7 @@ import math
 import os
 import statistics
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -94,6 +94,16 @@ def _num(params: Mapping[str, str], key: str, default: float = 0.0) -> float:
 
 
 # ---------------------------------------------------------------- rules, one function per hypothesis
+# The rules, each registered where it is written (@rule): (metric histories, run params) -> findings.
+RULES: list[Callable[[Mapping[str, History], Mapping[str, str]], list[Finding]]] = []
+
+
+def rule(fn: Callable[[Mapping[str, History], Mapping[str, str]], list[Finding]]) -> Callable:
+    RULES.append(fn)
+    return fn
+
+
+@rule
 def _h01(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
     amp = _vals(m.get("h01/amplification_max"))
     near = _vals(m.get("h01/near_zero_std_share"))
@@ -118,6 +128,7 @@ def _h01(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
                     f"{ev['h01/near_zero_std_share (mean)']:.0%} of groups are near-ties on average.", ev)]
 
 
+@rule
 def _h02(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
     out: list[Finding] = []
     env = _vals(m.get("h02/env_tokens_with_loss"))
@@ -165,6 +176,7 @@ def _h02(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
     return out
 
 
+@rule
 def _h03(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
     out: list[Finding] = []
     env = _vals(m.get("h03/kl_env_tokens"))
@@ -195,6 +207,7 @@ def _h03(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
     return out
 
 
+@rule
 def _h04(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
     keys = ["h04/budget_cap_share", "h04/dropped_tool_results_share", "h04/question_left_context_share",
             "h04/prompt_at_cap_share", "h04/no_answer_share"]
@@ -221,6 +234,7 @@ def _h04(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
     return [Finding("h04", "budgets_binding", False, 0.0, "Token budgets rarely bind.", ev)]
 
 
+@rule
 def _h05(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
     out: list[Finding] = []
     errs = _vals(m.get("h05/reward_errors"))
@@ -260,6 +274,7 @@ def _h05(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
     return out
 
 
+@rule
 def _h06(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
     out: list[Finding] = []
     stale = _vals(m.get("h06/parity_stale"))
@@ -297,6 +312,7 @@ def _h06(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
     return out
 
 
+@rule
 def _h07(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
     fail = _vals(m.get("h07/tool_failure_rate"))
     if not fail:
@@ -312,6 +328,7 @@ def _h07(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
     return [Finding("h07", "tool_failures", False, 0.0, f"Tool calls mostly succeed ({f:.0%} fail).", ev)]
 
 
+@rule
 def _h08(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
     ratio = _vals(m.get("h08/update_weight_ratio"))
     if not ratio:
@@ -336,6 +353,7 @@ def _h08(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
     return [Finding("h08", "updates_too_small", False, 0.0, f"Weights move {med:.2g} of their norm per step.", ev)]
 
 
+@rule
 def _preflight(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
     sig = _vals(m.get("preflight/signal_share_forecast"))
     if not sig:
@@ -363,7 +381,6 @@ def _preflight(m: Mapping[str, History], params: Mapping[str, str]) -> list[Find
                     f"Pre-flight: {s:.0%} of groups forecast to carry signal.", ev)]
 
 
-RULES = (_h01, _h02, _h03, _h04, _h05, _h06, _h07, _h08, _preflight)
 HYPOTHESES = ("h01", "h02", "h03", "h04", "h05", "h06", "h07", "h08")
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from musique_rl.diagnostics.batch import BATCH_INSTRUMENTS, Batch
+
 
 def episode_shape(episodes: Sequence[dict[str, Any]]) -> dict[str, float]:
     """Means over episodes of turns and tool calls; tool failure rate = failed calls / calls."""
@@ -20,3 +22,8 @@ def episode_shape(episodes: Sequence[dict[str, Any]]) -> dict[str, float]:
         "h07/no_tool_call_share": sum(c == 0 for c in calls) / n,
         "h07/tool_failure_rate": sum(errors) / max(sum(calls), 1),
     }
+
+
+@BATCH_INSTRUMENTS.register("h07 episode shape")
+def batch_shape(b: Batch) -> dict[str, float]:
+    return episode_shape([dict(e) for e in b.episodes]) if b.episodes else {}

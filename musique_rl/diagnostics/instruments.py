@@ -26,20 +26,16 @@ from typing import Any
 import torch
 
 from musique_rl.diagnostics import preflight
-from musique_rl.diagnostics.advantages import advantage_stats
+from musique_rl.diagnostics.batch import Batch, batch_instruments
 from musique_rl.diagnostics.callback import InstrumentsCallback
-from musique_rl.diagnostics.episodes import episode_shape
 from musique_rl.diagnostics.kl import kl_stats
 from musique_rl.diagnostics.ledger import (
     Source,
     attention_coverage,
     mask_agreement,
     sources_tensor,
-    token_ledger,
 )
-from musique_rl.diagnostics.reward_signal import reward_component_stats
 from musique_rl.diagnostics.sync import Scorer, logp_gap, model_scorer, parity, peft_base_scorer
-from musique_rl.diagnostics.truncation import episode_truncation, length_stats
 from musique_rl.diagnostics.updates import update_metrics
 
 log = logging.getLogger(__name__)
@@ -167,17 +163,16 @@ class Instruments:
         prompt_ids, completion_ids, sampling_logps, trainer_logps = map(
             _cpu, (prompt_ids, completion_ids, sampling_logps, trainer_logps))
         loss_mask = completion_mask if tool_mask is None else completion_mask * tool_mask
+        batch = Batch(
+            num_generations=self.num_generations, near_zero_std=self.near_zero_std, rewards=rewards,
+            advantages=advantages, prompt_mask=prompt_mask, completion_mask=completion_mask, loss_mask=loss_mask,
+            token_sources=token_sources, episodes=list(episodes or ()), reward_components=reward_components,
+            reward_errors=reward_errors, sampling_logps=sampling_logps, trainer_logps=trainer_logps,
+            max_prompt_tokens=self.max_prompt_tokens, max_completion_tokens=self.max_completion_tokens,
+        )
         out: dict[str, float] = {}
-        out.update(advantage_stats(rewards, advantages, self.num_generations, self.near_zero_std))
-        out.update(token_ledger(loss_mask, token_sources, completion_mask))
-        out.update(length_stats(prompt_mask, completion_mask, self.max_prompt_tokens, self.max_completion_tokens))
-        if episodes:
-            eps = [dict(e) for e in episodes]
-            out.update(episode_truncation(eps))
-            out.update(episode_shape(eps))
-        out.update(reward_component_stats(reward_components or {}, rewards, self.num_generations, reward_errors))
-        if sampling_logps is not None and trainer_logps is not None:
-            out.update(logp_gap(sampling_logps, trainer_logps, loss_mask, token_sources))
+        for instrument in batch_instruments():  # every registered per-batch instrument (batch.py)
+            out.update(instrument(batch))
         if self.preflight is None and reward_components and "answer_em" in reward_components:
             # The first batch comes from the initial policy: its groups are the pre-flight sample.
             passed = torch.as_tensor(reward_components["answer_em"], dtype=torch.float64).nan_to_num(0.0) >= 1.0

@@ -12,6 +12,8 @@ from enum import IntEnum
 
 import torch
 
+from musique_rl.diagnostics.batch import BATCH_INSTRUMENTS, Batch
+
 
 class Source(IntEnum):
     """Where a token came from. The rollout returns one code per completion token (`token_sources`)."""
@@ -125,3 +127,8 @@ def sources_tensor(sources: list[list[str | int]], width: int | None = None) -> 
                 codes.append(int(s))
         out[i, : len(codes)] = torch.tensor(codes, dtype=torch.long)
     return out
+
+
+@BATCH_INSTRUMENTS.register("h02 token ledger")
+def batch_ledger(b: Batch) -> dict[str, float]:
+    return token_ledger(b.loss_mask, b.token_sources, b.completion_mask)

@@ -12,6 +12,8 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from musique_rl.diagnostics.batch import BATCH_INSTRUMENTS, Batch
+
 # two rewards closer than this are the same reward (components live in [0, 1])
 _EQ = 1e-6
 
@@ -65,3 +67,8 @@ def reward_component_stats(
         if c is not None:
             out[f"h05/{name}/corr_total"] = c
     return out
+
+
+@BATCH_INSTRUMENTS.register("h05 reward signal")
+def batch_reward_signal(b: Batch) -> dict[str, float]:
+    return reward_component_stats(b.reward_components or {}, b.rewards, b.num_generations, b.reward_errors)

@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 import torch
 
+from musique_rl.diagnostics.batch import BATCH_INSTRUMENTS, Batch
 from musique_rl.diagnostics.ledger import Source
 
 # A scorer returns per-token log-probs (N, logits_to_keep) of the given sequences' last
@@ -172,3 +173,10 @@ class BaseChecksum:
 
     def drift(self) -> float | None:
         return abs(self._sumsq() - self._ref) / self._ref if self.available else None
+
+
+@BATCH_INSTRUMENTS.register("h06 sampler-trainer gap")
+def batch_logp_gap(b: Batch) -> dict[str, float]:
+    if b.sampling_logps is None or b.trainer_logps is None:
+        return {}
+    return logp_gap(b.sampling_logps, b.trainer_logps, b.loss_mask, b.token_sources)

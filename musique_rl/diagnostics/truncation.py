@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from musique_rl.diagnostics.batch import BATCH_INSTRUMENTS, Batch
+
 STOP_REASONS = ("answer", "max_turns", "turn_budget", "episode_budget", "no_tool_call")
 BUDGET_STOPS = ("turn_budget", "episode_budget")  # token caps, as opposed to the turn cap
 _ANSWER = re.compile(r"<answer>\s*[^<\s]", re.IGNORECASE)  # non-empty answer
@@ -65,3 +67,13 @@ def length_stats(
     if max_completion_tokens:
         out["h04/completion_at_cap_share"] = float((c >= max_completion_tokens).float().mean())
     return out
+
+
+@BATCH_INSTRUMENTS.register("h04 lengths")
+def batch_lengths(b: Batch) -> dict[str, float]:
+    return length_stats(b.prompt_mask, b.completion_mask, b.max_prompt_tokens, b.max_completion_tokens)
+
+
+@BATCH_INSTRUMENTS.register("h04 truncation")
+def batch_truncation(b: Batch) -> dict[str, float]:
+    return episode_truncation([dict(e) for e in b.episodes]) if b.episodes else {}

@@ -44,6 +44,9 @@ class Registry:
     def __iter__(self) -> Iterator[str]:
         return iter(self._items)
 
+    def values(self) -> list[Any]:
+        return list(self._items.values())
+
     def __len__(self) -> int:
         return len(self._items)
 
