@@ -46,6 +46,8 @@ def error_line(exc: BaseException | None) -> str | None:
 def write(sweep_dir: str | Path, rows: list[JobRow]) -> Path:
     """Merge ``rows`` into the sweep's jobs.json (a row replaces the earlier one of its job number)."""
     path = Path(sweep_dir) / JOBS_FILE
+    if not rows:
+        return path
     merged = {r.num: r for r in read(sweep_dir)}
     merged.update({r.num: r for r in rows})
     path.write_text(json.dumps([asdict(merged[k]) for k in sorted(merged)], indent=1) + "\n")
