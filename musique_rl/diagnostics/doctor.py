@@ -94,13 +94,34 @@ def _num(params: Mapping[str, str], key: str, default: float = 0.0) -> float:
 
 
 # ---------------------------------------------------------------- rules, one function per hypothesis
+def _judged(hyp: str, check: str, flagged: bool, severity: float, evidence: dict[str, float],
+            flagged_text: str, ok_text: str) -> list[Finding]:
+    """One rule's finding: flagged with its severity and words, or ok (severity 0) with its own."""
+    if flagged:
+        return [Finding(hyp, check, True, severity, flagged_text, evidence)]
+    return [Finding(hyp, check, False, 0.0, ok_text, evidence)]
+
+
 # The rules, each registered where it is written (@rule): (metric histories, run params) -> findings.
 RULES: list[Callable[[Mapping[str, History], Mapping[str, str]], list[Finding]]] = []
 
 
-def rule(fn: Callable[[Mapping[str, History], Mapping[str, str]], list[Finding]]) -> Callable:
-    RULES.append(fn)
-    return fn
+def rule(*needs: Any) -> Any:
+    """``@rule`` registers a rule; ``@rule("metric", ...)`` registers it to run only when one of the
+    named metrics was logged (otherwise it has nothing to judge and reports nothing)."""
+    if len(needs) == 1 and callable(needs[0]):
+        RULES.append(needs[0])
+        return needs[0]
+
+    def register(fn: Callable[[Mapping[str, History], Mapping[str, str]], list[Finding]]) -> Callable:
+        def guarded(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
+            return fn(m, params) if any(_vals(m.get(k)) for k in needs) else []
+
+        guarded.__name__ = fn.__name__
+        RULES.append(guarded)
+        return fn
+
+    return register
 
 
 @rule
@@ -312,28 +333,21 @@ def _h06(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
     return out
 
 
-@rule
+@rule("h07/tool_failure_rate")
 def _h07(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
     fail = _vals(m.get("h07/tool_failure_rate"))
-    if not fail:
-        return []
     ev = {"h07/tool_failure_rate (mean)": statistics.fmean(fail),
           "h07/tool_calls_mean (mean)": statistics.fmean(_vals(m.get("h07/tool_calls_mean")) or [0.0]),
           "h07/turns_mean (mean)": statistics.fmean(_vals(m.get("h07/turns_mean")) or [0.0])}
     f = statistics.fmean(fail)
-    if f > TOOL_FAILURE_MAX:
-        return [Finding("h07", "tool_failures", True, 1 + _mag(f / TOOL_FAILURE_MAX),
-                        f"{f:.0%} of tool calls fail: the multi-turn machinery, not the policy's choices, decides "
-                        "the episodes.", ev)]
-    return [Finding("h07", "tool_failures", False, 0.0, f"Tool calls mostly succeed ({f:.0%} fail).", ev)]
+    return _judged("h07", "tool_failures", f > TOOL_FAILURE_MAX, 1 + _mag(f / TOOL_FAILURE_MAX), ev,
+                   f"{f:.0%} of tool calls fail: the multi-turn machinery, not the policy's choices, decides the episodes.",
+                   f"Tool calls mostly succeed ({f:.0%} fail).")
 
 
-@rule
+@rule("h08/update_weight_ratio")
 def _h08(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
-    ratio = _vals(m.get("h08/update_weight_ratio"))
-    if not ratio:
-        return []
-    med = statistics.median(ratio)
+    med = statistics.median(_vals(m.get("h08/update_weight_ratio")))
     kl = _vals(m.get("h08/kl_to_start"))
     # the Trainer's own `grad_norm` is the pre-clip norm (clip_grad_norm_'s return value)
     pre = _vals(m.get("h08/grad_norm_before_clip")) or _vals(m.get("grad_norm"))
@@ -343,21 +357,19 @@ def _h08(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
         ev["h08/kl_to_start (last)"] = kl[-1]
     if pre and post:
         ev["grad clip factor (median before/after)"] = statistics.median(pre) / max(statistics.median(post), 1e-30)
-    if med < UPDATE_RATIO_MIN and (not kl or kl[-1] < KL_TO_START_MIN or med < UPDATE_RATIO_MIN / 10):
-        klw = f"; KL to the starting policy is {kl[-1]:.2g}" if kl else ""
-        clip = ev.get("grad clip factor (median before/after)")
-        clipw = f"; clipping shrinks gradients {clip:.3g}x" if clip and clip > 2 else ""
-        return [Finding("h08", "updates_too_small", True, 2 + _mag(UPDATE_RATIO_MIN / max(med, 1e-30)),
-                        f"Each step changes the weights by {med:.2g} of their norm (healthy ~1e-3){klw}{clipw}: the "
-                        "policy is not moving. Raise the learning rate or max_grad_norm.", ev)]
-    return [Finding("h08", "updates_too_small", False, 0.0, f"Weights move {med:.2g} of their norm per step.", ev)]
+    klw = f"; KL to the starting policy is {kl[-1]:.2g}" if kl else ""
+    clip = ev.get("grad clip factor (median before/after)")
+    clipw = f"; clipping shrinks gradients {clip:.3g}x" if clip and clip > 2 else ""
+    stuck = med < UPDATE_RATIO_MIN and (not kl or kl[-1] < KL_TO_START_MIN or med < UPDATE_RATIO_MIN / 10)
+    return _judged("h08", "updates_too_small", stuck, 2 + _mag(UPDATE_RATIO_MIN / max(med, 1e-30)), ev,
+                   f"Each step changes the weights by {med:.2g} of their norm (healthy ~1e-3){klw}{clipw}: the "
+                   "policy is not moving. Raise the learning rate or max_grad_norm.",
+                   f"Weights move {med:.2g} of their norm per step.")
 
 
-@rule
+@rule("preflight/signal_share_forecast")
 def _preflight(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
     sig = _vals(m.get("preflight/signal_share_forecast"))
-    if not sig:
-        return []
     from musique_rl.diagnostics.preflight import MIN_SIGNAL_SHARE
 
     ev = {k: _vals(m.get(k))[0] for k in ("preflight/pass_rate_mean", "preflight/zero_variance_forecast",

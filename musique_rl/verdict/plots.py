@@ -57,6 +57,19 @@ def _pyplot() -> Any:
     return plt
 
 
+def _save(plt: Any, fig: Any, ax: Any, path: Path, xlabel: str, ylabel: str, title: str) -> Path:
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
 def plot_reward_curves(curves: dict[str, dict[int, list[tuple[int, float]]]], path: Path, title: str) -> Path | None:
     """Mean training reward per step for each arm, with the band from the lowest to the highest
     seed; None when no job logged a reward."""
@@ -74,16 +87,7 @@ def plot_reward_curves(curves: dict[str, dict[int, list[tuple[int, float]]]], pa
         ax.fill_between(steps, [min(by_step[s]) for s in steps], [max(by_step[s]) for s in steps],
                         color=COLORS.get(arm), alpha=0.2, linewidth=0)
         ax.plot(steps, mean, color=COLORS.get(arm), label=f"{arm} (mean of {len(curves[arm])} seeds; band: min-max)")
-    ax.set_xlabel("step")
-    ax.set_ylabel("training reward (batch mean)")
-    ax.set_title(title, fontsize=10)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, ax, path, "step", "training reward (batch mean)", title)
 
 
 def plot_paired_differences(verdict: dict[str, Any], path: Path) -> Path | None:
@@ -104,16 +108,7 @@ def plot_paired_differences(verdict: dict[str, Any], path: Path) -> Path | None:
         ax.axhline(verdict["effect"], color="tab:green", label=f"mean effect {verdict['effect']:+.4f}")
     ax.scatter(seeds, [p["diff"] for p in pairs], color="tab:orange", zorder=3, label="treatment - control, per seed")
     ax.set_xticks(seeds)
-    ax.set_xlabel("seed")
-    ax.set_ylabel(h["metric"])
-    ax.set_title(f"{h['id']} {h['title']}: {verdict['status']}", fontsize=10)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, ax, path, "seed", h["metric"], f"{h['id']} {h['title']}: {verdict['status']}")
 
 
 def draw(verdict: dict[str, Any], out_dir: Path) -> dict[str, Path]:
