@@ -141,7 +141,7 @@ def _print_summary(summary: dict, run_dir: Path) -> None:
                  f"{g.get('machine/torch_threads')} torch thread(s), {g.get('machine/device')}")
     if g.get("mlflow/run_id"):
         lines.append(f"MLflow run {g['mlflow/run_id']} at {g['mlflow/uri']}  (make ui)")
-    lines.append(f"run directory {run_dir} (metrics.json, episodes_before.jsonl, episodes_after.jsonl)")
+    lines.append(f"run directory {run_dir} (metrics.json, metrics.jsonl, episodes_before.jsonl, episodes_after.jsonl)")
     lines.append("=" * 72)
     print("\n".join(lines), flush=True)
 
