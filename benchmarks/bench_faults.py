@@ -33,6 +33,13 @@ EXPECTED = {
     "first_turn_reward": "h05",
     "tiny_updates": "h08",
 }
+# A clean run is a false alarm only when a hypothesis is flagged: "unexplained" (flat reward, cause not
+# found) names no broken part, it says the run did not rise in its steps and nothing explains it.
+ACCEPT = {"none": ("clean", "unexplained")}
+
+
+def accepted(fault: str, top: str) -> bool:
+    return top in ACCEPT.get(fault, (EXPECTED.get(fault),))
 
 
 def launch(fault_arg: list[str], seeds: str, steps: int, sweep_dir: Path, uri: str, extra: list[str]) -> float:
@@ -77,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--faults", default=",".join(k for k in EXPECTED if k != "none"))
     ap.add_argument("--seeds", default="1,2,3")
+    ap.add_argument("--clean-seeds", default="1,2,3,4,5", help="seeds of the clean (false-alarm) runs")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--no-clean", action="store_true", help="skip the clean runs")
     ap.add_argument("--tracking-uri", default=f"sqlite:///{ROOT / 'mlflow.db'}")
@@ -94,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         args.out.mkdir(parents=True, exist_ok=True)
         if not args.no_clean:
             d = args.out / f"{stamp}-clean"
-            print(f"clean: {launch([], args.seeds, args.steps, d, args.tracking_uri, args.extra):.0f} s", flush=True)
+            print(f"clean: {launch([], args.clean_seeds, args.steps, d, args.tracking_uri, args.extra):.0f} s", flush=True)
             sweeps.append(d)
         if faults:
             d = args.out / f"{stamp}-faults"
@@ -103,22 +111,27 @@ def main(argv: list[str] | None = None) -> int:
             sweeps.append(d)
     cells = table(args.tracking_uri, sweeps)
     seeds = args.seeds.split(",")
+    clean_seeds = args.clean_seeds.split(",")
     rows = (["none"] if not args.no_clean else []) + faults
     width = max(len(r) for r in rows) + 2
-    print(f"\n{'fault':<{width}}{'expected':<10}" + "".join(f"seed {s:<7}" for s in seeds))
-    ok = 0
+    all_seeds = list(dict.fromkeys(seeds + (clean_seeds if not args.no_clean else [])))
+    print(f"\n{'fault':<{width}}{'expected':<10}" + "".join(f"seed {s:<9}" for s in all_seeds))
+    ok = total = 0
     for f in rows:
         line = f"{f:<{width}}{EXPECTED.get(f, '?'):<10}"
-        for s in seeds:
+        for s in all_seeds:
+            if s not in (clean_seeds if f == "none" else seeds):
+                line += f"{'':<14}"
+                continue
             c = cells.get((f, s))
             top = c["top"] if c else "missing"
-            hit = top == EXPECTED.get(f)
+            hit = accepted(f, top)
             ok += hit
-            line += f"{top + (' ok' if hit else ' X'):<12}"
+            total += 1
+            line += f"{top + (' ok' if hit else ' X'):<14}"
         print(line)
-    total = len(rows) * len(seeds)
     print(f"\n{ok}/{total} cells diagnosed as expected (tracking store {args.tracking_uri})")
-    misses = {k: v for k, v in cells.items() if v["top"] != EXPECTED.get(k[0])}
+    misses = {k: v for k, v in cells.items() if not accepted(k[0], v["top"])}
     for (f, s), c in sorted(misses.items()):
         print(f"  {f} seed {s}: top={c['top']} run={c['run_id']} status={c['status']}: {c['verdict'][:160]}")
     return 0 if ok == total else 1

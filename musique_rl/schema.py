@@ -248,6 +248,7 @@ class DiagnosticsConfig:
     enabled: bool = True
     near_zero_std: float = 0.05  # a group whose reward std is below this carries ~no signal
     parity_probe_every: int = 10  # steps between sampler/trainer/base parity probes
+    reward_audit_size: int = 4  # episodes a step re-scored by the independent reward audit (h05/reward_audit_*)
     trajectory_views: int = 4  # episodes rendered to the HTML token view per logged step
 
 

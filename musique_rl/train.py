@@ -218,7 +218,7 @@ def train(cfg: Any, run_dir: str | Path | None = None, callbacks: list | None = 
         from musique_rl.diagnostics import Instruments
 
         views = tracker.log_text if tracker is not None else None  # the HTML token view, into the run
-        instruments = Instruments.from_config(cfg, tokenizer=tokenizer, artifact_logger=views)
+        instruments = Instruments.from_config(cfg, tokenizer=tokenizer, artifact_logger=views, records_by_id=by_id)
     if tracker is not None:
         tracking.tag_provenance(tracker, origin)
     callbacks = ([tracker.callback()] if tracker is not None else []) + list(callbacks or [])

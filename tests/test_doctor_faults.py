@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.mark.slow
 def test_every_planted_fault_is_diagnosed(tmp_path):
     seeds = os.environ.get("MUSIQUE_RL_FAULT_SEEDS", "1")
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_faults.py"), "--seeds", seeds, "--steps", "20",
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_faults.py"), "--seeds", seeds, "--clean-seeds", seeds, "--steps", "20",
            "--tracking-uri", f"sqlite:///{tmp_path / 'mlflow.db'}", "--out", str(tmp_path / "sweeps"),
            "train.eval_episodes=8"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=4 * 3600)

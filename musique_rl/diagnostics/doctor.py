@@ -39,6 +39,20 @@ AMPLIFICATION_MAX = 1e4
 # (docs/failure_modes.md); at 0.01 a 100-token sequence's importance ratio reaches e^1 = 2.7, near TRL's 3.0
 # clip where the sequence correction starts masking whole sequences (docs/failure_modes.md defect 5).
 LOGP_GAP_MAX = 0.01
+# H06 vs H02: the sampling-settings fit (sync.sampling_fit) "explains" a step-0 gap when the best
+# setting brings it below LOGP_GAP_MAX and to at most a fifth of the trainer's own gap: a change of
+# temperature/top-p/top-k, not of context, made the sampler's distribution.
+FIT_EXPLAINS_RATIO = 0.2
+# H05: share of audited episodes whose re-scored reward differs from the one the trainer used.
+# Any difference is a defect (the reward is a function of the text); 5% tolerates one odd episode
+# per 20 audited (a decode that does not round-trip) without hiding a systematic defect.
+REWARD_AUDIT_MAX = 0.05
+# H04: share of tool results that differ from their source (same reasoning as the reward audit)
+TOOL_ALTERED_MAX = 0.05
+# Flat reward: the reward "rises" when the least-squares slope over the run is positive at one-sided
+# p < 0.05 (scipy.stats.linregress); below FLAT_MIN_POINTS logged steps nothing is said.
+FLAT_P = 0.05
+FLAT_MIN_POINTS = 8
 # H02: sampled assistant tokens left out of the loss; beyond a fifth, the loss ignores what was sampled
 ASSISTANT_UNTRAINED_MAX = 0.2
 # H03: share of KL-masked tokens with a negative penalty. k3 >= 0 for every token, so only a sign
@@ -63,7 +77,7 @@ KL_TO_START_MIN = 1e-4
 
 @dataclass
 class Finding:
-    hypothesis: str  # h01..h08 or "preflight"
+    hypothesis: str  # h01..h08, "preflight", or "unexplained" (flat reward, cause not found)
     check: str  # short machine name of the rule
     flagged: bool
     severity: float  # 0 when not flagged
@@ -173,13 +187,37 @@ def _h02(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
         ev = {"h06/logp_gap_mean (first step)": step0, "first step": float(gap[0][0])}
         if cov:
             ev["h02/attention_coverage (min)"] = min(cov)
-        if step0 > LOGP_GAP_MAX:
+        fit_t, fit_b = _vals(m.get("h06/fit_gap_trainer")), _vals(m.get("h06/fit_gap_best"))
+        pre, post = _vals(m.get("h06/logp_gap_pre_tool")), _vals(m.get("h06/logp_gap_post_tool"))
+        if pre:
+            ev["h06/logp_gap_pre_tool (first)"] = pre[0]
+        if post:
+            ev["h06/logp_gap_post_tool (first)"] = post[0]
+        explained = bool(fit_t and fit_b and fit_t[0] > LOGP_GAP_MAX and fit_b[0] <= LOGP_GAP_MAX
+                         and fit_b[0] <= FIT_EXPLAINS_RATIO * fit_t[0] and not (cov and min(cov) < 1))
+        if step0 > LOGP_GAP_MAX and explained:
+            setting = {k: _vals(m.get(f"h06/fit_{k}"))[0] for k in ("temperature_factor", "top_p", "top_k")
+                       if _vals(m.get(f"h06/fit_{k}"))}
+            ev.update({"h06/fit_gap_trainer": fit_t[0], "h06/fit_gap_best": fit_b[0],
+                       **{f"h06/fit_{k}": v for k, v in setting.items()}})
+            out.append(Finding("h06", "sampling_settings_differ", True, 2 + _mag(step0 / LOGP_GAP_MAX),
+                               f"Before any update the sampler and the trainer disagree by {step0:.3g} nats/token, "
+                               f"everywhere, and the trainer's own logits reproduce the sampler's log-probs to "
+                               f"{fit_b[0]:.2g} under other sampling settings (temperature x"
+                               f"{setting.get('temperature_factor', 1):g}, top_p {setting.get('top_p', 1):g}, top_k "
+                               f"{setting.get('top_k', 0):g}): the sampler samples with different temperature/top-p/"
+                               "top-k than the trainer scores with (set them explicitly on both).", ev))
+        elif step0 > LOGP_GAP_MAX:
             extra = (f" The forward pass attends to only {min(cov):.0%} of the context." if cov and min(cov) < 1 else "")
+            where = (f" The gap sits after the tool results ({post[0]:.3g} vs {pre[0]:.2g} before)."
+                     if pre and post and pre[0] <= LOGP_GAP_MAX < post[0] else "")
+            if fit_t and fit_b:
+                where += f" No sampling setting explains it (best fit {fit_b[0]:.3g})."
             out.append(Finding("h02", "trainer_sampler_mismatch_at_start", True, 2 + _mag(step0 / LOGP_GAP_MAX),
                                f"Before any update the trainer and the sampler disagree on the sampled tokens by "
                                f"{step0:.3g} nats/token (identical weights agree to ~1e-5): the trainer does not score "
                                "the context the sampler saw (attention mask = loss mask, template drift, or "
-                               f"re-tokenised text).{extra}", ev))
+                               f"re-tokenised text).{extra}{where}", ev))
         else:
             out.append(Finding("h02", "trainer_sampler_mismatch_at_start", False, 0.0,
                                f"Trainer and sampler agree at the first step ({step0:.2g} nats/token).", ev))
@@ -233,9 +271,20 @@ def _h04(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
     keys = ["h04/budget_cap_share", "h04/dropped_tool_results_share", "h04/question_left_context_share",
             "h04/prompt_at_cap_share", "h04/no_answer_share"]
     means = {k: statistics.fmean(_vals(m.get(k))) for k in keys if _vals(m.get(k))}
+    alt = _vals(m.get("h04/tool_results_altered_share"))
+    if alt and statistics.fmean(alt) > TOOL_ALTERED_MAX:
+        a = statistics.fmean(alt)
+        ev = {"h04/tool_results_altered_share (mean)": a,
+              "h04/tool_results_altered (sum)": sum(_vals(m.get("h04/tool_results_altered")))}
+        return [Finding("h04", "tool_results_altered", True, 3 + _mag(1 + 100 * a),
+                        f"{a:.0%} of the tool results the model saw differ from their source documents (cut, "
+                        "altered, or under another document's id) between the retriever and the prompt: the policy "
+                        "reads a different environment from the one the reward assumes.", ev)]
     if not means:
         return []
     ev = {f"{k} (mean)": v for k, v in means.items()}
+    if alt:
+        ev["h04/tool_results_altered_share (mean)"] = statistics.fmean(alt)
     lost = means.get("h04/question_left_context_share", 0.0)
     if lost > 0:
         return [Finding("h04", "question_left_context", True, 3 + _mag(1 + 100 * lost),
@@ -263,6 +312,17 @@ def _h05(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
         out.append(Finding("h05", "reward_errors", True, 3 + _mag(1 + sum(errs)),
                            f"Reward functions raised {sum(errs):.0f} times (up to {max(errs):.0f} per batch): those "
                            "completions were not scored.", {"h05/reward_errors (sum)": sum(errs)}))
+    audit = _vals(m.get("h05/reward_audit_mismatch_share"))
+    if audit and statistics.fmean(audit) > REWARD_AUDIT_MAX:
+        a = statistics.fmean(audit)
+        out.append(Finding("h05", "reward_audit", True, 3 + _mag(1 + 100 * a),
+                           f"Reward audit: for {a:.0%} of the audited episodes the reward the trainer used is not the "
+                           f"reward of that episode's own text re-scored independently (largest difference "
+                           f"{max(_vals(m.get('h05/reward_audit_abs_diff_max')) or [0.0]):.3g}): rewards are attached to "
+                           "the wrong sample, read from the wrong turn, or cached.",
+                           {"h05/reward_audit_mismatch_share (mean)": a,
+                            "h05/reward_audit_mismatch (sum)": sum(_vals(m.get("h05/reward_audit_mismatch"))),
+                            "h05/reward_audit_checked (sum)": sum(_vals(m.get("h05/reward_audit_checked")))}))
     answered = 1 - statistics.fmean(_vals(m.get("h04/no_answer_share")) or [1.0])
     # Every answer component present must be dead: an answering policy that is always wrong still
     # earns partial F1 now and then, a reward that never reads the answer earns none.
@@ -289,9 +349,13 @@ def _h05(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
     if not out:
         comps = sorted({k.split("/")[1] for k in m if k.startswith("h05/") and k.endswith("/corr_total")})
         ev = {f"h05/{c}/corr_total (mean)": statistics.fmean(_vals(m[f"h05/{c}/corr_total"])) for c in comps}
-        if comps or errs:
+        if audit:
+            ev["h05/reward_audit_mismatch_share (mean)"] = statistics.fmean(audit)
+        if comps or errs or audit:
             out.append(Finding("h05", "reward_signal", False, 0.0,
-                               "Every weighted answer component varies; no reward errors.", ev))
+                               "Every weighted answer component varies; no reward errors; audited rewards match "
+                               "their episodes." if audit else "Every weighted answer component varies; no reward errors.",
+                               ev))
     return out
 
 
@@ -393,6 +457,46 @@ def _preflight(m: Mapping[str, History], params: Mapping[str, str]) -> list[Find
                     f"Pre-flight: {s:.0%} of groups forecast to carry signal.", ev)]
 
 
+def reward_trend(m: Mapping[str, History]) -> dict[str, float] | None:
+    """Least-squares slope of the logged reward over steps, its one-sided p (slope > 0) and gain."""
+    pts = [(s, v) for s, v in (m.get("reward") or []) if v is not None and not math.isnan(v)]
+    if len(pts) < FLAT_MIN_POINTS:
+        return None
+    from scipy.stats import linregress
+
+    xs, ys = [float(s) for s, _ in pts], [v for _, v in pts]
+    if len(set(ys)) == 1:
+        return {"slope": 0.0, "p_rise": 1.0, "first": ys[0], "last": ys[-1], "points": float(len(ys))}
+    fit = linregress(xs, ys)
+    p_rise = fit.pvalue / 2 if fit.slope > 0 else 1 - fit.pvalue / 2
+    q = max(2, len(ys) // 4)
+    return {"slope": float(fit.slope), "p_rise": float(p_rise), "first": statistics.fmean(ys[:q]),
+            "last": statistics.fmean(ys[-q:]), "points": float(len(ys))}
+
+
+# What a flat run with nothing flagged should try next: the sweeps that test the remaining causes.
+NEXT_SWEEPS = "make sweep SWEEP=h08 (update size), SWEEP=h01 (advantage scaling), SWEEP=h05 (reward signal)"
+
+
+def _flat(findings: Sequence[Finding], m: Mapping[str, History]) -> list[Finding]:
+    """No silent 'clean' on a flat run: the reward does not rise and no instrument is out of bounds."""
+    if any(f.flagged for f in findings):
+        return []
+    t = reward_trend(m)
+    if t is None or t["p_rise"] < FLAT_P:
+        return []
+    ruled_out = sorted({f.hypothesis for f in findings if f.check != "no_data"})
+    ev = {"reward slope per step": t["slope"], "p (reward rises)": t["p_rise"],
+          "reward (first quarter mean)": t["first"], "reward (last quarter mean)": t["last"]}
+    return [Finding("unexplained", "flat_reward_cause_not_found", True, 0.5,
+                    f"Flat reward, cause not found: the reward does not rise over {t['points']:.0f} logged steps "
+                    f"({t['first']:.3f} -> {t['last']:.3f}, slope {t['slope']:.2g}/step, p = {t['p_rise']:.2f} for a "
+                    f"rise) and no instrument is out of bounds. Ruled out: {', '.join(ruled_out) or 'nothing'} "
+                    f"(their checks passed). Not ruled out: a run too short or a policy whose pass@G is near its "
+                    f"pass@1 (see preflight), and defects no instrument measures. Next: train longer, then "
+                    f"{NEXT_SWEEPS}.", ev)]
+
+
 HYPOTHESES = ("h01", "h02", "h03", "h04", "h05", "h06", "h07", "h08")
 
 
@@ -402,6 +506,7 @@ def diagnose_metrics(metrics: Mapping[str, History], params: Mapping[str, str] |
     findings: list[Finding] = []
     for rule in RULES:
         findings.extend(rule(metrics, params))
+    findings.extend(_flat(findings, metrics))
     seen = {f.hypothesis for f in findings}
     for h in HYPOTHESES:
         if h not in seen:
@@ -419,7 +524,7 @@ def diagnose_metrics(metrics: Mapping[str, History], params: Mapping[str, str] |
 
 # ---------------------------------------------------------------- MLflow I/O
 _PREFIXES = ("h0", "preflight/")
-_ALSO = ("grad_norm",)  # TRL / Trainer metrics some rules read
+_ALSO = ("grad_norm", "reward")  # TRL / Trainer metrics some rules read
 
 
 def read_run_metrics(run_id: str, uri: str | None = None) -> tuple[dict[str, History], dict[str, str], Any]:

@@ -35,7 +35,7 @@ from musique_rl.diagnostics.ledger import (
     mask_agreement,
     sources_tensor,
 )
-from musique_rl.diagnostics.sync import Scorer, logp_gap, model_scorer, parity, peft_base_scorer
+from musique_rl.diagnostics.sync import Scorer, logp_gap, model_logits, model_scorer, parity, peft_base_scorer
 from musique_rl.diagnostics.updates import update_metrics
 
 log = logging.getLogger(__name__)
@@ -78,6 +78,10 @@ class Instruments:
         artifact_logger: ArtifactLogger | None = None,
         enabled: bool = True,
         probe_size: int = 8,
+        records_by_id: Mapping[str, dict] | None = None,
+        reward_cfg: Any = None,
+        reward_audit_size: int = 4,
+        seed: int = 0,
     ):
         if num_generations < 2:
             raise ValueError(f"num_generations must be >= 2 for group statistics, got {num_generations}")
@@ -95,6 +99,13 @@ class Instruments:
         self.preflight: dict[str, float] | None = None
         self.preflight_warning: str | None = None
         self._probe: dict[str, Any] | None = None
+        self.records_by_id = records_by_id
+        self.reward_audit = None
+        if records_by_id is not None and reward_cfg is not None:
+            from musique_rl.diagnostics.audit import RewardAudit
+
+            self.reward_audit = RewardAudit(reward_cfg, records_by_id, tokenizer, reward_audit_size, seed)
+        self._fit_done = False
 
     @classmethod
     def from_config(cls, cfg: Any, **kwargs: Any) -> Instruments:
@@ -108,6 +119,9 @@ class Instruments:
             max_prompt_tokens=int(cfg.env.max_prompt_tokens),
             max_completion_tokens=int(cfg.env.max_completion_tokens),
             enabled=bool(d.enabled),
+            reward_cfg=cfg.reward,
+            reward_audit_size=int(d.get("reward_audit_size", 4)),
+            seed=int(cfg.seed),
             **kwargs,
         )
 
@@ -173,6 +187,15 @@ class Instruments:
         out: dict[str, float] = {}
         for instrument in batch_instruments():  # every registered per-batch instrument (batch.py)
             out.update(instrument(batch))
+        # The independent paths (audit.py): they re-read the records and re-run the reward code, so
+        # they hold state (the records, a seeded sample) and are called here, not registered.
+        if episodes and self.records_by_id is not None:
+            from musique_rl.diagnostics.audit import environment_integrity
+
+            out.update(environment_integrity(list(batch.episodes), self.records_by_id, self.tokenizer, completion_ids,
+                                             token_sources))
+        if episodes and self.reward_audit is not None and completion_ids is not None and token_sources is not None:
+            out.update(self.reward_audit(rewards, list(batch.episodes), completion_ids, token_sources))
         if self.preflight is None and reward_components and "answer_em" in reward_components:
             # The first batch comes from the initial policy: its groups are the pre-flight sample.
             passed = torch.as_tensor(reward_components["answer_em"], dtype=torch.float64).nan_to_num(0.0) >= 1.0
@@ -182,7 +205,8 @@ class Instruments:
                 log.warning(self.preflight_warning)
             out.update(self.preflight)
         if self._probe is None and prompt_ids is not None and completion_ids is not None:
-            self._keep_probe(prompt_ids, prompt_mask, completion_ids, completion_mask, loss_mask, token_sources)
+            self._keep_probe(prompt_ids, prompt_mask, completion_ids, completion_mask, loss_mask, token_sources,
+                             sampling_logps)
         if self.trajectory_views and self.should_probe(step) and prompt_ids is not None and completion_ids is not None:
             self._log_view(step, prompt_ids, prompt_mask, completion_ids, completion_mask, loss_mask,
                            token_sources, advantages, rewards, sampling_logps, episodes)
@@ -267,6 +291,8 @@ class Instruments:
         trainer: Scorer,
         sampler: Scorer | None = None,
         base: Scorer | None = None,
+        trainer_logits: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] | None = None,
+        temperature: float = 1.0,
     ) -> dict[str, float]:
         """Score the fixed probe sequences under trainer, sampler and frozen starting model.
 
@@ -282,7 +308,16 @@ class Instruments:
         t = trainer(*args)
         s = sampler(*args) if sampler is not None else None
         b = base(*args) if base is not None else None
-        return parity(*map(_cpu, (t, s, b)), p["mask"])
+        out = parity(*map(_cpu, (t, s, b)), p["mask"])
+        if trainer_logits is not None and not self._fit_done and p.get("sampling_logps") is not None:
+            # Once, on the first probe (same weights in sampler and trainer): which sampling settings
+            # explain the sampler's own log-probs of the probe tokens (sync.sampling_fit).
+            from musique_rl.diagnostics.sync import sampling_fit
+
+            self._fit_done = True
+            targets = p["input_ids"][:, -p["logits_to_keep"]:]
+            out.update(sampling_fit(trainer_logits(*args), targets, p["sampling_logps"], p["mask"], temperature))
+        return out
 
     def callback(self, sink: Callable[[dict[str, float]], None]) -> Any:
         """The TrainerCallback that measures each optimizer step (H08 update size, H06 LoRA B and
@@ -303,14 +338,16 @@ class Instruments:
             base = peft_base_scorer(model, temperature)
         else:
             base = model_scorer(base_model, temperature) if base_model is not None else None
-        return self.parity_probe(trainer=trainer, sampler=sampler, base=base)
+        return self.parity_probe(trainer=trainer, sampler=sampler, base=base, trainer_logits=model_logits(model),
+                                 temperature=temperature)
 
     def token_sources(self, sources: list[list[str | int]], width: int) -> torch.Tensor:
         """(N, width) `ledger.Source` codes of the episodes' completion tokens, PAD after."""
         return sources_tensor(sources, width)
 
     # ------------------------------------------------------------------ helpers
-    def _keep_probe(self, prompt_ids, prompt_mask, completion_ids, completion_mask, loss_mask, token_sources):
+    def _keep_probe(self, prompt_ids, prompt_mask, completion_ids, completion_mask, loss_mask, token_sources,
+                    sampling_logps=None):
         k = min(self.probe_size, prompt_ids.shape[0])
         mask = loss_mask[:k].bool()
         if token_sources is not None:
@@ -320,6 +357,7 @@ class Instruments:
             "attention_mask": torch.cat([prompt_mask[:k], completion_mask[:k]], dim=1).clone(),
             "logits_to_keep": int(completion_ids.shape[1]),
             "mask": mask.clone(),
+            "sampling_logps": None if sampling_logps is None else sampling_logps[:k].clone(),
         }
 
     def _log_view(self, step, prompt_ids, prompt_mask, completion_ids, completion_mask, loss_mask,

@@ -53,7 +53,119 @@ def logp_gap(
     d = (sampler_logps.detach().float() - trainer_logps.detach().float()).abs()[m]
     if d.numel() == 0:
         return {}
-    return {"h06/logp_gap_mean": float(d.mean()), "h06/logp_gap_max": float(d.max())}
+    out = {"h06/logp_gap_mean": float(d.mean()), "h06/logp_gap_max": float(d.max())}
+    if token_sources is not None:
+        # Mismatch decomposition by position: tokens sampled before any tool result vs after one.
+        # A gap only after tool results points at the context (H02); one everywhere at the sampling
+        # parameters or the weights (H06).
+        full = (sampler_logps.detach().float() - trainer_logps.detach().float()).abs()
+        after = (token_sources == Source.TOOL).long().cumsum(dim=1) > 0
+        for name, where in (("pre_tool", m & ~after), ("post_tool", m & after)):
+            if where.any():
+                out[f"h06/logp_gap_{name}"] = float(full[where].mean())
+    return out
+
+
+# The sampling settings a fit tries: is the sampler's log-prob of its tokens the trainer's
+# distribution under other settings (temperature, top-p, top-k)? Grids cover the usual defaults and
+# mistakes (generate's top_k=50, top_p 0.9/0.95, temperatures 0.5-1.5).
+FIT_TEMPERATURE_FACTORS = (0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5)
+FIT_TOP_P = (1.0, 0.99, 0.95, 0.9, 0.8, 0.7)
+FIT_TOP_K = (0, 100, 50, 20, 10)
+
+
+def _warped_logps(logits: torch.Tensor, targets: torch.Tensor, temperature: float, top_p: float, top_k: int) -> torch.Tensor:
+    """Log-prob of `targets` under logits / temperature truncated to top-k / top-p (renormalised)."""
+    z = logits / temperature
+    if top_k and top_k < z.shape[-1]:
+        kth = z.topk(top_k, dim=-1).values[..., -1:]
+        z = z.masked_fill(z < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_z, order = z.sort(dim=-1, descending=True)
+        probs = sorted_z.softmax(dim=-1)
+        drop = probs.cumsum(dim=-1) - probs > top_p  # keep the smallest set reaching top_p (HF keeps >= 1)
+        z = z.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
+    return torch.log_softmax(z, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+@torch.no_grad()
+def sampling_fit(logits: torch.Tensor, targets: torch.Tensor, sampler_logps: torch.Tensor, mask: torch.Tensor,
+                 temperature: float) -> dict[str, float]:
+    """Which sampling settings explain the sampler's log-probs, given the trainer's raw logits.
+
+    logits: (N, T, V) trainer logits before temperature for the T completion positions; targets
+    (N, T) the sampled ids; sampler_logps (N, T); mask (N, T) sampled tokens; temperature: the
+    trainer's. Returns h06/fit_gap_trainer (mean |sampler - trainer at its own settings|),
+    h06/fit_gap_best (the best setting's gap) and that setting (h06/fit_temperature_factor,
+    h06/fit_top_p, h06/fit_top_k). A best fit far below the trainer's own gap means the sampler
+    samples with other settings than the trainer scores with (H06), not from another context (H02).
+    """
+    m = mask.bool() & ~torch.isnan(sampler_logps)
+    if not m.any():
+        return {}
+    s = sampler_logps.float()[m]
+    lg = logits.float()[m]  # (K, V): only the sampled positions
+    tg = targets[m]
+    # One sort for the whole grid (dividing by a temperature keeps the order). Every truncation keeps
+    # a prefix of the sorted vocabulary, so per temperature one exp + cumsum gives the normaliser of
+    # every top-p / top-k at once (log of the cumsum at the cut). Same numbers as `_warped_logps` per
+    # setting (tests/test_diagnostics_audit.py), without re-sorting for each of the 90 settings.
+    sorted_z, order = lg.sort(dim=-1, descending=True)
+    rank = (order == tg.unsqueeze(-1)).float().argmax(dim=-1)  # where each target sits, best first
+    target_z = lg.gather(-1, tg.unsqueeze(-1)).squeeze(-1)
+    vocab = lg.shape[-1]
+
+    def gap_of(temp: float, kept: torch.Tensor, top: torch.Tensor, csum: torch.Tensor) -> float:
+        lse = torch.log(csum.gather(-1, (kept - 1).unsqueeze(-1)).squeeze(-1)) + top
+        logp = torch.where(rank < kept, target_z / temp - lse, torch.full_like(lse, float("-inf")))
+        return float((logp - s).abs().mean())
+
+    best = None
+    base = float("nan")
+    for f in (1.0, *(x for x in FIT_TEMPERATURE_FACTORS if x != 1.0)):
+        temp = temperature * f
+        zs = sorted_z / temp
+        top = zs[:, 0]
+        e = torch.exp(zs - top.unsqueeze(-1))
+        csum = e.cumsum(dim=-1)
+        before = (csum - e) / csum[:, -1:]  # mass strictly before each sorted position
+        full = torch.full_like(rank, vocab)
+        for p in FIT_TOP_P:
+            kept = full if p >= 1.0 else (before <= p).sum(dim=-1)
+            g = gap_of(temp, kept, top, csum)
+            if f == 1.0 and p >= 1.0:
+                base = g
+            if best is None or g < best[0]:
+                best = (g, f, p, 0)
+        for k in FIT_TOP_K[1:]:
+            g = gap_of(temp, torch.full_like(rank, min(k, vocab)), top, csum)
+            if g < best[0]:
+                best = (g, f, 1.0, k)
+    return {"h06/fit_gap_trainer": base, "h06/fit_gap_best": best[0], "h06/fit_temperature_factor": best[1],
+            "h06/fit_top_p": best[2], "h06/fit_top_k": float(best[3])}
+
+
+def model_logits(model: torch.nn.Module, batch_size: int = 4) -> Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]:
+    """(input_ids, attention_mask, logits_to_keep) -> (N, logits_to_keep, V) raw logits predicting
+    the last `logits_to_keep` tokens, on the CPU (for `sampling_fit`, once per run: small probe set)."""
+
+    @torch.no_grad()
+    def logits(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int) -> torch.Tensor:
+        device = model_device(model)
+        was_training = model.training
+        model.eval()
+        out = []
+        try:
+            for start in range(0, input_ids.shape[0], batch_size):
+                ids = input_ids[start : start + batch_size].to(device)
+                mask = attention_mask[start : start + batch_size].to(device)
+                lg = model(input_ids=ids, attention_mask=mask, logits_to_keep=logits_to_keep + 1).logits
+                out.append(lg[:, -logits_to_keep - 1 : -1, :].float().cpu())
+        finally:
+            model.train(was_training)
+        return torch.cat(out, dim=0)
+
+    return logits
 
 
 @torch.no_grad()

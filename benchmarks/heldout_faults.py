@@ -1,0 +1,280 @@
+"""Held-out faults: code-path patches the doctor's rules were never tuned on.
+
+    python benchmarks/heldout_faults.py                          # every fault x seeds 1-3, 20 steps, 2 at a time
+    python benchmarks/heldout_faults.py --faults reward_cached --seeds 1 --steps 10
+    python benchmarks/heldout_faults.py --job reward_cached -- seed=1 train.max_steps=20   # one patched job
+
+Written AFTER the doctor's rules and the instruments' thresholds were frozen (docs/diagnostics.md,
+"Held-out faults"). Each fault is a monkeypatch of a real function on the reward, tool, rollout or
+sampler path, applied in the job's own process before `python -m musique_rl` composes its config;
+nothing reaches the config, the params or the tags (every job runs with fault=none), so the doctor
+sees only what the instruments measure. The kinds of bug real RL codebases ship:
+
+| fault                      | hypothesis | what the patch does                                            |
+|----------------------------|------------|----------------------------------------------------------------|
+| mask_off_by_one            | h02        | env_mask boundary off by one: the first environment token after |
+|                            |            | each assistant turn is trained on                               |
+| train_prompt_without_tools | h02        | the trainer's prompt ids are re-rendered without the tool schema|
+|                            |            | the sampler saw (chat-template drift, docs/failure_modes.md defect 2)     |
+| doc_truncated              | h04        | the tool renders each document cut to 60 characters (a snippet  |
+|                            |            | limit between retriever and prompt)                             |
+| doc_ids_shifted            | h04        | each retrieved document is shown under the next document's id   |
+| reward_off_by_one          | h05        | rewards zipped to samples shifted by one (sample i gets i+1's)  |
+| reward_cached              | h05        | reward memoised by question id: every later episode of a        |
+|                            |            | question gets the first episode's reward                        |
+| sampler_temperature        | h06        | the sampler samples at 0.7 x train.temperature (a generation    |
+|                            |            | config default), the trainer scores at train.temperature        |
+| sampler_top_p              | h06        | the sampler applies top_p 0.9 the trainer does not know about   |
+
+The runner starts each (fault, seed) job as its own process (at most --parallel at once), reads the
+MLflow run id from the job's result line, and prints the fault x seed table of the doctor's top
+finding (tag `diagnosis`) against the fault's hypothesis. Exit 0 only when every cell matches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # this checkout's musique_rl, not whichever one the venv's editable install points at
+
+
+# ---------------------------------------------------------------- the patches
+def mask_off_by_one() -> None:
+    from musique_rl.core import rollout
+
+    original = rollout.Episode.add_environment
+
+    def add_environment(self, ids, sources, mask):
+        start = len(self.env_mask)
+        original(self, ids, sources, mask)
+        if ids:
+            self.env_mask[start] = 1  # boundary off by one: the first env token joins the sampled turn
+
+    rollout.Episode.add_environment = add_environment
+
+
+def train_prompt_without_tools() -> None:
+    from musique_rl.core import rollout
+
+    original = rollout.RolloutEngine.rollout_func
+
+    def rollout_func(self, prompts_batch, trainer):
+        out = original(self, prompts_batch, trainer)
+        ids = []
+        for ep in self.last_episodes:  # the trainer's prompt re-rendered without tools=...
+            head = [m for m in ep.messages if m.get("role") in ("system", "user")]
+            ids.append(list(self.tokenizer.apply_chat_template(head, add_generation_prompt=True, tokenize=True,
+                                                               return_dict=False)))
+        out["prompt_ids"] = ids
+        return out
+
+    rollout.RolloutEngine.rollout_func = rollout_func
+
+
+def doc_truncated() -> None:
+    from musique_rl.env import tools
+
+    original = tools.format_documents
+
+    def format_documents(docs):
+        cut = []
+        for d in docs:
+            d = tools.as_document(d) if "paragraph_text" in d else d
+            cut.append({**d, "text": d["text"][:60]})
+        return original(cut)
+
+    tools.format_documents = format_documents
+
+
+def doc_ids_shifted() -> None:
+    from musique_rl.env import tools
+
+    original = tools.format_documents
+
+    def format_documents(docs):
+        docs = [tools.as_document(d) if "paragraph_text" in d else d for d in docs]
+        ids = [d["id"] for d in docs]
+        # each document labelled with its successor's id (ids collected then re-zipped off by one);
+        # a single document gets the id one higher, as an index + 1 bug would give it
+        shifted = ids[1:] + ids[:1] if len(ids) > 1 else [str(int(i) + 1) if i.isdigit() else i + "x" for i in ids]
+        return original([{**d, "id": i} for d, i in zip(docs, shifted, strict=True)])
+
+    tools.format_documents = format_documents
+
+
+def reward_off_by_one() -> None:
+    from musique_rl.env import rewards
+
+    original = rewards.RewardFunction.__call__
+
+    def __call__(self, *args, **kwargs):
+        totals = original(self, *args, **kwargs)
+        return totals[1:] + totals[:1]
+
+    rewards.RewardFunction.__call__ = __call__
+
+
+def reward_cached() -> None:
+    from musique_rl.env import rewards
+
+    original = rewards.RewardFunction.__call__
+    cache: dict[str, float | None] = {}
+
+    def __call__(self, prompts=None, completions=None, episode=None, **kwargs):
+        totals = original(self, prompts, completions, episode, **kwargs)
+        if episode is None:
+            return totals
+        out = []
+        for ep, t in zip(episode, totals, strict=True):
+            out.append(cache.setdefault(ep["id"], t))
+        return out
+
+    rewards.RewardFunction.__call__ = __call__
+
+
+def sampler_temperature() -> None:
+    from musique_rl.core import generation
+
+    original = generation.sampling_settings
+
+    def sampling_settings(cfg, tokenizer):
+        s = original(cfg, tokenizer)
+        s.temperature = 0.7 * s.temperature
+        return s
+
+    generation.sampling_settings = sampling_settings
+
+
+def sampler_top_p() -> None:
+    from musique_rl.core import generation
+
+    original = generation.sampling_settings
+
+    def sampling_settings(cfg, tokenizer):
+        s = original(cfg, tokenizer)
+        s.top_p = 0.9
+        return s
+
+    generation.sampling_settings = sampling_settings
+
+
+FAULTS: dict[str, tuple[str, Callable[[], None]]] = {
+    "mask_off_by_one": ("h02", mask_off_by_one),
+    "train_prompt_without_tools": ("h02", train_prompt_without_tools),
+    "doc_truncated": ("h04", doc_truncated),
+    "doc_ids_shifted": ("h04", doc_ids_shifted),
+    "reward_off_by_one": ("h05", reward_off_by_one),
+    "reward_cached": ("h05", reward_cached),
+    "sampler_temperature": ("h06", sampler_temperature),
+    "sampler_top_p": ("h06", sampler_top_p),
+}
+
+
+def run_job(name: str, overrides: list[str]) -> None:
+    """Patch, then run `python -m musique_rl <overrides>` in this process."""
+    FAULTS[name][1]()
+    from musique_rl.__main__ import main
+
+    sys.argv = ["musique_rl", *overrides]
+    main()
+
+
+# ---------------------------------------------------------------- the runner
+def launch(name: str, seed: str, steps: int, out: Path, uri: str, extra: list[str]) -> dict:
+    job_dir = out / f"{name}-s{seed}"
+    cmd = [sys.executable, __file__, "--job", name, "--", f"seed={seed}", f"train.max_steps={steps}",
+           f"hydra.run.dir={job_dir}", *extra]
+    env = dict(os.environ, MLFLOW_TRACKING_URI=uri, MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR="false",
+               OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    t0 = time.time()
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}-s{seed}.log").write_text(proc.stdout + "\n" + proc.stderr)
+    run_id = None
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith("{") and "mlflow/run_id" in line:
+            run_id = json.loads(line)["mlflow/run_id"]
+            break
+    print(f"{name} seed {seed}: rc={proc.returncode} run={run_id} {time.time() - t0:.0f} s", flush=True)
+    return {"fault": name, "seed": seed, "rc": proc.returncode, "run_id": run_id}
+
+
+def cell(uri: str, run_id: str | None) -> tuple[str, str]:
+    if run_id is None:
+        return "<failed>", ""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(uri)
+    run = client.get_run(run_id)
+    top, verdict = run.data.tags.get("diagnosis", "<none>"), ""
+    try:
+        with open(client.download_artifacts(run_id, "diagnosis.json")) as fh:
+            diag = json.load(fh)
+        flagged = [d for d in diag if d["flagged"]]
+        verdict = f"{flagged[0]['check']}: {flagged[0]['verdict']}" if flagged else "no flagged finding"
+    except Exception:
+        pass
+    return top, verdict
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--job"]:
+        rest = argv[2:]
+        run_job(argv[1], rest[1:] if rest[:1] == ["--"] else rest)
+        return 0
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--faults", default=",".join(FAULTS))
+    ap.add_argument("--seeds", default="1,2,3")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--parallel", type=int, default=2, help="jobs at once (each uses one thread)")
+    ap.add_argument("--tracking-uri", default=f"sqlite:///{ROOT / 'mlflow.db'}")
+    ap.add_argument("--out", type=Path, default=ROOT / "multirun" / "heldout_faults")
+    ap.add_argument("extra", nargs="*", help="more Hydra overrides for every job")
+    args = ap.parse_args(argv)
+    faults = [f for f in args.faults.split(",") if f]
+    unknown = [f for f in faults if f not in FAULTS]
+    if unknown:
+        ap.error(f"--faults: unknown fault {unknown[0]!r}; choose from {list(FAULTS)}")
+    seeds = args.seeds.split(",")
+    out = args.out / time.strftime("%Y%m%d-%H%M%S")
+    jobs = [(f, s) for f in faults for s in seeds]
+    from mlflow.tracking import MlflowClient
+
+    MlflowClient(args.tracking_uri).search_experiments()  # create the store once: parallel jobs racing to create it fail
+    with ThreadPoolExecutor(max_workers=max(1, args.parallel)) as pool:
+        results = list(pool.map(lambda fs: launch(fs[0], fs[1], args.steps, out, args.tracking_uri, args.extra), jobs))
+    os.environ["MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"] = "false"
+    by = {(r["fault"], r["seed"]): cell(args.tracking_uri, r["run_id"]) for r in results}
+    width = max(len(f) for f in faults) + 2
+    print(f"\n{'held-out fault':<{width}}{'expected':<10}" + "".join(f"seed {s:<9}" for s in seeds))
+    ok = 0
+    for f in faults:
+        line = f"{f:<{width}}{FAULTS[f][0]:<10}"
+        for s in seeds:
+            top = by[(f, s)][0]
+            hit = top == FAULTS[f][0]
+            ok += hit
+            line += f"{top + (' ok' if hit else ' X'):<14}"
+        print(line)
+    per_seed = {s: sum(by[(f, s)][0] == FAULTS[f][0] for f in faults) for s in seeds}
+    print(f"\n{ok}/{len(jobs)} cells diagnosed as expected; per seed: "
+          + ", ".join(f"seed {s} {n}/{len(faults)}" for s, n in per_seed.items())
+          + f" (tracking store {args.tracking_uri}, logs in {out})")
+    for (f, s), (top, verdict) in sorted(by.items()):
+        if top != FAULTS[f][0]:
+            print(f"  {f} seed {s}: top={top}: {verdict[:200]}")
+    return 0 if ok == len(jobs) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

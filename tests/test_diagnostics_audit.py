@@ -1,0 +1,148 @@
+"""Independent-path instruments and the doctor's new findings, on hand-made inputs (no training):
+the reward audit catches a reward attached to another sample, environment integrity a cut document,
+the sampling fit a sampler temperature the trainer does not use; the doctor files a step-0 gap that
+a sampling setting explains under h06, and a flat run with nothing flagged as 'cause not found'."""
+
+from __future__ import annotations
+
+import torch
+
+from musique_rl.diagnostics.audit import RewardAudit, environment_integrity
+from musique_rl.diagnostics.doctor import diagnose_metrics, top_flagged
+from musique_rl.diagnostics.ledger import Source
+from musique_rl.diagnostics.sync import logp_gap, sampling_fit
+from musique_rl.env import rewards, tools
+from tests.test_doctor import clean, series, with_
+
+
+class CharTokenizer:
+    """One id per character (id = code point + 10); 1 = eos. Enough to decode turns."""
+
+    eos_token_id, pad_token_id = 1, 0
+
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) + 10 for c in text]
+
+    def decode(self, ids, skip_special_tokens=False) -> str:
+        return "".join(chr(i - 10) for i in ids if i >= 10)
+
+
+def _episode(record, answer: str, doc_text: str | None = None):
+    p = record["paragraphs"][1]
+    doc = {"id": str(p["idx"]), "title": p["title"], "text": p["paragraph_text"] if doc_text is None else doc_text}
+    call = '<tool_call>{"name": "retrieve_documents", "arguments": {"query": "q"}}</tool_call>'
+    final = f"<think>t</think><cite>[{p['idx']}]</cite><answer>{answer}</answer>"
+    tool = tools.format_documents([doc])
+    msgs = [{"role": "user", "content": record["question"]}, {"role": "assistant", "content": call},
+            {"role": "tool", "content": tool}, {"role": "assistant", "content": final}]
+    tok = CharTokenizer()
+    ids = tok.encode(call) + [1] + [5] + tok.encode(tool) + [5] + tok.encode(final) + [1]
+    src = ([Source.ASSISTANT] * (len(call) + 1) + [Source.TEMPLATE] + [Source.TOOL] * len(tool) + [Source.TEMPLATE]
+           + [Source.ASSISTANT] * (len(final) + 1))
+    return {"id": record["id"], "messages": msgs}, ids, [int(s) for s in src]
+
+
+def _batch(record, answers):
+    eps, ids, srcs = zip(*(_episode(record, a) for a in answers), strict=True)
+    width = max(map(len, ids))
+    pad = lambda rows: torch.tensor([r + [0] * (width - len(r)) for r in rows])  # noqa: E731
+    return list(eps), pad(list(ids)), pad(list(srcs))
+
+
+def test_reward_audit_matches_honest_rewards_and_catches_shifted_ones(toy_record):
+    from omegaconf import OmegaConf
+
+    from tests.conftest import compose_cfg
+
+    reward_cfg = compose_cfg([]).reward
+    by_id = {toy_record["id"]: toy_record}
+    answers = [toy_record["answer"], "wrong", toy_record["answer"], "nope"]
+    eps, ids, srcs = _batch(toy_record, answers)
+    honest = torch.tensor([rewards.total(rewards.score_episode(toy_record, e["messages"]), rewards.n_hops(toy_record),
+                                         reward_cfg) for e in eps])
+    audit = RewardAudit(OmegaConf.create(OmegaConf.to_container(reward_cfg)), by_id, CharTokenizer(), audit_size=4)
+    ok = audit(honest, eps, ids, srcs)
+    assert ok["h05/reward_audit_checked"] == 4 and ok["h05/reward_audit_mismatch"] == 0
+    shifted = torch.roll(honest, 1)  # reward of the neighbouring sample
+    bad = audit(shifted, eps, ids, srcs)
+    assert bad["h05/reward_audit_mismatch"] == 4 and bad["h05/reward_audit_abs_diff_max"] > 0.1
+
+
+def test_environment_integrity_counts_cut_and_relabelled_documents(toy_record):
+    by_id = {toy_record["id"]: toy_record}
+    good, ids, srcs = _episode(toy_record, "x")
+    assert environment_integrity([good], by_id, CharTokenizer(), torch.tensor([ids]), torch.tensor([srcs]))[
+        "h04/tool_results_altered"] == 0
+    cut, _, _ = _episode(toy_record, "x", doc_text=toy_record["paragraphs"][1]["paragraph_text"][:20])
+    out = environment_integrity([good, cut], by_id)
+    assert out["h04/tool_results_checked"] == 2 and out["h04/tool_results_altered"] == 1
+    # the message is intact but the prompt tokens are not: cut between the message and the prompt
+    first_tool = srcs.index(int(Source.TOOL))
+    cut_ids = ids[: first_tool + 40] + [0] * (len(ids) - first_tool - 40)
+    cut_src = srcs[: first_tool + 40] + [int(Source.PAD)] * (len(ids) - first_tool - 40)
+    assert environment_integrity([good], by_id, CharTokenizer(), torch.tensor([cut_ids]), torch.tensor([cut_src]))[
+        "h04/tool_results_altered"] == 1
+
+
+def test_sampling_fit_recovers_a_sampler_temperature_and_not_a_context_change():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 12, 50, generator=g) * 3
+    targets = torch.randint(0, 50, (4, 12), generator=g)
+    mask = torch.ones(4, 12, dtype=torch.bool)
+    cold = torch.log_softmax(logits / 0.7, -1).gather(-1, targets[..., None])[..., 0]
+    fit = sampling_fit(logits, targets, cold, mask, temperature=1.0)
+    assert fit["h06/fit_temperature_factor"] == 0.7 and fit["h06/fit_gap_best"] < 1e-5 < fit["h06/fit_gap_trainer"]
+    other = torch.log_softmax(torch.randn(4, 12, 50, generator=g) * 3, -1).gather(-1, targets[..., None])[..., 0]
+    fit = sampling_fit(logits, targets, other, mask, temperature=1.0)
+    assert fit["h06/fit_gap_best"] > 0.2 * fit["h06/fit_gap_trainer"]
+
+
+def test_logp_gap_splits_before_and_after_the_first_tool_result():
+    src = torch.tensor([[Source.ASSISTANT] * 3 + [Source.TOOL] * 2 + [Source.ASSISTANT] * 3])
+    s = torch.zeros(1, 8)
+    t = torch.tensor([[0, 0, 0, 0, 0, -0.5, -0.5, -0.5]])
+    out = logp_gap(s, t, torch.ones(1, 8), src)
+    assert out["h06/logp_gap_pre_tool"] == 0 and abs(out["h06/logp_gap_post_tool"] - 0.5) < 1e-6
+
+
+def test_a_gap_explained_by_sampling_settings_is_h06_and_one_that_is_not_stays_h02():
+    gap = {"h06/logp_gap_mean": series(lambda s: 0.05)}
+    fit = {"h06/fit_gap_trainer": [(0, 0.05)], "h06/fit_gap_best": [(0, 1e-6)],
+           "h06/fit_temperature_factor": [(0, 0.7)], "h06/fit_top_p": [(0, 1.0)], "h06/fit_top_k": [(0, 0.0)]}
+    diag = diagnose_metrics(with_({**gap, **fit}))
+    assert top_flagged(diag) == "h06" and diag[0]["check"] == "sampling_settings_differ"
+    unexplained = {**fit, "h06/fit_gap_best": [(0, 0.04)]}
+    assert top_flagged(diagnose_metrics(with_({**gap, **unexplained}))) == "h02"
+
+
+def test_audit_and_integrity_findings_name_h05_and_h04():
+    assert top_flagged(diagnose_metrics(with_({"h05/reward_audit_mismatch_share": series(lambda s: 0.5)}))) == "h05"
+    assert top_flagged(diagnose_metrics(with_({"h04/tool_results_altered_share": series(lambda s: 1.0)}))) == "h04"
+
+
+def test_flat_run_with_nothing_flagged_says_cause_not_found_and_a_learning_run_stays_clean():
+    flat = diagnose_metrics(with_({"reward": series(lambda s: 0.5 + 0.05 * ((-1) ** s))}))
+    assert top_flagged(flat) == "unexplained"
+    assert flat[0]["check"] == "flat_reward_cause_not_found" and "cause not found" in flat[0]["verdict"]
+    assert "Next:" in flat[0]["verdict"]
+    rising = diagnose_metrics(with_({"reward": series(lambda s: 0.4 + 0.02 * s + 0.03 * ((-1) ** s))}))
+    assert top_flagged(rising) == "clean"
+    # a flagged instrument outranks and replaces the flat finding
+    broken = diagnose_metrics(with_({"reward": series(lambda s: 0.5), "h01/amplification_max": series(lambda s: 3e6)}))
+    assert top_flagged(broken) == "h01" and not any(d["hypothesis"] == "unexplained" for d in broken)
+    assert clean()  # the shared clean history has no reward series: nothing is said about a trend
+
+
+def test_sampling_fit_grid_equals_the_per_setting_reference():
+    from musique_rl.diagnostics.sync import _warped_logps
+
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(3, 10, 40, generator=g) * 2
+    targets = logits.argmax(-1)  # sampled tokens are usually likely ones: kept by every truncation
+    mask = torch.ones(3, 10, dtype=torch.bool)
+    sampler = _warped_logps(logits, targets, 0.8, 0.9, 0)
+    fit = sampling_fit(logits, targets, sampler, mask, temperature=1.0)
+    assert fit["h06/fit_temperature_factor"] == 0.8 and fit["h06/fit_top_p"] == 0.9
+    assert fit["h06/fit_gap_best"] < 1e-5
+    ref = float((_warped_logps(logits, targets, 1.0, 1.0, 0) - sampler).abs().mean())
+    assert abs(fit["h06/fit_gap_trainer"] - ref) < 1e-5
