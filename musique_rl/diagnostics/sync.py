@@ -145,25 +145,34 @@ def sampling_fit(logits: torch.Tensor, targets: torch.Tensor, sampler_logps: tor
             "h06/fit_top_p": best[2], "h06/fit_top_k": float(best[3])}
 
 
+def _last_logits(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                 logits_to_keep: int, batch_size: int):
+    """Yield (ids, float logits predicting the last `logits_to_keep` tokens), `batch_size` sequences at
+    a time on the model's device, in eval mode (restored after): the one forward pass behind
+    `model_logits` and `model_scorer`. Only the last `logits_to_keep + 1` positions' logits are
+    computed: full logits of a probe set would be (8, prompt + completion, vocab), ~30 GB for a 7B
+    model at 8k + 4k tokens."""
+    device = model_device(model)
+    was_training = model.training
+    model.eval()
+    try:
+        for start in range(0, input_ids.shape[0], batch_size):
+            ids = input_ids[start : start + batch_size].to(device)
+            mask = attention_mask[start : start + batch_size].to(device)
+            lg = model(input_ids=ids, attention_mask=mask, logits_to_keep=logits_to_keep + 1).logits
+            yield ids, lg[:, -logits_to_keep - 1 : -1, :].float()
+    finally:
+        model.train(was_training)
+
+
 def model_logits(model: torch.nn.Module, batch_size: int = 4) -> Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]:
     """(input_ids, attention_mask, logits_to_keep) -> (N, logits_to_keep, V) raw logits predicting
     the last `logits_to_keep` tokens, on the CPU (for `sampling_fit`, once per run: small probe set)."""
 
     @torch.no_grad()
     def logits(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int) -> torch.Tensor:
-        device = model_device(model)
-        was_training = model.training
-        model.eval()
-        out = []
-        try:
-            for start in range(0, input_ids.shape[0], batch_size):
-                ids = input_ids[start : start + batch_size].to(device)
-                mask = attention_mask[start : start + batch_size].to(device)
-                lg = model(input_ids=ids, attention_mask=mask, logits_to_keep=logits_to_keep + 1).logits
-                out.append(lg[:, -logits_to_keep - 1 : -1, :].float().cpu())
-        finally:
-            model.train(was_training)
-        return torch.cat(out, dim=0)
+        batches = _last_logits(model, input_ids, attention_mask, logits_to_keep, batch_size)
+        return torch.cat([lg.cpu() for _, lg in batches], dim=0)
 
     return logits
 
@@ -215,29 +224,17 @@ def model_scorer(model: torch.nn.Module, temperature: float = 1.0, batch_size: i
     Temperature matters: TRL scores log-probs of logits / temperature, and so must every party of
     the probe, or the probe measures the temperature instead of the weights.
     Inputs go to the model's device and the log-probs come back to the CPU as float32 (the probe
-    set lives on the CPU; sampler, trainer and base may sit on different devices). Only the last
-    `logits_to_keep + 1` positions' logits are computed, `batch_size` sequences at a time: full
-    logits of the probe set would be (8, prompt + completion, vocab), ~30 GB for a 7B model at
-    8k + 4k tokens.
+    set lives on the CPU; sampler, trainer and base may sit on different devices), `batch_size`
+    sequences at a time (`_last_logits`).
     """
 
     @torch.no_grad()
     def score(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int) -> torch.Tensor:
-        device = model_device(model)
-        was_training = model.training
-        model.eval()
         out = []
-        try:
-            for start in range(0, input_ids.shape[0], batch_size):
-                ids = input_ids[start : start + batch_size].to(device)
-                mask = attention_mask[start : start + batch_size].to(device)
-                logits = model(input_ids=ids, attention_mask=mask, logits_to_keep=logits_to_keep + 1).logits
-                logits = logits[:, -logits_to_keep - 1 : -1, :].float() / temperature
-                targets = ids[:, -logits_to_keep:]
-                logps = torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-                out.append(logps.cpu())
-        finally:
-            model.train(was_training)
+        for ids, logits in _last_logits(model, input_ids, attention_mask, logits_to_keep, batch_size):
+            targets = ids[:, -logits_to_keep:]
+            logps = torch.log_softmax(logits / temperature, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+            out.append(logps.cpu())
         return torch.cat(out, dim=0)
 
     return score
