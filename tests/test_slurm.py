@@ -116,7 +116,9 @@ def test_requeued_job_resumes_from_its_files_into_the_same_mlflow_run(slurm, tmp
     assert run.info.status == "FINISHED" and run.data.metrics["job/starts"] == 2
 
 
-def test_cancelled_job_ends_killed_the_others_finish_and_the_verdict_names_it(slurm, tmp_path):
+def sweep_with_control_seed_2_cancelled(tmp_path):
+    """A 2-seed h02 stand-in sweep on SLURM whose control seed 2 is scancel-ed once it starts; returns
+    the finished launcher process and the cancelled job's directory."""
     proc = stand_in_sweep(tmp_path, "+sweep=h02", "seed=1,2", env={"SWEEP_APP_STEPS": "6", "SWEEP_APP_STEP_S": "1"})
     victim = tmp_path / "sweep" / "1"  # control, seed 2
     try:
@@ -128,6 +130,11 @@ def test_cancelled_job_ends_killed_the_others_finish_and_the_verdict_names_it(sl
     finally:
         if proc.poll() is None:
             proc.kill()
+    return proc, victim
+
+
+def test_cancelled_job_ends_killed_the_others_finish_and_the_verdict_names_it(slurm, tmp_path):
+    proc, victim = sweep_with_control_seed_2_cancelled(tmp_path)
     log = (tmp_path / "sweep.log").read_text()
     assert proc.returncode != 0  # the launcher reports the dead job after the others ended
     assert len(list((tmp_path / "sweep").glob("*/metrics.json"))) == 3, log[-3000:]
@@ -139,16 +146,7 @@ def test_cancelled_job_ends_killed_the_others_finish_and_the_verdict_names_it(sl
 
 
 def test_a_cancelled_job_is_rerun_by_resuming_the_sweep_and_the_verdict_covers_every_pair(slurm, tmp_path):
-    proc = stand_in_sweep(tmp_path, "+sweep=h02", "seed=1,2", env={"SWEEP_APP_STEPS": "6", "SWEEP_APP_STEP_S": "1"})
-    victim = tmp_path / "sweep" / "1"  # control, seed 2
-    try:
-        wait(lambda: job_ids(victim), 120, "control seed 2 to start")
-        task_id = [ln.split()[0] for ln in sh("squeue", "-h", "-o", "%i").splitlines() if ln.endswith("_1")][0]
-        sh("scancel", task_id)
-        proc.wait(timeout=300)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    proc, victim = sweep_with_control_seed_2_cancelled(tmp_path)
     assert proc.returncode == 1 and not (victim / "metrics.json").exists()
     kept = {d.name: (d / "mlflow_run_id").read_text() for d in (tmp_path / "sweep").iterdir() if (d / "metrics.json").exists()}
     assert len(kept) == 3
