@@ -19,6 +19,7 @@ from __future__ import annotations
 import random
 import re
 from collections.abc import Mapping, Sequence
+from itertools import groupby
 from typing import Any
 
 import torch
@@ -36,15 +37,8 @@ _BLOCK_RE = re.compile(r"^Document ID: (\S+)\n# (.*)\n", re.MULTILINE)
 
 def _runs(ids: Sequence[int], sources: Sequence[int], code: int) -> list[list[int]]:
     """Contiguous runs of ids whose source is `code`, in order."""
-    out: list[list[int]] = []
-    prev = None
-    for t, s in zip(ids, sources, strict=False):
-        if s == code:
-            if prev != code:
-                out.append([])
-            out[-1].append(int(t))
-        prev = s
-    return out
+    pairs = groupby(zip(ids, sources, strict=False), key=lambda ts: ts[1])
+    return [[int(t) for t, _ in run] for s, run in pairs if s == code]
 
 
 class RewardAudit:

@@ -353,9 +353,8 @@ def _h05(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
             ev["h05/reward_audit_mismatch_share (mean)"] = statistics.fmean(audit)
         if comps or errs or audit:
             out.append(Finding("h05", "reward_signal", False, 0.0,
-                               "Every weighted answer component varies; no reward errors; audited rewards match "
-                               "their episodes." if audit else "Every weighted answer component varies; no reward errors.",
-                               ev))
+                               "Every weighted answer component varies; no reward errors"
+                               + ("; audited rewards match their episodes." if audit else "."), ev))
     return out
 
 

@@ -50,7 +50,8 @@ def logp_gap(
     means the sampler lags the trainer (stale weights: H06).
     """
     m = sampled_token_mask(mask, token_sources) & ~torch.isnan(sampler_logps)
-    d = (sampler_logps.detach().float() - trainer_logps.detach().float()).abs()[m]
+    full = (sampler_logps.detach().float() - trainer_logps.detach().float()).abs()
+    d = full[m]
     if d.numel() == 0:
         return {}
     out = {"h06/logp_gap_mean": float(d.mean()), "h06/logp_gap_max": float(d.max())}
@@ -58,7 +59,6 @@ def logp_gap(
         # Mismatch decomposition by position: tokens sampled before any tool result vs after one.
         # A gap only after tool results points at the context (H02); one everywhere at the sampling
         # parameters or the weights (H06).
-        full = (sampler_logps.detach().float() - trainer_logps.detach().float()).abs()
         after = (token_sources == Source.TOOL).long().cumsum(dim=1) > 0
         for name, where in (("pre_tool", m & ~after), ("post_tool", m & after)):
             if where.any():
