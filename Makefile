@@ -9,7 +9,7 @@ HYP ?= h01
 ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help setup train test test-slow warm-start sweep slurm-up slurm-down ui ui-check cfg lint bench clean
+.PHONY: help setup train test test-slow warm-start sweep case-study slurm-up slurm-down ui ui-check cfg lint bench clean
 
 help: ## Show this menu
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  \033[36m%-10s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -38,6 +38,10 @@ warm-start: $(STAMP) ## Rebuild the shipped tiny warm start (SFT until its quali
 
 sweep: $(STAMP) ## Run a named hypothesis sweep and its verdict: make sweep SWEEP=h02
 	$(BIN)/python -m musique_rl -m +sweep=$(SWEEP) $(ARGS)
+
+SEEDS ?= 1,2,3
+case-study: $(STAMP) ## The seeds' flat reward replayed and fixed (~45 min on 2 cores): docs/case_study/case_study.md
+	$(BIN)/python -m musique_rl.case_study --run --publish --seeds $(SEEDS) $(ARGS)
 
 slurm-up: ## Start a single-node SLURM cluster on localhost (installs slurm-wlm, munge, MariaDB; root)
 	bash launchers/slurm_local.sh up

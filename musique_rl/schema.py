@@ -60,6 +60,15 @@ class ScaleRewards(StrEnum):  # TRL 1.16 GRPOConfig.scale_rewards
     none = "none"
 
 
+class ImportanceSampling(StrEnum):  # TRL 1.16 GRPOConfig.vllm_importance_sampling_mode, plus auto and off
+    auto = "auto"  # TRL's default on the vLLM backend (sequence_mask); off on the HF backend
+    off = "off"  # no correction
+    sequence_mask = "sequence_mask"  # one ratio a sequence; outside [clip_min, clip_max] -> weight 0
+    sequence_truncate = "sequence_truncate"  # one ratio a sequence, clamped to the bounds
+    token_mask = "token_mask"
+    token_truncate = "token_truncate"
+
+
 class RetrievalScope(StrEnum):
     question = "question"  # the record's own paragraphs (as the seeds' vf_musique)
     corpus = "corpus"  # every paragraph of the corpus file / dataset
@@ -224,6 +233,14 @@ class TrainSettings:
     top_p: float = 1.0
     top_k: int = 0  # 0 = off; sampler and trainer must agree on the distribution
     mask_env_tokens: bool = True  # tool results and template tokens out of loss and KL (h02)
+    # TRL's correction for a sampler whose log-probs differ from the trainer's: each sequence's (or
+    # token's) loss is weighted by exp(trainer logp - sampler logp), masked or clamped outside the
+    # bounds. auto = TRL's own default: on (sequence_mask, clip_max 3) with vLLM, off with the HF
+    # sampler, which is the trained model itself. A mode name applies it on either backend (the case
+    # study replays the seeds' vLLM runs on CPU this way: docs/case_study.md).
+    importance_sampling: ImportanceSampling = ImportanceSampling.auto
+    importance_sampling_clip_max: Optional[float] = 3.0  # TRL's vllm_importance_sampling_clip_max
+    importance_sampling_clip_min: Optional[float] = None  # TRL's vllm_importance_sampling_clip_min
     backend: Backend = Backend.hf
     vllm_mode: VllmMode = VllmMode.auto
     vllm_server_host: str = "127.0.0.1"

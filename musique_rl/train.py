@@ -62,11 +62,19 @@ def held_out_eval(
     """Mean reward components and total over one episode per held-out record.
 
     Always scored on the LAST assistant turn (the fault first_turn_reward only misleads training).
+    Sampled from a fixed random state (the run's seed), restored afterwards: the evaluations before
+    and after training draw the same random numbers, so ``eval/gain/*`` measures the change of
+    the policy, not two independent draws (a policy that did not move scores a gain of exactly 0),
+    and training's own random stream is the same with or without the evaluation.
     """
+    import torch
+
     from musique_rl.core.rollout import run_model_episodes
     from musique_rl.env import rewards
 
-    episodes = run_model_episodes(cfg, records, model=model, tokenizer=tokenizer, retriever=retriever, greedy=greedy)
+    with torch.random.fork_rng():
+        torch.manual_seed(int(cfg.seed))
+        episodes = run_model_episodes(cfg, records, model=model, tokenizer=tokenizer, retriever=retriever, greedy=greedy)
     comps = [rewards.score_episode(r, e["messages"]) for r, e in zip(records, episodes, strict=True)]
     totals = [rewards.total(c, rewards.n_hops(r), cfg.reward) for c, r in zip(comps, records, strict=True)]
     out = {k: float(np.mean([c[k] for c in comps])) for k in rewards.COMPONENTS}

@@ -176,3 +176,35 @@ def test_preflight_warning_needs_the_trained_reward_to_confirm_it():
     assert not any(d["flagged"] for d in diagnose_metrics(partial_credit))
     no_signal = with_({**hard, "h01/signal_group_share": series(lambda s: 0.1)})
     assert top_flagged(diagnose_metrics(no_signal)) == "preflight"
+
+
+def test_vanishing_importance_weights_are_ranked_as_the_consequence_of_a_blind_trainer():
+    """The case study's flat runs: a blind trainer (step-0 gap, attention coverage < 1) behind TRL's
+    importance-sampling correction gives every sequence ~0 weight, so the policy never moves. The
+    doctor must name the blind trainer first, and call the stillness its consequence, not advise
+    a higher learning rate as the fix."""
+    m = with_({
+        "h06/logp_gap_mean": series(lambda s: 5.8),
+        "h02/attention_coverage": series(lambda s: 0.23),
+        "sampling/importance_sampling_ratio/mean": series(lambda s: 0.0),
+        "h08/update_weight_ratio": series(lambda s: 0.0),
+        "h08/kl_to_start": [(s, 0.0) for s in range(0, STEPS, 10)],
+        "h06/lora_b_norm": series(lambda s: 0.0),
+    })
+    d = diagnose_metrics(m)
+    assert top_flagged(d) == "h02" and d[0]["check"] == "trainer_sampler_mismatch_at_start"
+    by_check = {x["check"]: x for x in d}
+    for check in ("importance_weights_vanish", "updates_too_small", "lora_untrained"):
+        assert by_check[check]["flagged"] and "consequence of h02" in by_check[check]["verdict"]
+        assert by_check[check]["rank"] > 1
+
+
+def test_vanishing_importance_weights_alone_are_flagged_under_h06_and_stillness_keeps_its_rank():
+    m = with_({"sampling/importance_sampling_ratio/mean": series(lambda s: 0.01),
+               "h08/update_weight_ratio": series(lambda s: 0.0)})
+    d = diagnose_metrics(m)
+    found = {x["check"]: x for x in d if x["flagged"]}
+    assert "importance_weights_vanish" in found and found["importance_weights_vanish"]["hypothesis"] == "h06"
+    assert "consequence" not in found["updates_too_small"]["verdict"]  # no mismatch root: nothing to defer to
+    assert "importance_weights_vanish" not in {x["check"] for x in diagnose_metrics(with_({
+        "sampling/importance_sampling_ratio/mean": series(lambda s: 1.0)})) if x["flagged"]}

@@ -132,6 +132,65 @@ def test_blind_context_fault_breaks_parity(tiny_cfg, warm_tiny, tmp_path):
     assert tr._metrics["train"]["h02/attention_coverage"][-1] < 0.9
 
 
+def test_blind_attention_hides_the_prompt_and_the_tool_results_only():
+    attention = torch.tensor([[0, 1, 1, 1, 1, 1, 1, 0]])  # left-padded prompt of 3, completion of 5 (1 pad)
+    tool_mask = torch.tensor([[1, 0, 0, 1, 1]])  # a tool result inside the completion
+    blind = trainer_mod.blind_attention(attention, 5, tool_mask)
+    assert blind.tolist() == [[0, 0, 0, 1, 0, 0, 1, 0]]
+    assert trainer_mod.blind_attention(attention, 5).tolist() == [[0, 0, 0, 1, 1, 1, 1, 0]]
+
+
+def test_the_context_defect_acts_in_multi_turn_environments_only(tiny_cfg):
+    """verifiers 0.1.x: the defect lived in the multi-turn path; a single-turn environment (no tool
+    offered: the documents in the prompt, or env=arith) trains with its true mask."""
+    from musique_rl.core import faults
+
+    cfg = _cfg(tiny_cfg, {"fault": "blind_context"})
+    assert faults.blind_context(cfg)
+    OmegaConf.update(cfg, "env.supporting_in_prompt", True)
+    assert not faults.blind_context(cfg)
+    assert not faults.blind_context(_cfg(tiny_cfg, {}))
+
+
+def test_importance_sampling_settings_map_onto_trl_names(tiny_cfg):
+    assert trainer_mod.importance_sampling_settings(_cfg(tiny_cfg, {})) == {}  # auto: TRL's own defaults
+    assert trainer_mod.importance_sampling_settings(_cfg(tiny_cfg, {"train.importance_sampling": "off"})) == {
+        "vllm_importance_sampling_correction": False}
+    on = trainer_mod.importance_sampling_settings(_cfg(tiny_cfg, {"train.importance_sampling": "token_truncate",
+                                                                   "train.importance_sampling_clip_min": 0.5}))
+    assert on == {"vllm_importance_sampling_correction": True, "vllm_importance_sampling_mode": "token_truncate",
+                  "vllm_importance_sampling_clip_max": 3.0, "vllm_importance_sampling_clip_min": 0.5}
+    with pytest.raises(Exception, match="importance_sampling"):
+        OmegaConf.update(_cfg(tiny_cfg, {}), "train.importance_sampling", "sequence_clip")
+
+
+@pytest.mark.parametrize("fault", ["none", "blind_context"])
+def test_importance_sampling_on_the_hf_backend_weights_each_sequence_as_trl_does(tiny_cfg, warm_tiny, tmp_path, fault):
+    """TRL applies its correction under use_vllm only; with train.importance_sampling set, the HF
+    backend gets the same ratio exp(trainer - sampler) per sequence. A clean trainer agrees with its
+    sampler (ratio 1); a blind one (every scoring pass blind, old log-probs too) gives ratios ~0,
+    so the multi-turn sequences carry no gradient: the case study's flat reward."""
+    model, tok = warm_tiny
+    cfg = _cfg(tiny_cfg, {"fault": fault, "train.importance_sampling": "sequence_mask"})
+    tr = _trainer(cfg, copy.deepcopy(model), tok, tmp_path)
+    torch.manual_seed(1)
+    out = _batch(tr)
+    assert tr.use_vllm is False  # raised for the call only
+    ratio = out["importance_sampling_ratio"]
+    assert ratio.shape == (out["completion_ids"].shape[0], 1)
+    if fault == "none":
+        assert torch.allclose(ratio, torch.ones_like(ratio), atol=1e-3)
+        assert torch.allclose(out["old_per_token_logps"] * out["completion_mask"] * out["tool_mask"],
+                              out["sampling_per_token_logps"] * out["completion_mask"] * out["tool_mask"], atol=1e-3)
+    else:
+        assert float(ratio.max()) < 1e-6
+    loss = tr._compute_loss(tr.model, out)
+    loss.backward()
+    grads = [p.grad.abs().max() for p in tr.model.parameters() if p.grad is not None]
+    biggest = float(torch.stack(grads).max())
+    assert (biggest > 1e-4) if fault == "none" else (biggest < 1e-8)
+
+
 # ---------------------------------------------------------------- updates, LoRA, resume
 def test_full_fine_tuning_changes_parameters_after_one_step(tiny_cfg, warm_tiny, tmp_path):
     model, tok = warm_tiny

@@ -6,7 +6,7 @@ The code that a fault changes asks this module, by name, instead of reading ``cf
 
 | fault              | where it acts                      | what it does                                   |
 |--------------------|------------------------------------|------------------------------------------------|
-| blind_context      | trainer.py ``_compute_loss``       | forward-pass attention mask = loss mask        |
+| blind_context      | trainer.py, every scoring pass     | attention mask = loss mask (multi-turn envs)   |
 | env_tokens_trained | rollout.py env_mask (conf sets     | tool/template tokens get env_mask 1 (also the  |
 |                    | train.mask_env_tokens=false)       | real knob of hypothesis h02)                   |
 | stale_sampler      | trainer.py generator               | samples from a frozen copy of the initial model|
@@ -72,8 +72,16 @@ def reward_read_turn(cfg: Any) -> str:
 
 
 def blind_context(cfg: Any) -> bool:
-    """Score assistant tokens with attention restricted to the loss mask (verifiers 0.1.x)."""
-    return is_on(cfg, "blind_context")
+    """Score assistant tokens with attention restricted to the loss mask (verifiers 0.1.x): in a
+    multi-turn environment (tools offered) only. The defect lived in the multi-turn code path: the
+    seeds' single-turn GSM8K runs, through the same trainer, kept their true mask and learned
+    (docs/failure_modes.md 1). So a single-turn environment (env=arith, h07's documents in the
+    prompt) trains as if the fault were off."""
+    if not is_on(cfg, "blind_context"):
+        return False
+    from musique_rl.env.prompts import tool_schemas
+
+    return bool(tool_schemas(cfg.env))
 
 
 def stale_sampler(cfg: Any) -> bool:

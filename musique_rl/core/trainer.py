@@ -16,8 +16,12 @@ max_grad_norm, temperature / top_p / top_k; PEFT ``LoraConfig``) and hands TRL o
   - ``_generate_and_score_completions``: also attaches per-token sources (assistant / tool /
     template) and calls the diagnostics (``instruments.observe_batch``; parity probe after each
     weight sync).
-  - ``_compute_loss``: calls TRL's loss; adds the planted KL faults and ``instruments.observe_loss``;
-    the planted fault ``blind_context`` gives the forward pass the loss mask as attention mask.
+  - ``_compute_loss``: calls TRL's loss; adds the planted KL faults and ``instruments.observe_loss``.
+  - ``_get_per_token_logps_and_entropies``: under the planted fault ``blind_context``, every forward
+    pass of the trainer (loss, old and reference log-probs) gets the loss mask as attention mask in
+    multi-turn episodes (``blind_attention``).
+With ``train.importance_sampling`` set on the HF backend, TRL's vLLM importance-sampling correction
+runs as it would with vLLM (``_tr_is``): TRL gates that code on ``use_vllm`` only.
 Every planted fault is switched in musique_rl/core/faults.py and is off by default.
 
 Reference model for the KL (beta > 0): under PEFT, TRL disables the adapter (no second copy);
@@ -27,6 +31,7 @@ with full fine-tuning, TRL loads a reference copy.
 from __future__ import annotations
 
 import logging
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +88,41 @@ def group_advantages(
     return torch.nan_to_num(advantages, nan=0.0)
 
 
+def blind_attention(attention_mask: torch.Tensor, width: int, tool_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """The planted fault blind_context (verifiers 0.1.x): the forward pass's attention mask was the
+    loss mask, so the prompt and the tool results were invisible when the assistant tokens were
+    scored (only in a multi-turn environment: ``faults.blind_context``).
+
+    ``attention_mask``: (N, P + C) prompt then completion (``width`` = C); ``tool_mask``: (N, C), 0 on
+    environment tokens.
+    """
+    completion = attention_mask[:, -width:]
+    if tool_mask is not None:
+        completion = completion * tool_mask.to(completion.dtype)
+    return torch.cat([torch.zeros_like(attention_mask[:, :-width]), completion], dim=1)
+
+
+def pad_right(rows: list[list[int]], width: int, value: int) -> torch.Tensor:
+    return torch.tensor([list(r[:width]) + [value] * (width - len(r[:width])) for r in rows], dtype=torch.long)
+
+
+def importance_sampling_settings(cfg: Any) -> dict[str, Any]:
+    """GRPOConfig's importance-sampling fields from ``train.importance_sampling`` (schema.py):
+    auto keeps TRL's defaults (on with vLLM, where TRL applies it; nothing on the HF backend)."""
+    t = cfg.train
+    mode = str(t.importance_sampling)
+    if mode == "auto":
+        return {}
+    if mode == "off":
+        return {"vllm_importance_sampling_correction": False}
+    return {
+        "vllm_importance_sampling_correction": True,
+        "vllm_importance_sampling_mode": mode,
+        "vllm_importance_sampling_clip_max": None if t.importance_sampling_clip_max is None else float(t.importance_sampling_clip_max),
+        "vllm_importance_sampling_clip_min": None if t.importance_sampling_clip_min is None else float(t.importance_sampling_clip_min),
+    }
+
+
 # ---------------------------------------------------------------- the trainer
 class MusiqueGRPOTrainer(GRPOTrainer):
     """GRPOTrainer + multi-turn rollouts, configurable advantage epsilon, diagnostics, faults.
@@ -116,6 +156,11 @@ class MusiqueGRPOTrainer(GRPOTrainer):
         self._last_rewards: torch.Tensor | None = None
         self._captured_logps: torch.Tensor | None = None
         self._blind = faults.blind_context(cfg)
+        self._blind_tool_mask: torch.Tensor | list | None = None  # the rows' env masks while blind passes run
+        self._last_attention: torch.Tensor | None = None  # the attention mask of the last scoring pass
+        # TRL applies its importance-sampling correction only with use_vllm; on the HF backend with a
+        # mode set, _generate_and_score_completions and _compute_loss run with use_vllm raised.
+        self._hf_is = str(cfg.train.backend) != "vllm" and str(cfg.train.importance_sampling) not in ("auto", "off")
         self._kl_env = faults.kl_on_env_tokens(cfg)
         self._kl_sign = faults.kl_sign(cfg)
         tokenizer = self.processing_class
@@ -144,8 +189,32 @@ class MusiqueGRPOTrainer(GRPOTrainer):
         self._last_rewards_per_func = rewards_per_func  # gathered over all processes
         return rewards_per_func
 
+    def _generate(self, prompts: list):
+        result = super()._generate(prompts)
+        self._blind_tool_mask = result[2] if self._blind else None  # tool_mask lists (or None), one per completion
+        return result
+
+    @contextmanager
+    def _as_vllm(self):
+        """TRL's importance-sampling code runs under ``use_vllm``: raise it for one call on the HF
+        backend. The rollout branch would then sync vLLM weights first; our HF sampler already holds
+        the current weights, so the step is marked as synced (TRL's own guard)."""
+        if not self._hf_is:
+            yield
+            return
+        self._last_loaded_step = self.state.global_step
+        self.use_vllm = True
+        try:
+            yield
+        finally:
+            self.use_vllm = False
+
     def _generate_and_score_completions(self, inputs):
-        output = super()._generate_and_score_completions(inputs)
+        try:
+            with self._as_vllm():
+                output = super()._generate_and_score_completions(inputs)
+        finally:
+            self._blind_tool_mask = None
         mode = "train" if self.model.training else "eval"
         num_generations = self.num_generations if mode == "train" else self.num_generations_eval
         rpf = self._last_rewards_per_func
@@ -218,6 +287,13 @@ class MusiqueGRPOTrainer(GRPOTrainer):
         self.merge_metrics(metrics)  # after train() is restored: merge_metrics files by model.training
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
+        if self._blind:  # every scoring pass of a blind trainer: old, reference and loss log-probs
+            tool_mask = self._blind_tool_mask
+            if isinstance(tool_mask, list):  # during generation: TRL's unpadded lists (padded with 1, as TRL does)
+                tool_mask = pad_right(tool_mask, logits_to_keep, 1)
+            attention_mask = blind_attention(attention_mask, logits_to_keep,
+                                             None if tool_mask is None else tool_mask.to(attention_mask.device))
+        self._last_attention = attention_mask
         logps, entropies, aux = super()._get_per_token_logps_and_entropies(
             model, input_ids, attention_mask, logits_to_keep, *args, **kwargs
         )
@@ -232,12 +308,10 @@ class MusiqueGRPOTrainer(GRPOTrainer):
         completion_mask = inputs["completion_mask"]
         tool_mask = inputs.get("tool_mask")
         loss_mask = completion_mask if tool_mask is None else completion_mask * tool_mask
-        real_prompt_mask = inputs["prompt_mask"]  # the true masks, for the coverage instrument
-        if self._blind:
-            # Planted fault (verifiers 0.1.x): the forward pass's attention mask IS the loss
-            # mask, so prompt and tool tokens are invisible when assistant tokens are scored.
-            inputs = {**inputs, "prompt_mask": torch.zeros_like(inputs["prompt_mask"]), "completion_mask": loss_mask}
+        if self._blind:  # planted fault: _get_per_token_logps_and_entropies blinds the forward pass
+            self._blind_tool_mask = tool_mask
         self._captured_logps = None
+        self._last_attention = None
         beta = self.beta
         if self._kl_sign < 0:
             # Planted fault kl_flipped: TRL adds beta * KL to the per-token loss and normalises it
@@ -245,11 +319,15 @@ class MusiqueGRPOTrainer(GRPOTrainer):
             # exact term reward drifting away from the reference.
             self.beta = -beta
         try:
-            loss = super()._compute_loss(model, inputs)
+            with self._as_vllm():
+                loss = super()._compute_loss(model, inputs)
         finally:
             self.beta = beta
+            self._blind_tool_mask = None
         per_token_logps = self._captured_logps
-        attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+        attention = self._last_attention  # what the scoring pass attended to (blind under the fault)
+        if attention is None:
+            attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
         per_token_kl = kl_mask = kl_penalty = None
         if self.beta != 0.0 and per_token_logps is not None:
             ref = inputs["ref_per_token_logps"]
@@ -276,7 +354,7 @@ class MusiqueGRPOTrainer(GRPOTrainer):
                     kl_mask=kl_mask,
                     kl_penalty=kl_penalty.detach() if kl_penalty is not None else None,
                     attention_mask=attention,
-                    prompt_mask=real_prompt_mask,
+                    prompt_mask=inputs["prompt_mask"],
                     completion_mask=completion_mask,
                 )
             )
@@ -368,6 +446,7 @@ def grpo_config(cfg: Any, output_dir: str | Path) -> Any:
         disable_dropout=True,
         use_vllm=backend == "vllm",
         **vllm,
+        **importance_sampling_settings(cfg),
         logging_steps=int(t.logging_steps),
         save_strategy="steps",
         save_steps=int(t.save_steps),

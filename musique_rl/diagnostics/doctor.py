@@ -69,6 +69,12 @@ DEAD_MEAN = 0.05
 CHECKSUM_DRIFT_MAX = 1e-6
 # H07: more than half of the tool calls failing means the tool interface is broken for this policy
 TOOL_FAILURE_MAX = 0.5
+# H06: TRL's importance-sampling weight exp(trainer - sampler logp) of a sequence (its
+# `sampling/importance_sampling_ratio/mean`, with train.importance_sampling or vLLM). Identical
+# weights give 1; a mean below 0.1 means most of the batch's loss is weighted away: the gradient
+# vanishes whatever the learning rate (docs/failure_modes.md defect 5).
+IS_WEIGHT_MIN = 0.1
+IS_WEIGHT_KEY = "sampling/importance_sampling_ratio/mean"
 # H08: a healthy Adam step changes weights by ~1e-3 of their norm; 10x below that for most of the
 # run is a policy that is not moving
 UPDATE_RATIO_MIN = 1e-4
@@ -388,7 +394,15 @@ def _h06(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
         out.append(Finding("h06", "lora_untrained", True, 3.0,
                            f"LoRA B matrices are still exactly 0 after {len(bnorm)} steps: the adapter never trains.",
                            {"h06/lora_b_norm (max)": 0.0}))
-    if not out and (gap or stale or drift or bnorm):
+    weights = _vals(m.get(IS_WEIGHT_KEY))
+    if weights and statistics.median(weights) < IS_WEIGHT_MIN:
+        w = statistics.median(weights)
+        out.append(Finding("h06", "importance_weights_vanish", True, 2 + _mag(IS_WEIGHT_MIN / max(w, 1e-30)),
+                           f"TRL's importance-sampling correction weights the sequences by {w:.2g} (median of the "
+                           "steps' means; 1 when trainer and sampler agree): the loss is weighted away, so no "
+                           "learning rate, rank or KL setting can move the policy. The trainer's log-probs are "
+                           "far below the sampler's.", {IS_WEIGHT_KEY + " (median)": w}))
+    if not out and (gap or stale or drift or bnorm or weights):
         ev = dict(ev_p)
         if gap:
             ev["h06/logp_gap_mean (max)"] = max(v for _, v in gap)
@@ -499,12 +513,36 @@ def _flat(findings: Sequence[Finding], m: Mapping[str, History]) -> list[Finding
 HYPOTHESES = ("h01", "h02", "h03", "h04", "h05", "h06", "h07", "h08")
 
 
+# A trainer/sampler mismatch at the start (the root) and, downstream of it through the
+# importance-sampling weights, a policy that does not move (the consequences).
+MISMATCH_CHECKS = ("trainer_sampler_mismatch_at_start", "context_hidden_from_trainer", "sampling_settings_differ")
+STILLNESS_CHECKS = ("importance_weights_vanish", "updates_too_small", "lora_untrained")
+
+
+def _consequences(findings: list[Finding]) -> None:
+    """Rank a root cause above what it causes. When the importance-sampling weights vanish and the
+    trainer disagreed with the sampler from the first step, the stillness findings (weights
+    weighted away, updates too small, LoRA B still 0) are that mismatch's consequence, not a second
+    defect: raising the learning rate would not help. They stay flagged, ranked below the mismatch,
+    and say so."""
+    roots = [f for f in findings if f.flagged and f.check in MISMATCH_CHECKS]
+    if not roots or not any(f.flagged and f.check == "importance_weights_vanish" for f in findings):
+        return
+    root = max(roots, key=lambda f: f.severity)
+    for i, f in enumerate(findings):
+        if f.flagged and f.check in STILLNESS_CHECKS:
+            findings[i] = Finding(f.hypothesis, f.check, True, min(f.severity, root.severity - 0.5),
+                                  f"{f.verdict} A consequence of {root.hypothesis} {root.check}: the importance "
+                                  "weights of mismatched sequences are ~0.", f.evidence)
+
+
 def diagnose_metrics(metrics: Mapping[str, History], params: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
     """Ranked diagnosis from metric histories {key: [(step, value), ...]} and the run's params."""
     params = params or {}
     findings: list[Finding] = []
     for rule in RULES:
         findings.extend(rule(metrics, params))
+    _consequences(findings)
     findings.extend(_flat(findings, metrics))
     seen = {f.hypothesis for f in findings}
     for h in HYPOTHESES:
@@ -523,7 +561,7 @@ def diagnose_metrics(metrics: Mapping[str, History], params: Mapping[str, str] |
 
 # ---------------------------------------------------------------- MLflow I/O
 _PREFIXES = ("h0", "preflight/")
-_ALSO = ("grad_norm", "reward")  # TRL / Trainer metrics some rules read
+_ALSO = ("grad_norm", "reward", IS_WEIGHT_KEY)  # TRL / Trainer metrics some rules read
 
 
 def read_run_metrics(run_id: str, uri: str | None = None) -> tuple[dict[str, History], dict[str, str], Any]:

@@ -22,12 +22,15 @@ PAIRED_DIFFERENCES = "paired_differences.png"
 COLORS = {"control": "tab:blue", "treatment": "tab:orange"}
 
 
-def reward_history(job_dir: Path) -> list[tuple[int, float]]:
-    """(step, mean training reward) of one job, in step order; [] when it logged none."""
+def reward_history(job_dir: Path, key: str = "reward") -> list[tuple[int, float]]:
+    """(step, value of ``key``: by default the mean training reward) of one job, in step order; []
+    when it logged none. Keys other than the reward come from metrics.jsonl only."""
     metrics = job_dir / "metrics.jsonl"
     if metrics.exists():
         rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-        return sorted((int(r["step"]), float(r["reward"])) for r in rows if "reward" in r)
+        return sorted((int(r["step"]), float(r[key])) for r in rows if key in r)
+    if key != "reward":
+        return []
     states = sorted(job_dir.glob("checkpoints/checkpoint-*/trainer_state.json"),
                     key=lambda p: int(p.parent.name.rsplit("-", 1)[-1]))
     if states:
@@ -70,9 +73,10 @@ def _save(plt: Any, fig: Any, ax: Any, path: Path, xlabel: str, ylabel: str, tit
     return path
 
 
-def plot_reward_curves(curves: dict[str, dict[int, list[tuple[int, float]]]], path: Path, title: str) -> Path | None:
-    """Mean training reward per step for each arm, with the band from the lowest to the highest
-    seed; None when no job logged a reward."""
+def plot_reward_curves(curves: dict[str, dict[int, list[tuple[int, float]]]], path: Path, title: str,
+                       ylabel: str = "training reward (batch mean)") -> Path | None:
+    """Mean training reward (or the metric ``ylabel`` names) per step for each arm, with the band
+    from the lowest to the highest seed; None when no job logged one."""
     if not any(curves.values()):
         return None
     plt = _pyplot()
@@ -87,7 +91,7 @@ def plot_reward_curves(curves: dict[str, dict[int, list[tuple[int, float]]]], pa
         ax.fill_between(steps, [min(by_step[s]) for s in steps], [max(by_step[s]) for s in steps],
                         color=COLORS.get(arm), alpha=0.2, linewidth=0)
         ax.plot(steps, mean, color=COLORS.get(arm), label=f"{arm} (mean of {len(curves[arm])} seeds; band: min-max)")
-    return _save(plt, fig, ax, path, "step", "training reward (batch mean)", title)
+    return _save(plt, fig, ax, path, "step", ylabel, title)
 
 
 def plot_paired_differences(verdict: dict[str, Any], path: Path) -> Path | None:
