@@ -24,6 +24,8 @@ import json
 import logging
 import time
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -62,19 +64,11 @@ def held_out_eval(
     """Mean reward components and total over one episode per held-out record.
 
     Always scored on the LAST assistant turn (the fault first_turn_reward only misleads training).
-    Sampled from a fixed random state (the run's seed), restored afterwards: the evaluations before
-    and after training draw the same random numbers, so ``eval/gain/*`` measures the change of
-    the policy, not two independent draws (a policy that did not move scores a gain of exactly 0),
-    and training's own random stream is the same with or without the evaluation.
     """
-    import torch
-
     from musique_rl.core.rollout import run_model_episodes
     from musique_rl.env import rewards
 
-    with torch.random.fork_rng():
-        torch.manual_seed(int(cfg.seed))
-        episodes = run_model_episodes(cfg, records, model=model, tokenizer=tokenizer, retriever=retriever, greedy=greedy)
+    episodes = run_model_episodes(cfg, records, model=model, tokenizer=tokenizer, retriever=retriever, greedy=greedy)
     comps = [rewards.score_episode(r, e["messages"]) for r, e in zip(records, episodes, strict=True)]
     totals = [rewards.total(c, rewards.n_hops(r), cfg.reward) for c, r in zip(comps, records, strict=True)]
     out = {k: float(np.mean([c[k] for c in comps])) for k in rewards.COMPONENTS}
@@ -95,6 +89,28 @@ def gain_window(steps: int) -> int:
     """Logged steps averaged at each end of the reward curve: 10, or half a shorter run, so the two
     windows never share a step (a run of 12 steps compares steps 1-6 with 7-12; 0 below 2 steps)."""
     return min(WINDOW, steps // 2)
+
+
+@contextmanager
+def same_random_numbers(saved: list) -> Iterator[None]:
+    """Every held-out evaluation of a run draws the same random numbers, so ``eval/gain/*`` is the
+    change of the policy, not the difference of two independent draws (a policy that did not move
+    gains exactly 0). The first evaluation samples from the current state and records it (training
+    then continues from where it left the stream, as it always has: earlier runs' figures
+    reproduce); later ones replay that state in a forked generator, restored afterwards."""
+    import torch
+
+    cuda = torch.cuda.is_available()
+    if not saved:
+        saved.append((torch.random.get_rng_state(), torch.cuda.get_rng_state_all() if cuda else None))
+        yield
+        return
+    with torch.random.fork_rng():
+        cpu_state, cuda_states = saved[0]
+        torch.random.set_rng_state(cpu_state)
+        if cuda_states is not None:
+            torch.cuda.set_rng_state_all(cuda_states)
+        yield
 
 
 def summarise(curve: list[float], before: dict, after: dict, before_g: dict, after_g: dict) -> dict[str, Any]:
@@ -202,11 +218,14 @@ def train(cfg: Any, run_dir: str | Path | None = None, callbacks: list | None = 
     by_id = {r["id"]: r for r in records}
     reward_fn = rewards.RewardFunction(cfg.reward, by_id, read_turn=faults.reward_read_turn(cfg), seed=int(cfg.seed))
 
+    eval_rng: list = []  # the random state the held-out evaluations replay (same_random_numbers)
+
     def evaluate(tag: str, policy_model: Any) -> tuple[dict, dict]:
         if not eval_records or not state.is_main_process:
             return {}, {}
         t = time.time()
-        sampled, eps = held_out_eval(cfg, policy_model, tokenizer, retriever, eval_records, greedy=False)
+        with same_random_numbers(eval_rng):
+            sampled, eps = held_out_eval(cfg, policy_model, tokenizer, retriever, eval_records, greedy=False)
         greedy, _ = held_out_eval(cfg, policy_model, tokenizer, retriever, eval_records, greedy=True)
         with (out_dir / f"episodes_{tag}.jsonl").open("w") as f:
             for e in eps:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from musique_rl.train import reward_curve, summarise
+from musique_rl.train import reward_curve, same_random_numbers, summarise
 
 ROOT = Path(__file__).resolve().parents[1]
 ROOT_KEYS = ("train/reward_first10", "train/reward_last10", "train/reward_gain", "eval/gain/answer_em")
@@ -28,6 +28,26 @@ def test_summary_windows_and_gains():
     assert s["eval/gain/answer_em"] == pytest.approx(0.3) and s["eval/gain_greedy/answer_em"] == 0.0
     history = [{"reward": 0.2, "step": 1}, {"loss": 1.0, "step": 1}, {"reward": 0.4, "step": 2}, {"train_runtime": 3}]
     assert reward_curve(history) == [0.2, 0.4]
+
+
+def test_held_out_evaluations_draw_the_same_random_numbers_and_training_keeps_its_stream():
+    import torch
+
+    saved: list = []
+    torch.manual_seed(7)
+    with same_random_numbers(saved):
+        before = torch.rand(5)
+    training = torch.rand(3)  # training continues from where the first evaluation left the stream
+    torch.manual_seed(7)
+    torch.rand(5)
+    assert torch.equal(training, torch.rand(3))
+    outer = torch.random.get_rng_state()
+    with same_random_numbers(saved):
+        after = torch.rand(5)
+    assert torch.equal(before, after)
+    next_draw = torch.rand(3)
+    torch.random.set_rng_state(outer)
+    assert torch.equal(next_draw, torch.rand(3))  # the replay left the outer stream where it was
 
 
 def test_a_short_run_compares_disjoint_halves_and_never_reports_a_silent_zero():
