@@ -171,6 +171,8 @@ def train(cfg: Any, run_dir: str | Path | None = None, callbacks: list | None = 
     from musique_rl.env.retrieval import build_retriever
 
     t0 = time.time()
+    rewards.check_weights(cfg.reward)
+    rewards.check_task(cfg.reward, cfg.env)  # env=arith with a document reward fails here, before any compute
     _quiet_library_deprecations()
     logging.getLogger("bm25s").setLevel(logging.WARNING)  # one DEBUG line per indexed record otherwise
     state = process_state()
