@@ -189,7 +189,7 @@ class ArithConfig:
 
     num_train: int = 2000
     num_eval: int = 200
-    max_operand: int = 20  # operands 1..max_operand, results 0..2*max_operand (every number one token)
+    max_operand: int = 9  # operands 1..max_operand, results 0..2*max_operand (every number one token)
     ops: List[str] = field(default_factory=lambda: ["+", "-"])
 
 

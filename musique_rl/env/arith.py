@@ -87,7 +87,7 @@ def _record(rng: random.Random, max_operand: int, ops: tuple[str, ...]) -> dict:
     }
 
 
-def generate_records(split: str, n: int, seed: int = 0, max_operand: int = 20, ops: list[str] | tuple[str, ...] = ("+", "-")) -> list[dict]:
+def generate_records(split: str, n: int, seed: int = 0, max_operand: int = 9, ops: list[str] | tuple[str, ...] = ("+", "-")) -> list[dict]:
     """``n`` distinct records of ``split`` ('train' | 'validation'), deterministic in all arguments."""
     if split not in SPLITS:
         raise ValueError(f"arith split {split!r}: expected one of {SPLITS}")
