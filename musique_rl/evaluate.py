@@ -21,7 +21,16 @@ from typing import Any
 from tqdm import tqdm
 
 from musique_rl.env.data import load_records
-from musique_rl.env.rewards import COMPONENTS, as_spec, check_task, check_weights, max_total, n_hops, score_episode, total
+from musique_rl.env.rewards import (
+    COMPONENTS,
+    as_spec,
+    check_task,
+    check_weights,
+    max_total,
+    n_hops,
+    score_episode,
+    total,
+)
 
 log = logging.getLogger(__name__)
 
