@@ -19,6 +19,9 @@ def run(cfg: DictConfig) -> float | None:
 
 
 def _dispatch(cfg: DictConfig) -> float | None:
+    from musique_rl.env.rewards import check_task
+
+    check_task(cfg.reward, cfg.env)  # env=arith with a reward over documents or citations: fail in a second
     if cfg.mode == "eval":
         from musique_rl.evaluate import evaluate
 

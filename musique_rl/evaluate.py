@@ -21,7 +21,16 @@ from typing import Any
 from tqdm import tqdm
 
 from musique_rl.env.data import load_records
-from musique_rl.env.rewards import COMPONENTS, as_spec, check_weights, max_total, n_hops, score_episode, total
+from musique_rl.env.rewards import (
+    COMPONENTS,
+    as_spec,
+    check_task,
+    check_weights,
+    max_total,
+    n_hops,
+    score_episode,
+    total,
+)
 
 log = logging.getLogger(__name__)
 
@@ -132,6 +141,7 @@ def _track(metrics: dict, out: Path) -> None:
 def evaluate(cfg: Any) -> float:
     """Run ``cfg.policy`` over ``cfg.env.data``; print and save the metrics; return the mean reward."""
     check_weights(cfg.reward)
+    check_task(cfg.reward, cfg.env)
     data_stats: dict = {}
     records = load_records(cfg.env.data, cfg.env, int(cfg.seed), stats=data_stats)
     records_by_id = {r["id"]: r for r in records}

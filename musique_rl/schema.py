@@ -85,6 +85,11 @@ class VllmMode(StrEnum):  # TRL 1.16 GRPOConfig.vllm_mode, plus auto
     server = "server"  # `vllm serve` on the first GPU, the trainer on the others (musique_rl/gpu_job.py)
 
 
+class Task(StrEnum):
+    musique = "musique"  # multi-hop QA over documents, the retrieval tool (the default)
+    arith = "arith"  # the control task: single-turn arithmetic word problems, no tool, no documents
+
+
 class Console(StrEnum):
     compact = "compact"  # one line per logging step (musique_rl/console.py); every metric in metrics.jsonl
     full = "full"  # TRL's whole metrics dict per logging step, as transformers prints it
@@ -188,7 +193,20 @@ class SyntheticConfig:
 
 
 @dataclass
+class ArithConfig:
+    """The control task's generator (musique_rl/env/arith.py; env=arith)."""
+
+    num_train: int = 2000
+    num_eval: int = 200
+    max_operand: int = 9  # operands 1..max_operand, results 0..2*max_operand (every number one token)
+    ops: List[str] = field(default_factory=lambda: ["+", "-"])
+
+
+@dataclass
 class EnvConfig:
+    # musique: multi-hop QA with the retrieval tool; arith: the single-turn control task (no tool,
+    # no documents, its own prompt, warm start and reward check: docs/warm_start.md)
+    task: Task = Task.musique
     data: str = MISSING  # dataset spec(s): "path,name,split[slice]" joined by ";"
     eval_data: Optional[str] = None  # held-out spec; None = no held-out eval
     hops: Optional[List[int]] = None  # keep only these hop counts; None = all
@@ -207,6 +225,7 @@ class EnvConfig:
     max_completion_tokens: int = 4096  # all assistant + tool tokens of one episode
     supporting_in_prompt: bool = False  # single-step mode (h07): gold paragraphs in the prompt, no tools
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
+    arith: ArithConfig = field(default_factory=ArithConfig)
 
 
 @dataclass

@@ -137,7 +137,7 @@ def summarise(curve: list[float], before: dict, after: dict, before_g: dict, aft
 def gate_line(summary: dict) -> str:
     """The warm start's gate numbers in a few words (empty for models without a gate)."""
     parts = []
-    for shape in ("tool", "single_step"):
+    for shape in ("tool", "single_step", "arith"):
         k = f"warm_start/gate/{shape}/"
         if k + "sampled_em" in summary:
             parts.append(f"{shape}: sampled EM {summary[k + 'sampled_em']:.2f}, pass@8 {summary[k + 'pass8']:.2f}, "
@@ -195,6 +195,8 @@ def train(cfg: Any, run_dir: str | Path | None = None, callbacks: list | None = 
     from musique_rl.env.retrieval import build_retriever
 
     t0 = time.time()
+    rewards.check_weights(cfg.reward)
+    rewards.check_task(cfg.reward, cfg.env)  # env=arith with a document reward fails here, before any compute
     _quiet_library_deprecations()
     logging.getLogger("bm25s").setLevel(logging.WARNING)  # one DEBUG line per indexed record otherwise
     state = process_state()

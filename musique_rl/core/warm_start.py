@@ -49,6 +49,24 @@ GATE_RECORDS = 48  # held-out questions per shape
 GATE_SAMPLES = 8  # samples per question (pass@8)
 GATE_WORLD_SEED = 1  # the gate's world: not the SFT data's (tiny_model.WARM_START_WORLDS); seed 1's
 SHAPES = {"tool": False, "single_step": True}  # gate shape -> env.supporting_in_prompt
+# The control task's start (env.task=arith, tiny_model.ARITH_WARM_START_ENV): one shape, its own
+# bounds. Sampled EM with room to learn, the right answer the mode (greedy clearly above sampled),
+# and groups that see it (pass@8 well above pass@1). More questions: a turn is ~12 tokens.
+ARITH_SHAPE = "arith"
+ARITH_GATE = {"sampled_em": (0.30, 0.65), "greedy_over_sampled_min": 0.15, "pass8_minus_pass1_min": 0.25}
+ARITH_GATE_RECORDS = 96
+
+
+def shapes_for(cfg: Any) -> tuple[str, ...]:
+    """The episode shapes a warm start of ``cfg``'s task is measured in."""
+    return (ARITH_SHAPE,) if tiny_model.task_of(cfg) == "arith" else tuple(SHAPES)
+
+
+def shape_of(cfg: Any) -> str:
+    """The episode shape a run of ``cfg`` trains."""
+    if tiny_model.task_of(cfg) == "arith":
+        return ARITH_SHAPE
+    return next(k for k, v in SHAPES.items() if v == bool(cfg.env.supporting_in_prompt))
 
 
 class WarmStartGateError(RuntimeError):
@@ -142,6 +160,12 @@ def sft(model: Any, tokenizer: Any, rows: list, out_dir: Path, *, epochs: float,
 
 # ---------------------------------------------------------------- the gate
 def gate_records(cfg: Any) -> list[dict]:
+    if tiny_model.task_of(cfg) == "arith":  # held-out questions: the validation split, never in SFT
+        from musique_rl.env import arith
+
+        ar = cfg.env.arith
+        return arith.generate_records("validation", ARITH_GATE_RECORDS, seed=GATE_WORLD_SEED,
+                                      max_operand=int(ar.max_operand), ops=list(ar.ops))
     from musique_rl.env.synthetic import generate_records
 
     syn = cfg.env.synthetic
@@ -150,7 +174,7 @@ def gate_records(cfg: Any) -> list[dict]:
 
 
 def measure(cfg: Any, model: Any, tokenizer: Any, records: list[dict] | None = None,
-            shapes: Any = tuple(SHAPES)) -> dict[str, dict[str, float]]:
+            shapes: Any = None) -> dict[str, dict[str, float]]:
     """Per shape: sampled answer EM (pass@1, at ``train.temperature``), pass@8 and greedy answer EM."""
     import torch
 
@@ -162,8 +186,8 @@ def measure(cfg: Any, model: Any, tokenizer: Any, records: list[dict] | None = N
 
     records = records or gate_records(cfg)
     out = {}
-    for shape in shapes:
-        shape_cfg = OmegaConf.merge(cfg, {"env": {"supporting_in_prompt": SHAPES[shape]}})
+    for shape in shapes or shapes_for(cfg):
+        shape_cfg = cfg if shape == ARITH_SHAPE else OmegaConf.merge(cfg, {"env": {"supporting_in_prompt": SHAPES[shape]}})
         torch.manual_seed(0)
         sampled = run_model_episodes(shape_cfg, records * GATE_SAMPLES, model=model, tokenizer=tokenizer,
                                      temperature=float(cfg.train.temperature))
@@ -185,6 +209,9 @@ def gate_failures(numbers: dict[str, dict[str, float]], shapes: Any = None) -> l
     for shape, n in numbers.items():
         if shapes is not None and shape not in shapes:
             continue
+        if shape == ARITH_SHAPE:
+            failures += _arith_gate_failures(n)
+            continue
         if not lo <= n["sampled_em"] <= hi:
             failures.append(f"{shape}: sampled answer EM {n['sampled_em']:.3f} outside [{lo}, {hi}]")
         if n["greedy_em"] < GATE_GREEDY_EM:
@@ -192,6 +219,30 @@ def gate_failures(numbers: dict[str, dict[str, float]], shapes: Any = None) -> l
         if n["pass8"] < n["sampled_em"] + GATE_PASS_GAP:
             failures.append(f"{shape}: pass@8 {n['pass8']:.3f} < pass@1 {n['sampled_em']:.3f} + {GATE_PASS_GAP}")
     return failures
+
+
+def _arith_gate_failures(n: dict[str, float]) -> list[str]:
+    lo, hi = ARITH_GATE["sampled_em"]
+    out = []
+    if not lo <= n["sampled_em"] <= hi:
+        out.append(f"arith: sampled answer EM {n['sampled_em']:.3f} outside [{lo}, {hi}]")
+    if n["greedy_em"] < n["sampled_em"] + ARITH_GATE["greedy_over_sampled_min"]:
+        out.append(f"arith: greedy answer EM {n['greedy_em']:.3f} < sampled {n['sampled_em']:.3f} + "
+                   f"{ARITH_GATE['greedy_over_sampled_min']}")
+    if n["pass8"] < n["sampled_em"] + ARITH_GATE["pass8_minus_pass1_min"]:
+        out.append(f"arith: pass@8 {n['pass8']:.3f} < pass@1 {n['sampled_em']:.3f} + {ARITH_GATE['pass8_minus_pass1_min']}")
+    return out
+
+
+def gate_criteria(cfg: Any) -> dict[str, Any]:
+    """The gate's bounds and sample, as build.json records them."""
+    if tiny_model.task_of(cfg) == "arith":
+        return {**{k: list(v) if isinstance(v, tuple) else v for k, v in ARITH_GATE.items()},
+                "records_per_shape": ARITH_GATE_RECORDS, "samples": GATE_SAMPLES, "generator_seed": GATE_WORLD_SEED,
+                "split": "validation"}
+    return {"sampled_em": list(GATE_SAMPLED_EM), "greedy_em_min": GATE_GREEDY_EM,
+            "pass8_minus_pass1_min": GATE_PASS_GAP, "records_per_shape": GATE_RECORDS,
+            "samples": GATE_SAMPLES, "world_seed": GATE_WORLD_SEED, "split": "validation"}
 
 
 # ---------------------------------------------------------------- build
@@ -226,9 +277,9 @@ def build(cfg: Any, out: Path) -> dict:
 def _build(cfg: Any, out: Path, t0: float) -> dict:
     tiny = cfg.model.tiny
     required = [str(x) for x in tiny.gate_shapes]
-    unknown = sorted(set(required) - set(SHAPES))
+    unknown = sorted(set(required) - set(shapes_for(cfg)))
     if unknown:
-        raise ValueError(f"model.tiny.gate_shapes={required}: unknown shape(s) {unknown}; choose from {sorted(SHAPES)}")
+        raise ValueError(f"model.tiny.gate_shapes={required}: unknown shape(s) {unknown}; choose from {sorted(shapes_for(cfg))}")
     model, tokenizer, _, episodes, envs = tiny_model.build_untrained(cfg)
     rows = sft_rows(tokenizer, episodes, envs)
     lr = float(tiny.sft_learning_rate)
@@ -255,9 +306,7 @@ def _build(cfg: Any, out: Path, t0: float) -> dict:
         # every measured shape, required or not: a job refuses to train a shape whose gate failed
         "shape_passed": {shape: not gate_failures(numbers, [shape]) for shape in numbers},
         "gate_history": history,
-        "gate_criteria": {"sampled_em": list(GATE_SAMPLED_EM), "greedy_em_min": GATE_GREEDY_EM,
-                          "pass8_minus_pass1_min": GATE_PASS_GAP, "records_per_shape": GATE_RECORDS,
-                          "samples": GATE_SAMPLES, "world_seed": GATE_WORLD_SEED, "split": "validation"},
+        "gate_criteria": gate_criteria(cfg),
         "sft": stages,
         "sft_rows": len(rows),
         "params": sum(p.numel() for p in model.parameters()),
@@ -353,7 +402,7 @@ def provenance(cfg: Any, path: Path | None = None) -> dict[str, Any]:
     path = path or ensure(cfg)
     if path is not None:
         report = json.loads((path / "build.json").read_text())
-        shape = next(k for k, v in SHAPES.items() if v == bool(cfg.env.supporting_in_prompt))
+        shape = shape_of(cfg)
         if not report.get("shape_passed", {}).get(shape, False):
             raise WarmStartGateError(
                 f"the tiny warm start {path.name} did not pass its quality gate for {shape!r} episodes "

@@ -7,6 +7,8 @@ slicing (``bdsaglam/musique,answerable,train[:256]``). Each part is one of
   optionally followed by ``,name,split[slice]`` to slice it (the name is ignored);
 - ``synthetic,<name>,<split>``: the embedded generator (musique_rl/env/synthetic.py), ``env.synthetic``
   sizes; split ``train`` gives ``num_train`` records, any other ``num_eval``.
+- ``arith,<name>,<split>``: the control task's generator (musique_rl/env/arith.py), ``env.arith``
+  settings, sized the same way; its records have no paragraphs (valid under ``env.task=arith``).
 All parts are concatenated, validated, filtered (env.answerable_only, env.hops, env.noise_rate,
 env.max_paragraphs) and shuffled with the seed. ``load_records`` is the entry point.
 """
@@ -22,6 +24,7 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 LOCAL_SUFFIXES = (".jsonl", ".json")
+GENERATORS = ("synthetic", "arith")  # embedded generators a spec names by its first field
 
 
 class InvalidRecordError(ValueError):
@@ -30,7 +33,7 @@ class InvalidRecordError(ValueError):
 
 # ---------------------------------------------------------------- spec parsing
 def parse_spec(spec: str) -> list[dict]:
-    """Split a spec string into parts: ``[{"kind": hub|local|synthetic, "path", "name", "split"}]``."""
+    """Split a spec string into parts: ``[{"kind": hub|local|synthetic|arith, "path", "name", "split"}]``."""
     if not isinstance(spec, str) or not spec.strip():
         raise ValueError(f"env.data={spec!r}: expected 'path,name,split' specs joined by ';' or a file path")
     parts = []
@@ -40,10 +43,10 @@ def parse_spec(spec: str) -> list[dict]:
             continue
         fields = [f.strip() for f in raw.split(",")]
         path = fields[0]
-        if path == "synthetic":
+        if path in GENERATORS:
             if len(fields) != 3:
-                raise ValueError(f"env.data part {raw!r}: expected 'synthetic,<name>,<split>'")
-            parts.append({"kind": "synthetic", "path": path, "name": fields[1], "split": fields[2]})
+                raise ValueError(f"env.data part {raw!r}: expected '{path},<name>,<split>'")
+            parts.append({"kind": path, "path": path, "name": fields[1], "split": fields[2]})
         elif path.endswith(LOCAL_SUFFIXES) or Path(path).is_file():
             if len(fields) not in (1, 3):
                 raise ValueError(f"env.data part {raw!r}: expected '<file>' or '<file>,<name>,<split[slice]>'")
@@ -129,6 +132,16 @@ def _read_synthetic(part: dict, env_cfg: Any, seed: int) -> list[dict]:
     return _slice(list(records), part["split"])
 
 
+def _read_arith(part: dict, env_cfg: Any, seed: int) -> list[dict]:
+    from musique_rl.env.arith import generate_records
+
+    ar = env_cfg.arith
+    base = part["split"].split("[", 1)[0]
+    n = ar.num_train if base == "train" else ar.num_eval
+    records = generate_records(split=base, n=int(n), seed=seed, max_operand=int(ar.max_operand), ops=list(ar.ops))
+    return _slice(records, part["split"])
+
+
 # ---------------------------------------------------------------- validation
 _FIELDS = {
     "id": str,
@@ -147,8 +160,11 @@ def _type_name(t: type) -> str:
     return {str: "a string", bool: "a boolean", int: "an integer", list: "a list"}[t]
 
 
-def validate_record(rec: Any, where: str = "") -> None:
-    """Raise InvalidRecordError naming the record id and the field if ``rec`` breaks the schema."""
+def validate_record(rec: Any, where: str = "", documents: bool = True) -> None:
+    """Raise InvalidRecordError naming the record id and the field if ``rec`` breaks the schema.
+
+    ``documents=False`` (``env.task=arith``, a single-turn task with no documents): ``paragraphs``
+    may be empty, and a decomposition step then needs no ``paragraph_support_idx``."""
     rid = rec.get("id", "<no id>") if isinstance(rec, dict) else "<not an object>"
     at = f" ({where})" if where else ""
 
@@ -162,8 +178,8 @@ def validate_record(rec: Any, where: str = "") -> None:
             raise bad(key, "is missing")
         if not isinstance(rec[key], typ):
             raise bad(key, f"must be {_type_name(typ)}, got {type(rec[key]).__name__}")
-    if not rec["paragraphs"]:
-        raise bad("paragraphs", "is empty")
+    if not rec["paragraphs"] and documents:
+        raise bad("paragraphs", "is empty (a record without documents is valid only under env.task=arith)")
     seen = set()
     for i, p in enumerate(rec["paragraphs"]):
         if not isinstance(p, dict):
@@ -183,8 +199,8 @@ def validate_record(rec: Any, where: str = "") -> None:
             if not isinstance(step.get(key), typ):
                 raise bad(f"question_decomposition[{i}].{key}", f"must be {_type_name(typ)}")
         sup = step.get("paragraph_support_idx")
-        if sup is None and not rec["answerable"]:
-            continue  # MuSiQue's unanswerable records may lack support for a hop
+        if sup is None and (not rec["answerable"] or not seen):
+            continue  # MuSiQue's unanswerable records may lack support for a hop; a no-document task has none
         if isinstance(sup, bool) or not isinstance(sup, int) or sup not in seen:
             raise bad(
                 f"question_decomposition[{i}].paragraph_support_idx",
@@ -237,16 +253,18 @@ def load_records(spec: str, env_cfg: Any, seed: int, stats: dict | None = None) 
             recs = _read_hub(part["path"], part["name"], part["split"])
             where = f"{part['path']},{part['name']},{part['split']}"
         else:
-            recs = _read_synthetic(part, env_cfg, seed)
-            where = f"synthetic,{part['name']},{part['split']}"
+            read = _read_synthetic if part["kind"] == "synthetic" else _read_arith
+            recs = read(part, env_cfg, seed)
+            where = f"{part['kind']},{part['name']},{part['split']}"
         raw += [(r, f"{where} #{i}") for i, r in enumerate(recs)]
 
     counts = {"loaded": len(raw), "invalid": 0, "unanswerable": 0, "wrong_hops": 0, "kept": 0}
     hops = set(env_cfg.hops) if env_cfg.hops else None
+    documents = str(getattr(env_cfg, "task", "musique")) != "arith"
     records = []
     for rec, where in raw:
         try:
-            validate_record(rec, where)
+            validate_record(rec, where, documents=documents)
         except InvalidRecordError as e:
             if not env_cfg.skip_invalid:
                 raise InvalidRecordError(f"{e}\n(set env.skip_invalid=true to skip and count invalid records)") from None

@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from musique_rl.env.prompts import build_messages
+from musique_rl.env.prompts import build_messages, is_arith
 from musique_rl.env.registry import Registry
 from musique_rl.env.tools import content_id, execute, parse_tool_calls
 
@@ -82,6 +82,12 @@ def oracle_episode(record: dict, env_cfg: Any, retriever: Any, tool_call_format:
     fmt = str(tool_call_format)
     scope = str(env_cfg.scope)
     messages = build_messages(record, env_cfg)
+    if is_arith(env_cfg):  # the control task: one turn, the working and the answer
+        from musique_rl.env import arith
+
+        a, op, b = arith.operation(record)
+        messages.append({"role": "assistant", "content": arith.answer_text(arith.work_text(a, op, b, int(record["answer"])), record["answer"])})
+        return _episode(record, messages, "answer", 0, 0)
     calls = errors = 0
     if not env_cfg.supporting_in_prompt:
         for q in sub_questions(record)[: max(int(env_cfg.max_turns) - 1, 0)]:  # leave a turn to answer
@@ -289,3 +295,28 @@ def noisy_oracle_dataset(
         episodes.append(noisy_oracle_episode(rec, env, retriever, rng, noise))
         envs.append(env)
     return records, episodes, envs
+
+
+def arith_noisy_oracle_dataset(
+    env_cfg: Any, n_records: int, noise: float, worlds: list[int], rng_seed: int = 0
+) -> tuple[list[dict], list[list[dict]], list]:
+    """(records, message lists, env config per episode) of ``n_records`` noisy-oracle episodes of the
+    control task (``env.task=arith``): train-split problems drawn in turn from the generator streams
+    ``worlds`` (none a run's seed), each answered by ``arith.noisy_oracle_text`` (right with
+    probability ``1 - noise``, else one wrong decision that depends on the question). Prefix-stable."""
+    import random
+
+    from musique_rl.env import arith
+
+    ar = env_cfg.arith
+    per_world = [
+        arith.generate_records("train", -(-n_records // len(worlds)), seed=w, max_operand=int(ar.max_operand), ops=list(ar.ops))
+        for w in worlds
+    ]
+    records = [per_world[i % len(worlds)][i // len(worlds)] for i in range(n_records)]
+    rng = random.Random(rng_seed)
+    episodes = [
+        [*build_messages(r, env_cfg), {"role": "assistant", "content": arith.noisy_oracle_text(r, rng, noise)}]
+        for r in records
+    ]
+    return records, episodes, [env_cfg] * len(records)

@@ -28,6 +28,16 @@ SYSTEM_PROMPT_NO_TOOLS = (
     "cite the ids of the documents you used."
 )
 
+# The control task (env.task=arith): one assistant turn, no tool, no documents, no citation.
+ARITH_ANSWER_FORMAT = "<think>working</think>\n<answer>number</answer>"
+ARITH_SYSTEM_PROMPT = "Solve the arithmetic word problem. Reply:\n" + ARITH_ANSWER_FORMAT
+
+
+def is_arith(env_cfg: Any) -> bool:
+    """The single-turn control task (``env.task=arith``, musique_rl/env/arith.py)."""
+    return str(getattr(env_cfg, "task", "musique")) == "arith"
+
+
 _RETRIEVE = {
     "type": "function",
     "function": {
@@ -56,8 +66,8 @@ _GET_DOCUMENT = {
 
 
 def tool_schemas(env_cfg: Any) -> list[dict]:
-    """OpenAI function schemas offered to the model (none in single-step mode)."""
-    if env_cfg.supporting_in_prompt:
+    """OpenAI function schemas offered to the model (none in single-step mode or the arith task)."""
+    if env_cfg.supporting_in_prompt or is_arith(env_cfg):
         return []
     schemas = [_RETRIEVE]
     if env_cfg.get_document_tool:
@@ -70,7 +80,13 @@ def build_messages(record: dict, env_cfg: Any) -> list[dict]:
 
     With ``env.supporting_in_prompt`` the supporting paragraphs (ids as in the tool results) are
     rendered before the question, and no tool is offered: the whole task is one assistant turn.
+    Under ``env.task=arith`` the question alone, under the task's own system prompt (no tool).
     """
+    if is_arith(env_cfg):
+        return [
+            {"role": "system", "content": ARITH_SYSTEM_PROMPT},
+            {"role": "user", "content": f"Question: {record['question']}"},
+        ]
     if env_cfg.supporting_in_prompt:
         supporting = [p for p in record["paragraphs"] if p.get("is_supporting")]
         user = f"{format_documents(supporting)}\n\nQuestion: {record['question']}"

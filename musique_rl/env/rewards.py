@@ -210,6 +210,28 @@ def check_weights(reward_cfg: Any) -> None:
         raise ValueError(f"reward.normalizer={reward_cfg.normalizer}: must be > 0")
 
 
+# What a record of the control task (env.task=arith: no documents, no citations, no <cite> in its
+# answer format) can be scored on; every other component would be a constant 0 (or capped at 2/3
+# for ``format``), a reward that cannot tell a right answer from a wrong one.
+ARITH_COMPONENTS = ("answer_em", "answer_f1")
+
+
+def check_task(reward_cfg: Any, env_cfg: Any) -> None:
+    """Fail before any compute when ``reward`` weighs a component the task cannot score: under
+    ``env.task=arith`` only ``ARITH_COMPONENTS`` (retrieval and citations need documents; ``format``
+    counts a ``<cite>`` the task's format does not have)."""
+    if str(getattr(env_cfg, "task", "musique")) != "arith":
+        return
+    spec = as_spec(reward_cfg)
+    bad = [k for k, w in spec.weights if w and k not in ARITH_COMPONENTS]
+    if bad:
+        raise ValueError(
+            f"reward={spec.name} weighs {bad}, which env.task=arith (env=arith: one turn, no documents, no "
+            f"citations) cannot score; use a reward over {list(ARITH_COMPONENTS)}: reward=answer_em, "
+            "reward=answer_f1, reward=answer_only, or the shuffled control reward=shuffled_em"
+        )
+
+
 def total(components: dict[str, float], n_hops: int, reward_cfg: Any) -> float:
     """hop_scale * sum(w_i * c_i) / normalizer, hop_scale = n_hops/2 if reward.hop_scale else 1.
     ``reward_cfg``: the ``reward`` config node or (faster) its ``as_spec``."""
