@@ -112,3 +112,25 @@ def test_every_arm_is_a_config_and_no_config_is_left_out():
 def test_no_sweep_is_a_clear_error(tmp_path):
     with pytest.raises(SystemExit, match="does not exist"):
         cs.main([str(tmp_path / "nowhere")])
+
+
+@pytest.mark.parametrize("arm", cs.ARM_NAMES)
+def test_each_arm_composes_and_differs_from_its_reference_only_where_it_says(arm):
+    """Every arm is a real config; the defect is on in each multi-turn defect arm and inert in the
+    single-turn control task (faults.blind_context); the cure differs from `defect` in the fault only."""
+    from conftest import compose_cfg
+
+    from musique_rl.core import faults
+
+    cfg = compose_cfg([f"+case={arm}"])
+    assert str(cfg.train.importance_sampling) == "sequence_mask"
+    assert faults.blind_context(cfg) == arm.startswith("defect")
+    assert str(cfg.fault) == ("none" if arm == "cure" else "blind_context")
+    if arm.startswith("arith"):
+        assert str(cfg.env.task) == "arith" and cfg.train.max_steps == 150
+    if arm == "cure":
+        from musique_rl.tracking import config_params
+
+        ref = config_params(compose_cfg(["+case=defect"]))
+        differ = {k for k, v in config_params(cfg).items() if ref.get(k) != v}
+        assert differ == {"fault"}
