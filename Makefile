@@ -33,7 +33,7 @@ test: $(STAMP) ## Fast test suite (under 10 minutes on 2 cores)
 test-slow: $(STAMP) ## Slow end-to-end suite (learning runs, faults, SLURM)
 	$(BIN)/python -m pytest -q -m slow
 
-warm-start: $(STAMP) ## Rebuild the shipped tiny warm start (SFT until its quality gate holds, ~6 min); commit musique_rl/warm_starts/
+warm-start: $(STAMP) ## Build the shipped tiny warm starts that are missing (default, arith; SFT until the gate holds); commit musique_rl/warm_starts/
 	$(BIN)/python -m musique_rl.warm_start --ship $(ARGS)
 
 sweep: $(STAMP) ## Run a named hypothesis sweep and its verdict: make sweep SWEEP=h02
