@@ -59,7 +59,7 @@ class Arm:
 
 
 ARMS = (
-    Arm("defect", "musique", "context defect on; full fine-tuning, lr 1e-3, beta 0, scale_rewards group"),
+    Arm("defect", "musique", "context defect on; full fine-tuning, lr 1e-3, beta 0, scale_rewards group, temperature 0.8"),
     Arm("defect_r8", "musique", "defect, LoRA rank 8"),
     Arm("defect_r64", "musique", "defect, LoRA rank 64"),
     Arm("defect_kl", "musique", "defect, KL beta 0.04"),
