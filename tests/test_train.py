@@ -116,7 +116,10 @@ def test_default_job_learns_on_three_seeds_and_the_shuffled_control_does_not(tmp
     spec = importlib.util.spec_from_file_location("bench_learning", ROOT / "benchmarks" / "bench_learning.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    run = bench.run
+    import os
+
+    def run(overrides, run_dir):
+        return bench.run(overrides, run_dir, dict(os.environ))
 
     for seed in (1, 2, 3):
         s, wall = run([f"seed={seed}", "tracking.enabled=false"], tmp_path / f"seed{seed}")
