@@ -382,7 +382,10 @@ def render(result: dict[str, Any]) -> str:
         "(TRL's default with vLLM). Blind to the documents, the trainer's log-probability of each "
         "completion is far below the sampler's; TRL weights each sequence's loss by exp(trainer - sampler) "
         "(masking it above 3), so every multi-turn sequence carries ~0 weight: no knob can move a policy "
-        "that gets no gradient. A single-turn episode has no tool result to hide, so the control task learns.",
+        "that gets no gradient. The defect lived in the multi-turn code path only, so the single-turn control "
+        "task trains with the true mask and learns.",
+        "",
+        _observed(result.get("observations", {})),
         "",
         "## Headline",
         "",
@@ -430,6 +433,59 @@ def render(result: dict[str, Any]) -> str:
     lines += ["## Reproduce", "", "```bash", "make case-study          # seeds 1-3; SEEDS=1,2,3,4,5 for five",
               f"python -m musique_rl.case_study {result['sweep_dir'].replace(' + ', ' ')}   # this report again from the jobs", "```", ""]
     return "\n".join(lines)
+
+
+def _observed(o: dict[str, Any]) -> str:
+    """The mechanism in this sweep's own numbers (``observations``)."""
+    if not o:
+        return ""
+    parts = []
+    w, gap = o.get("importance_weight", {}), o.get("logp_gap_first_step", {})
+    if "defect" in w and "cure" in w:
+        parts.append(f"Measured here: TRL's mean importance weight (`sampling/importance_sampling_ratio/mean`, median "
+                     f"over steps and seeds) is {w['defect']:.3g} with the defect and {w['cure']:.3g} without")
+    if "defect" in gap and "cure" in gap:
+        parts.append(f"the trainer/sampler log-prob gap at the first step (`h06/logp_gap_mean`) is {gap['defect']:.3g} "
+                     f"vs {gap['cure']:.2g} nats a token")
+    if o.get("defect_curves_identical") is not None:
+        parts.append("the training-reward curves of the six defect arms are "
+                     + ("identical step for step on every seed (the policy never moved, so each seed's arms sampled "
+                        "the same episodes)" if o["defect_curves_identical"] else "NOT identical across the arms"))
+    lo_hi = o.get("unmoved_train_gain_range")
+    if lo_hi:
+        parts.append(f"and their training-reward gain, for a policy that did not change, still reads {lo_hi[0]:+.3f} to "
+                     f"{lo_hi[1]:+.3f} across seeds: the first and last 10 steps draw different questions, which is why "
+                     "the judged metric is the held-out gain")
+    return "; ".join(parts) + "." if parts else ""
+
+
+def observations(arms: dict[str, dict[int, Job]]) -> dict[str, Any]:
+    """Numbers behind the mechanism: importance weights, the step-0 gap, the defect arms' curves."""
+    from musique_rl.verdict.plots import reward_history
+
+    def median_of(arm: str, key: str, first: bool = False) -> float | None:
+        vals = []
+        for job in arms.get(arm, {}).values():
+            h = [v for _, v in reward_history(job.job_dir, key)]
+            if h:
+                vals.append(h[0] if first else float(np.median(h)))
+        return float(np.median(vals)) if vals else None
+
+    out: dict[str, Any] = {"importance_weight": {}, "logp_gap_first_step": {}}
+    for arm in ("defect", "cure"):
+        if (w := median_of(arm, "sampling/importance_sampling_ratio/mean")) is not None:
+            out["importance_weight"][arm] = w
+        if (g := median_of(arm, "h06/logp_gap_mean", first=True)) is not None:
+            out["logp_gap_first_step"][arm] = g
+    seeds = set.intersection(*(set(arms.get(a, {})) for a in FLAT_ARMS)) if all(a in arms for a in FLAT_ARMS) else set()
+    if seeds:
+        out["defect_curves_identical"] = all(
+            len({tuple(reward_history(arms[a][s].job_dir)) for a in FLAT_ARMS}) == 1 for s in seeds)
+    flat_jobs = [j for a in FLAT_ARMS for j in arms.get(a, {}).values() if j.ok]
+    gains = [j.value(TRAIN_METRIC) for j in flat_jobs if j.value(TRAIN_METRIC) is not None]
+    if gains and all(j.value(METRIC) == 0.0 for j in flat_jobs):  # held-out gain exactly 0: the policies did not move
+        out["unmoved_train_gain_range"] = [min(gains), max(gains)]
+    return out
 
 
 def _cell_ci(ci: Any) -> str:
@@ -481,6 +537,7 @@ def build(sweep_dirs: list[Path], seeds: list[int] | None = None, with_doctor: b
         "verdicts": verdicts,
         "doctor": doctor,
         "claims": claims(summaries, verdicts, doctor, seeds),
+        "observations": observations(arms),
         "arms": arms,
     }
 

@@ -70,6 +70,9 @@ def test_the_story_holds_when_the_runs_show_it(tmp_path):
     for png in (cs.REWARD_PNG, cs.ARITH_PNG, cs.GAP_PNG, cs.COVERAGE_PNG):
         assert (sweep / "plots" / png).stat().st_size > 1000 and f"plots/{png}" in report
     assert "| LoRA ranks (8 / 16 / 64) |" in report and "abc123def456" in report
+    o = result["observations"]
+    assert o["defect_curves_identical"] is True and o["importance_weight"] == {"defect": 0.0, "cure": 1.0}
+    assert "identical step for step" in report and "still reads" in report
 
 
 def test_a_knob_that_moves_reward_under_the_defect_breaks_the_story_and_says_where(tmp_path, capsys):
