@@ -28,6 +28,8 @@ from __future__ import annotations
 import hashlib
 import random
 
+from musique_rl.env.synthetic import draw_distinct
+
 SPLITS = ("train", "validation")
 _VALIDATION_BUCKET = 0
 
@@ -99,19 +101,7 @@ def generate_records(split: str, n: int, seed: int = 0, max_operand: int = 9, op
     if n < 0:
         raise ValueError(f"arith records: n={n} must be >= 0")
     rng = random.Random(f"musique_rl.arith.{split}.{seed}")  # a salt: data, never renamed with the module
-    records: list[dict] = []
-    seen: set[str] = set()
-    attempts = 0
-    while len(records) < n:
-        attempts += 1
-        if attempts > 200 * (n + 10):
-            raise RuntimeError(f"arith: could only draw {len(records)} of {n} distinct {split} records; ask for fewer")
-        rec = _record(rng, int(max_operand), ops)
-        if rec["question"] in seen or split_of(rec["question"]) != split:
-            continue
-        seen.add(rec["question"])
-        records.append(rec)
-    return records
+    return draw_distinct(n, split, lambda: _record(rng, int(max_operand), ops), split_of, "arith")
 
 
 def operation(record: dict) -> tuple[int, str, int]:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import hashlib
 import random
 from dataclasses import dataclass
+from typing import Any
 
 RELATIONS = ("mother", "father", "teacher", "mentor", "spouse", "friend", "neighbor", "boss")
 
@@ -221,17 +222,21 @@ def generate_records(
         raise ValueError(f"synthetic records: n={n} must be >= 0")
     world = build_world(seed)
     rng = random.Random(f"musique_rl.synthetic.{split}.{seed}")  # a salt: data, never renamed with the module
+    return draw_distinct(n, split, lambda: _make_record(world, rng, rng.choice(hops), num_paragraphs), split_of,
+                         f"synthetic (hops={hops}, num_paragraphs={num_paragraphs})")
+
+
+def draw_distinct(n: int, split: str, make: Any, split_of: Any, what: str) -> list[dict]:
+    """``n`` records from ``make()`` (None = a draw that failed) with distinct questions that fall in
+    ``split``: rejection sampling, bounded so an impossible request fails instead of looping."""
     records: list[dict] = []
     seen: set[str] = set()
     attempts = 0
     while len(records) < n:
         attempts += 1
         if attempts > 200 * (n + 10):
-            raise RuntimeError(
-                f"synthetic: could only draw {len(records)} of {n} distinct {split} records "
-                f"(hops={hops}, num_paragraphs={num_paragraphs}); ask for fewer"
-            )
-        rec = _make_record(world, rng, rng.choice(hops), num_paragraphs)
+            raise RuntimeError(f"{what}: could only draw {len(records)} of {n} distinct {split} records; ask for fewer")
+        rec = make()
         if rec is None or rec["question"] in seen or split_of(rec["question"]) != split:
             continue
         seen.add(rec["question"])
