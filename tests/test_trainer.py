@@ -57,6 +57,14 @@ def test_trl_is_the_pinned_version_and_its_advantage_formula_is_unchanged():
     assert list(inspect.signature(GRPOTrainer._get_per_token_logps_and_entropies).parameters)[:5] == [
         "self", "model", "input_ids", "attention_mask", "logits_to_keep"]
     assert 'extra_fields.pop("env_mask", None)' in inspect.getsource(GRPOTrainer._generate)
+    # _as_vllm: TRL's importance-sampling correction is gated on use_vllm alone, and raising it on the
+    # HF backend must not reach a vLLM weight sync past TRL's own "already synced this step" guard
+    assert inspect.getsource(GRPOTrainer._generate_and_score_completions).count(
+        "self.use_vllm and self.vllm_importance_sampling_correction") == 4
+    assert 'per_token_loss = per_token_loss * inputs["importance_sampling_ratio"]' in inspect.getsource(
+        GRPOTrainer._compute_loss)
+    assert "if self.use_vllm and self.state.global_step != self._last_loaded_step:" in inspect.getsource(
+        GRPOTrainer._generate)
 
 
 def test_group_advantages_match_trl_at_its_epsilon_and_scale_near_ties_otherwise():

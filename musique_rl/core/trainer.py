@@ -19,9 +19,9 @@ max_grad_norm, temperature / top_p / top_k; PEFT ``LoraConfig``) and hands TRL o
   - ``_compute_loss``: calls TRL's loss; adds the planted KL faults and ``instruments.observe_loss``.
   - ``_get_per_token_logps_and_entropies``: under the planted fault ``blind_context``, every forward
     pass of the trainer (loss, old and reference log-probs) gets the loss mask as attention mask in
-    multi-turn episodes (``blind_attention``).
+    a multi-turn environment (``blind_attention``).
 With ``train.importance_sampling`` set on the HF backend, TRL's vLLM importance-sampling correction
-runs as it would with vLLM (``_tr_is``): TRL gates that code on ``use_vllm`` only.
+runs as it would with vLLM (``_as_vllm``): TRL gates that code on ``use_vllm`` only.
 Every planted fault is switched in musique_rl/core/faults.py and is off by default.
 
 Reference model for the KL (beta > 0): under PEFT, TRL disables the adapter (no second copy);
