@@ -1,4 +1,4 @@
-"""The case study (docs/case_study.md): the seeds' investigation replayed end to end, and solved.
+"""The case study (docs/case_study/case_study.md): the seeds' investigation replayed end to end, and solved.
 
     make case-study                # = python -m musique_rl.case_study --run --publish (seeds 1-3)
     python -m musique_rl.case_study multirun/case_study/<time>   # the report again, from a sweep dir

@@ -256,7 +256,7 @@ class TrainSettings:
     # token's) loss is weighted by exp(trainer logp - sampler logp), masked or clamped outside the
     # bounds. auto = TRL's own default: on (sequence_mask, clip_max 3) with vLLM, off with the HF
     # sampler, which is the trained model itself. A mode name applies it on either backend (the case
-    # study replays the seeds' vLLM runs on CPU this way: docs/case_study.md).
+    # study replays the seeds' vLLM runs on CPU this way: docs/case_study/case_study.md).
     importance_sampling: ImportanceSampling = ImportanceSampling.auto
     importance_sampling_clip_max: Optional[float] = 3.0  # TRL's vllm_importance_sampling_clip_max
     importance_sampling_clip_min: Optional[float] = None  # TRL's vllm_importance_sampling_clip_min

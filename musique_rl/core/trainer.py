@@ -102,10 +102,6 @@ def blind_attention(attention_mask: torch.Tensor, width: int, tool_mask: torch.T
     return torch.cat([torch.zeros_like(attention_mask[:, :-width]), completion], dim=1)
 
 
-def pad_right(rows: list[list[int]], width: int, value: int) -> torch.Tensor:
-    return torch.tensor([list(r[:width]) + [value] * (width - len(r[:width])) for r in rows], dtype=torch.long)
-
-
 def importance_sampling_settings(cfg: Any) -> dict[str, Any]:
     """GRPOConfig's importance-sampling fields from ``train.importance_sampling`` (schema.py):
     auto keeps TRL's defaults (on with vLLM, where TRL applies it; nothing on the HF backend)."""
@@ -289,8 +285,11 @@ class MusiqueGRPOTrainer(GRPOTrainer):
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
         if self._blind:  # every scoring pass of a blind trainer: old, reference and loss log-probs
             tool_mask = self._blind_tool_mask
-            if isinstance(tool_mask, list):  # during generation: TRL's unpadded lists (padded with 1, as TRL does)
-                tool_mask = pad_right(tool_mask, logits_to_keep, 1)
+            if isinstance(tool_mask, list):  # during generation: TRL's unpadded lists, padded as TRL pads them
+                from trl.trainer.utils import pad
+
+                tool_mask = pad([torch.tensor(m) for m in tool_mask], padding_value=1, padding_side="right",
+                                pad_to_multiple_of=self.pad_to_multiple_of)
             attention_mask = blind_attention(attention_mask, logits_to_keep,
                                              None if tool_mask is None else tool_mask.to(attention_mask.device))
         self._last_attention = attention_mask

@@ -21,6 +21,8 @@ import random
 from pathlib import Path
 from typing import Any
 
+from musique_rl.env.prompts import is_arith
+
 log = logging.getLogger(__name__)
 
 LOCAL_SUFFIXES = (".jsonl", ".json")
@@ -260,7 +262,7 @@ def load_records(spec: str, env_cfg: Any, seed: int, stats: dict | None = None) 
 
     counts = {"loaded": len(raw), "invalid": 0, "unanswerable": 0, "wrong_hops": 0, "kept": 0}
     hops = set(env_cfg.hops) if env_cfg.hops else None
-    documents = str(getattr(env_cfg, "task", "musique")) != "arith"
+    documents = not is_arith(env_cfg)
     records = []
     for rec, where in raw:
         try:

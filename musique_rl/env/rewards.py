@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from musique_rl.env.parsing import TAGS, assistant_turn, parse_final
+from musique_rl.env.prompts import is_arith
 from musique_rl.env.tools import paragraph_ids, parse_document_ids
 
 log = logging.getLogger(__name__)
@@ -220,7 +221,7 @@ def check_task(reward_cfg: Any, env_cfg: Any) -> None:
     """Fail before any compute when ``reward`` weighs a component the task cannot score: under
     ``env.task=arith`` only ``ARITH_COMPONENTS`` (retrieval and citations need documents; ``format``
     counts a ``<cite>`` the task's format does not have)."""
-    if str(getattr(env_cfg, "task", "musique")) != "arith":
+    if not is_arith(env_cfg):
         return
     spec = as_spec(reward_cfg)
     bad = [k for k, w in spec.weights if w and k not in ARITH_COMPONENTS]
