@@ -24,12 +24,21 @@ import math
 import os
 import statistics
 import sys
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-History = Sequence[tuple[int, float]]  # (step, value), sorted by step
+from musique_rl.diagnostics.findings import (
+    RULES,
+    Finding,
+    History,
+    judged,
+    magnitude,
+    num,
+    rule,
+    values,
+)
 
 # ---------------------------------------------------------------- thresholds (and why)
 # H01: TRL's epsilon 1e-4 caps std scaling at 1e4x; a larger factor means an epsilon below TRL's
@@ -81,85 +90,22 @@ UPDATE_RATIO_MIN = 1e-4
 KL_TO_START_MIN = 1e-4
 
 
-@dataclass
-class Finding:
-    hypothesis: str  # h01..h08, "preflight", or "unexplained" (flat reward, cause not found)
-    check: str  # short machine name of the rule
-    flagged: bool
-    severity: float  # 0 when not flagged
-    verdict: str  # words a researcher understands
-    evidence: dict[str, float] = field(default_factory=dict)
-
-
-def _vals(h: History | None) -> list[float]:
-    return [v for _, v in (h or []) if v is not None and not math.isnan(v)]
-
-
-def _mag(ratio: float) -> float:
-    """How far past a threshold, in orders of magnitude / 3, in [0, 1)."""
-    if ratio <= 1 or math.isnan(ratio):
-        return 0.0
-    return min(0.99, math.log10(ratio) / 3) if math.isfinite(ratio) else 0.99
-
-
-def _param(params: Mapping[str, str], key: str, default: str = "") -> str:
-    return str(params.get(key, default))
-
-
-def _num(params: Mapping[str, str], key: str, default: float = 0.0) -> float:
-    try:
-        return float(params.get(key, default))
-    except (TypeError, ValueError):
-        return default
-
-
-# ---------------------------------------------------------------- rules, one function per hypothesis
-def _judged(hyp: str, check: str, flagged: bool, severity: float, evidence: dict[str, float],
-            flagged_text: str, ok_text: str) -> list[Finding]:
-    """One rule's finding: flagged with its severity and words, or ok (severity 0) with its own."""
-    if flagged:
-        return [Finding(hyp, check, True, severity, flagged_text, evidence)]
-    return [Finding(hyp, check, False, 0.0, ok_text, evidence)]
-
-
-# The rules, each registered where it is written (@rule): (metric histories, run params) -> findings.
-RULES: list[Callable[[Mapping[str, History], Mapping[str, str]], list[Finding]]] = []
-
-
-def rule(*needs: Any) -> Any:
-    """``@rule`` registers a rule; ``@rule("metric", ...)`` registers it to run only when one of the
-    named metrics was logged (otherwise it has nothing to judge and reports nothing)."""
-    if len(needs) == 1 and callable(needs[0]):
-        RULES.append(needs[0])
-        return needs[0]
-
-    def register(fn: Callable[[Mapping[str, History], Mapping[str, str]], list[Finding]]) -> Callable:
-        def guarded(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
-            return fn(m, params) if any(_vals(m.get(k)) for k in needs) else []
-
-        guarded.__name__ = fn.__name__
-        RULES.append(guarded)
-        return fn
-
-    return register
-
-
 @rule
 def _h01(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
-    amp = _vals(m.get("h01/amplification_max"))
-    near = _vals(m.get("h01/near_zero_std_share"))
+    amp = values(m.get("h01/amplification_max"))
+    near = values(m.get("h01/near_zero_std_share"))
     if not amp and not near:
         return []
     ev = {
         "h01/amplification_max (max)": max(amp, default=0.0),
         "h01/near_zero_std_share (mean)": statistics.fmean(near) if near else 0.0,
-        "h01/near_tie_adv_share (mean)": statistics.fmean(_vals(m.get("h01/near_tie_adv_share")) or [0.0]),
-        "h01/adv_abs_max (max)": max(_vals(m.get("h01/adv_abs_max")) or [0.0]),
+        "h01/near_tie_adv_share (mean)": statistics.fmean(values(m.get("h01/near_tie_adv_share")) or [0.0]),
+        "h01/adv_abs_max (max)": max(values(m.get("h01/adv_abs_max")) or [0.0]),
     }
     worst = max(amp, default=0.0)
     steps = sum(a > AMPLIFICATION_MAX for a in amp)
     if worst > AMPLIFICATION_MAX:
-        return [Finding("h01", "std_amplification", True, 2 + _mag(worst / AMPLIFICATION_MAX),
+        return [Finding("h01", "std_amplification", True, 2 + magnitude(worst / AMPLIFICATION_MAX),
                         f"Std scaling multiplied reward differences by up to {worst:.3g}x (TRL's epsilon caps it at "
                         f"{AMPLIFICATION_MAX:.0e}) on {steps} of {len(amp)} steps: near-tied groups whose rewards differ "
                         "by float noise get full-size advantages, so the gradient follows noise. Raise the std "
@@ -172,14 +118,14 @@ def _h01(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
 @rule
 def _h02(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
     out: list[Finding] = []
-    env = _vals(m.get("h02/env_tokens_with_loss"))
+    env = values(m.get("h02/env_tokens_with_loss"))
     if env:
-        share = statistics.fmean(_vals(m.get("h02/loss_share_tool")) or [0.0]) + statistics.fmean(
-            _vals(m.get("h02/loss_share_template")) or [0.0])
+        share = statistics.fmean(values(m.get("h02/loss_share_tool")) or [0.0]) + statistics.fmean(
+            values(m.get("h02/loss_share_template")) or [0.0])
         ev = {"h02/env_tokens_with_loss (max)": max(env), "h02/env_tokens_with_loss (mean)": statistics.fmean(env),
               "h02/loss_share_tool+template (mean)": share}
         if max(env) > 0:
-            out.append(Finding("h02", "env_tokens_in_loss", True, 3 + _mag(1 + max(env)),
+            out.append(Finding("h02", "env_tokens_in_loss", True, 3 + magnitude(1 + max(env)),
                                f"The loss trains on tokens the environment wrote: up to {max(env):.0f} tool/template "
                                f"tokens per batch ({share:.0%} of loss tokens). Must be 0: tool results and chat "
                                "scaffolding need env_mask 0 (train.mask_env_tokens=true).", ev))
@@ -187,14 +133,14 @@ def _h02(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
             out.append(Finding("h02", "env_tokens_in_loss", False, 0.0,
                                "No tool or template token carries loss.", ev))
     gap = m.get("h06/logp_gap_mean") or []
-    cov = _vals(m.get("h02/attention_coverage"))
+    cov = values(m.get("h02/attention_coverage"))
     if gap:
         step0 = gap[0][1]
         ev = {"h06/logp_gap_mean (first step)": step0, "first step": float(gap[0][0])}
         if cov:
             ev["h02/attention_coverage (min)"] = min(cov)
-        fit_t, fit_b = _vals(m.get("h06/fit_gap_trainer")), _vals(m.get("h06/fit_gap_best"))
-        pre, post = _vals(m.get("h06/logp_gap_pre_tool")), _vals(m.get("h06/logp_gap_post_tool"))
+        fit_t, fit_b = values(m.get("h06/fit_gap_trainer")), values(m.get("h06/fit_gap_best"))
+        pre, post = values(m.get("h06/logp_gap_pre_tool")), values(m.get("h06/logp_gap_post_tool"))
         if pre:
             ev["h06/logp_gap_pre_tool (first)"] = pre[0]
         if post:
@@ -202,11 +148,11 @@ def _h02(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
         explained = bool(fit_t and fit_b and fit_t[0] > LOGP_GAP_MAX and fit_b[0] <= LOGP_GAP_MAX
                          and fit_b[0] <= FIT_EXPLAINS_RATIO * fit_t[0] and not (cov and min(cov) < 1))
         if step0 > LOGP_GAP_MAX and explained:
-            setting = {k: _vals(m.get(f"h06/fit_{k}"))[0] for k in ("temperature_factor", "top_p", "top_k")
-                       if _vals(m.get(f"h06/fit_{k}"))}
+            setting = {k: values(m.get(f"h06/fit_{k}"))[0] for k in ("temperature_factor", "top_p", "top_k")
+                       if values(m.get(f"h06/fit_{k}"))}
             ev.update({"h06/fit_gap_trainer": fit_t[0], "h06/fit_gap_best": fit_b[0],
                        **{f"h06/fit_{k}": v for k, v in setting.items()}})
-            out.append(Finding("h06", "sampling_settings_differ", True, 2 + _mag(step0 / LOGP_GAP_MAX),
+            out.append(Finding("h06", "sampling_settings_differ", True, 2 + magnitude(step0 / LOGP_GAP_MAX),
                                f"Before any update the sampler and the trainer disagree by {step0:.3g} nats/token, "
                                f"everywhere, and the trainer's own logits reproduce the sampler's log-probs to "
                                f"{fit_b[0]:.2g} under other sampling settings (temperature x"
@@ -219,7 +165,7 @@ def _h02(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
                      if pre and post and pre[0] <= LOGP_GAP_MAX < post[0] else "")
             if fit_t and fit_b:
                 where += f" No sampling setting explains it (best fit {fit_b[0]:.3g})."
-            out.append(Finding("h02", "trainer_sampler_mismatch_at_start", True, 2 + _mag(step0 / LOGP_GAP_MAX),
+            out.append(Finding("h02", "trainer_sampler_mismatch_at_start", True, 2 + magnitude(step0 / LOGP_GAP_MAX),
                                f"Before any update the trainer and the sampler disagree on the sampled tokens by "
                                f"{step0:.3g} nats/token (identical weights agree to ~1e-5): the trainer does not score "
                                "the context the sampler saw (attention mask = loss mask, template drift, or "
@@ -228,14 +174,14 @@ def _h02(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
             out.append(Finding("h02", "trainer_sampler_mismatch_at_start", False, 0.0,
                                f"Trainer and sampler agree at the first step ({step0:.2g} nats/token).", ev))
     if cov and min(cov) < 1 and not (gap and gap[0][1] > LOGP_GAP_MAX):
-        out.append(Finding("h02", "context_hidden_from_trainer", True, 3 + _mag(1 / max(min(cov), 1e-3)),
+        out.append(Finding("h02", "context_hidden_from_trainer", True, 3 + magnitude(1 / max(min(cov), 1e-3)),
                            f"The trainer's forward pass attends to only {min(cov):.0%} of the context tokens: prompt or "
                            "tool tokens are invisible when it scores the assistant's tokens.",
                            {"h02/attention_coverage (min)": min(cov)}))
-    untrained = _vals(m.get("h02/assistant_tokens_without_loss_share"))
+    untrained = values(m.get("h02/assistant_tokens_without_loss_share"))
     if untrained and statistics.fmean(untrained) > ASSISTANT_UNTRAINED_MAX:
         u = statistics.fmean(untrained)
-        out.append(Finding("h02", "sampled_tokens_untrained", True, 1 + _mag(u / ASSISTANT_UNTRAINED_MAX),
+        out.append(Finding("h02", "sampled_tokens_untrained", True, 1 + magnitude(u / ASSISTANT_UNTRAINED_MAX),
                            f"{u:.0%} of the sampled assistant tokens are outside the loss mask: most of what the "
                            "policy wrote is not trained on.", {"h02/assistant_tokens_without_loss_share (mean)": u}))
     return out
@@ -244,17 +190,17 @@ def _h02(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
 @rule
 def _h03(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
     out: list[Finding] = []
-    env = _vals(m.get("h03/kl_env_tokens"))
-    neg = _vals(m.get("h03/kl_negative_share"))
-    same = _vals(m.get("h02/kl_mask_equals_loss_mask"))
+    env = values(m.get("h03/kl_env_tokens"))
+    neg = values(m.get("h03/kl_negative_share"))
+    same = values(m.get("h02/kl_mask_equals_loss_mask"))
     if not env and not neg:
         return []
     ev = {"h03/kl_env_tokens (max)": max(env, default=0.0), "h03/kl_negative_share (mean)": statistics.fmean(neg or [0.0]),
-          "h03/kl_model_mean (last)": (_vals(m.get("h03/kl_model_mean")) or [0.0])[-1]}
+          "h03/kl_model_mean (last)": (values(m.get("h03/kl_model_mean")) or [0.0])[-1]}
     if same:
         ev["h02/kl_mask_equals_loss_mask (min)"] = min(same)
     if env and max(env) > 0:
-        out.append(Finding("h03", "kl_on_env_tokens", True, 3 + _mag(1 + max(env)),
+        out.append(Finding("h03", "kl_on_env_tokens", True, 3 + magnitude(1 + max(env)),
                            f"The KL penalty is computed on up to {max(env):.0f} tool/template tokens per micro-batch "
                            "(must be 0): the policy is pulled toward the reference on text it did not write "
                            "(Search-R1's negative-KL explosion).", ev))
@@ -263,7 +209,7 @@ def _h03(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
                            "The KL term is masked differently from the policy loss.", ev))
     if neg and statistics.fmean(neg) > KL_NEGATIVE_MAX:
         s = statistics.fmean(neg)
-        out.append(Finding("h03", "kl_sign", True, 3 + _mag(s / KL_NEGATIVE_MAX),
+        out.append(Finding("h03", "kl_sign", True, 3 + magnitude(s / KL_NEGATIVE_MAX),
                            f"{s:.0%} of the per-token KL penalties are negative; the k3 estimator is never negative, "
                            "so the penalty is applied with the wrong sign: it pushes the policy AWAY from the reference.",
                            ev))
@@ -276,13 +222,13 @@ def _h03(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
 def _h04(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
     keys = ["h04/budget_cap_share", "h04/dropped_tool_results_share", "h04/question_left_context_share",
             "h04/prompt_at_cap_share", "h04/no_answer_share"]
-    means = {k: statistics.fmean(_vals(m.get(k))) for k in keys if _vals(m.get(k))}
-    alt = _vals(m.get("h04/tool_results_altered_share"))
+    means = {k: statistics.fmean(values(m.get(k))) for k in keys if values(m.get(k))}
+    alt = values(m.get("h04/tool_results_altered_share"))
     if alt and statistics.fmean(alt) > TOOL_ALTERED_MAX:
         a = statistics.fmean(alt)
         ev = {"h04/tool_results_altered_share (mean)": a,
-              "h04/tool_results_altered (sum)": sum(_vals(m.get("h04/tool_results_altered")))}
-        return [Finding("h04", "tool_results_altered", True, 3 + _mag(1 + 100 * a),
+              "h04/tool_results_altered (sum)": sum(values(m.get("h04/tool_results_altered")))}
+        return [Finding("h04", "tool_results_altered", True, 3 + magnitude(1 + 100 * a),
                         f"{a:.0%} of the tool results the model saw differ from their source documents (cut, "
                         "altered, or under another document's id) between the retriever and the prompt: the policy "
                         "reads a different environment from the one the reward assumes.", ev)]
@@ -293,7 +239,7 @@ def _h04(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
         ev["h04/tool_results_altered_share (mean)"] = statistics.fmean(alt)
     lost = means.get("h04/question_left_context_share", 0.0)
     if lost > 0:
-        return [Finding("h04", "question_left_context", True, 3 + _mag(1 + 100 * lost),
+        return [Finding("h04", "question_left_context", True, 3 + magnitude(1 + 100 * lost),
                         f"In {lost:.0%} of episodes the question itself was truncated out of the context.", ev)]
     worst_key = max((k for k in keys[:2] + keys[3:4] if k in means), key=lambda k: means[k], default=None)
     if worst_key is not None and means[worst_key] > BUDGET_SHARE_MAX:
@@ -303,7 +249,7 @@ def _h04(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
                 "h04/prompt_at_cap_share": "start with the prompt at its token cap"}[worst_key]
         na = means.get("h04/no_answer_share")
         tail = f"; {na:.0%} end with no answer" if na is not None else ""
-        return [Finding("h04", "budgets_binding", True, 2 + _mag(w / BUDGET_SHARE_MAX),
+        return [Finding("h04", "budgets_binding", True, 2 + magnitude(w / BUDGET_SHARE_MAX),
                         f"Token budgets truncate the episodes: {w:.0%} of episodes {what}{tail}. The reward is capped by "
                         "the budget, not by the policy (raise env.max_tokens_per_turn / env.max_completion_tokens).",
                         ev)]
@@ -313,30 +259,30 @@ def _h04(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
 @rule
 def _h05(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
     out: list[Finding] = []
-    errs = _vals(m.get("h05/reward_errors"))
+    errs = values(m.get("h05/reward_errors"))
     if errs and max(errs) > 0:
-        out.append(Finding("h05", "reward_errors", True, 3 + _mag(1 + sum(errs)),
+        out.append(Finding("h05", "reward_errors", True, 3 + magnitude(1 + sum(errs)),
                            f"Reward functions raised {sum(errs):.0f} times (up to {max(errs):.0f} per batch): those "
                            "completions were not scored.", {"h05/reward_errors (sum)": sum(errs)}))
-    audit = _vals(m.get("h05/reward_audit_mismatch_share"))
+    audit = values(m.get("h05/reward_audit_mismatch_share"))
     if audit and statistics.fmean(audit) > REWARD_AUDIT_MAX:
         a = statistics.fmean(audit)
-        out.append(Finding("h05", "reward_audit", True, 3 + _mag(1 + 100 * a),
+        out.append(Finding("h05", "reward_audit", True, 3 + magnitude(1 + 100 * a),
                            f"Reward audit: for {a:.0%} of the audited episodes the reward the trainer used is not the "
                            f"reward of that episode's own text re-scored independently (largest difference "
-                           f"{max(_vals(m.get('h05/reward_audit_abs_diff_max')) or [0.0]):.3g}): rewards are attached to "
+                           f"{max(values(m.get('h05/reward_audit_abs_diff_max')) or [0.0]):.3g}): rewards are attached to "
                            "the wrong sample, read from the wrong turn, or cached.",
                            {"h05/reward_audit_mismatch_share (mean)": a,
-                            "h05/reward_audit_mismatch (sum)": sum(_vals(m.get("h05/reward_audit_mismatch"))),
-                            "h05/reward_audit_checked (sum)": sum(_vals(m.get("h05/reward_audit_checked")))}))
-    answered = 1 - statistics.fmean(_vals(m.get("h04/no_answer_share")) or [1.0])
+                            "h05/reward_audit_mismatch (sum)": sum(values(m.get("h05/reward_audit_mismatch"))),
+                            "h05/reward_audit_checked (sum)": sum(values(m.get("h05/reward_audit_checked")))}))
+    answered = 1 - statistics.fmean(values(m.get("h04/no_answer_share")) or [1.0])
     # Every answer component present must be dead: an answering policy that is always wrong still
     # earns partial F1 now and then, a reward that never reads the answer earns none.
     dead, live = [], 0
     for comp in ("answer_em", "answer_f1"):
-        const = _vals(m.get(f"h05/{comp}/constant_group_share"))
-        mean = _vals(m.get(f"h05/{comp}/mean"))
-        weight = _num(params, f"reward.weights.{comp}", 1.0)
+        const = values(m.get(f"h05/{comp}/constant_group_share"))
+        mean = values(m.get(f"h05/{comp}/mean"))
+        weight = num(params, f"reward.weights.{comp}", 1.0)
         if not const or not mean or weight == 0:
             continue
         if statistics.fmean(const) >= CONSTANT_SHARE and max(mean) < DEAD_MEAN:
@@ -348,13 +294,13 @@ def _h05(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
         ev.update({f"h05/{c}/mean (max)": v for c, _, v in dead})
         ev["answered share (1 - h04/no_answer_share)"] = answered
         names = ", ".join(c for c, _, _ in dead)
-        out.append(Finding("h05", "answer_reward_blind", True, 2 + _mag(answered / ANSWER_PRESENT_MIN * 10),
+        out.append(Finding("h05", "answer_reward_blind", True, 2 + magnitude(answered / ANSWER_PRESENT_MIN * 10),
                            f"{answered:.0%} of episodes end with an answer, yet {names} is ~0 and constant in "
                            f"{min(s for _, s, _ in dead):.0%} of groups: the reward does not read the final answer "
                            "(wrong turn parsed, or brittle parsing).", ev))
     if not out:
         comps = sorted({k.split("/")[1] for k in m if k.startswith("h05/") and k.endswith("/corr_total")})
-        ev = {f"h05/{c}/corr_total (mean)": statistics.fmean(_vals(m[f"h05/{c}/corr_total"])) for c in comps}
+        ev = {f"h05/{c}/corr_total (mean)": statistics.fmean(values(m[f"h05/{c}/corr_total"])) for c in comps}
         if audit:
             ev["h05/reward_audit_mismatch_share (mean)"] = statistics.fmean(audit)
         if comps or errs or audit:
@@ -367,11 +313,11 @@ def _h05(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
 @rule
 def _h06(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
     out: list[Finding] = []
-    stale = _vals(m.get("h06/parity_stale"))
-    ev_p = {k + " (last)": _vals(m.get(k))[-1] for k in
-            ("h06/parity_sampler_trainer", "h06/parity_sampler_base", "h06/parity_trainer_base") if _vals(m.get(k))}
+    stale = values(m.get("h06/parity_stale"))
+    ev_p = {k + " (last)": values(m.get(k))[-1] for k in
+            ("h06/parity_sampler_trainer", "h06/parity_sampler_base", "h06/parity_trainer_base") if values(m.get(k))}
     if stale and max(stale) > 0:
-        out.append(Finding("h06", "sampler_serves_base", True, 3 + _mag(1 + 10 * statistics.fmean(stale)),
+        out.append(Finding("h06", "sampler_serves_base", True, 3 + magnitude(1 + 10 * statistics.fmean(stale)),
                            f"Parity probe: sampler matches base, not trainer (in {sum(s > 0 for s in stale)} of "
                            f"{len(stale)} probes). Rollouts come from stale weights, so updates never reach the "
                            "episodes the policy learns from: fix the weight sync.", ev_p))
@@ -381,23 +327,23 @@ def _h06(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
         late = statistics.fmean(tail)
         if late > LOGP_GAP_MAX:
             ev = {"h06/logp_gap_mean (first)": gap[0][1], "h06/logp_gap_mean (last quarter)": late, **ev_p}
-            out.append(Finding("h06", "gap_grows", True, 2 + _mag(late / LOGP_GAP_MAX),
+            out.append(Finding("h06", "gap_grows", True, 2 + magnitude(late / LOGP_GAP_MAX),
                                f"The sampler/trainer log-prob gap grows from {gap[0][1]:.2g} at the first step to "
                                f"{late:.3g} nats/token: the sampler lags the trainer (weights not synced).", ev))
-    drift = _vals(m.get("h06/base_checksum_drift"))
+    drift = values(m.get("h06/base_checksum_drift"))
     if drift and max(drift) > CHECKSUM_DRIFT_MAX:
-        out.append(Finding("h06", "base_drift", True, 3 + _mag(max(drift) / CHECKSUM_DRIFT_MAX),
+        out.append(Finding("h06", "base_drift", True, 3 + magnitude(max(drift) / CHECKSUM_DRIFT_MAX),
                            f"The frozen base weights changed (relative drift {max(drift):.3g}); merge/unmerge round "
                            "trips corrupt the base (TRL #6688).", {"h06/base_checksum_drift (max)": max(drift)}))
-    bnorm = _vals(m.get("h06/lora_b_norm"))
+    bnorm = values(m.get("h06/lora_b_norm"))
     if len(bnorm) >= 2 and max(bnorm) == 0:
         out.append(Finding("h06", "lora_untrained", True, 3.0,
                            f"LoRA B matrices are still exactly 0 after {len(bnorm)} steps: the adapter never trains.",
                            {"h06/lora_b_norm (max)": 0.0}))
-    weights = _vals(m.get(IS_WEIGHT_KEY))
+    weights = values(m.get(IS_WEIGHT_KEY))
     if weights and statistics.median(weights) < IS_WEIGHT_MIN:
         w = statistics.median(weights)
-        out.append(Finding("h06", "importance_weights_vanish", True, 2 + _mag(IS_WEIGHT_MIN / max(w, 1e-30)),
+        out.append(Finding("h06", "importance_weights_vanish", True, 2 + magnitude(IS_WEIGHT_MIN / max(w, 1e-30)),
                            f"TRL's importance-sampling correction weights the sequences by {w:.2g} (median of the "
                            "steps' means; 1 when trainer and sampler agree): the loss is weighted away, so no "
                            "learning rate, rank or KL setting can move the policy. The trainer's log-probs are "
@@ -412,23 +358,23 @@ def _h06(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
 
 @rule("h07/tool_failure_rate")
 def _h07(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
-    fail = _vals(m.get("h07/tool_failure_rate"))
+    fail = values(m.get("h07/tool_failure_rate"))
     ev = {"h07/tool_failure_rate (mean)": statistics.fmean(fail),
-          "h07/tool_calls_mean (mean)": statistics.fmean(_vals(m.get("h07/tool_calls_mean")) or [0.0]),
-          "h07/turns_mean (mean)": statistics.fmean(_vals(m.get("h07/turns_mean")) or [0.0])}
+          "h07/tool_calls_mean (mean)": statistics.fmean(values(m.get("h07/tool_calls_mean")) or [0.0]),
+          "h07/turns_mean (mean)": statistics.fmean(values(m.get("h07/turns_mean")) or [0.0])}
     f = statistics.fmean(fail)
-    return _judged("h07", "tool_failures", f > TOOL_FAILURE_MAX, 1 + _mag(f / TOOL_FAILURE_MAX), ev,
+    return judged("h07", "tool_failures", f > TOOL_FAILURE_MAX, 1 + magnitude(f / TOOL_FAILURE_MAX), ev,
                    f"{f:.0%} of tool calls fail: the multi-turn machinery, not the policy's choices, decides the episodes.",
                    f"Tool calls mostly succeed ({f:.0%} fail).")
 
 
 @rule("h08/update_weight_ratio")
 def _h08(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
-    med = statistics.median(_vals(m.get("h08/update_weight_ratio")))
-    kl = _vals(m.get("h08/kl_to_start"))
+    med = statistics.median(values(m.get("h08/update_weight_ratio")))
+    kl = values(m.get("h08/kl_to_start"))
     # the Trainer's own `grad_norm` is the pre-clip norm (clip_grad_norm_'s return value)
-    pre = _vals(m.get("h08/grad_norm_before_clip")) or _vals(m.get("grad_norm"))
-    post = _vals(m.get("h08/grad_norm_after_clip"))
+    pre = values(m.get("h08/grad_norm_before_clip")) or values(m.get("grad_norm"))
+    post = values(m.get("h08/grad_norm_after_clip"))
     ev = {"h08/update_weight_ratio (median)": med}
     if kl:
         ev["h08/kl_to_start (last)"] = kl[-1]
@@ -438,7 +384,7 @@ def _h08(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
     clip = ev.get("grad clip factor (median before/after)")
     clipw = f"; clipping shrinks gradients {clip:.3g}x" if clip and clip > 2 else ""
     stuck = med < UPDATE_RATIO_MIN and (not kl or kl[-1] < KL_TO_START_MIN or med < UPDATE_RATIO_MIN / 10)
-    return _judged("h08", "updates_too_small", stuck, 2 + _mag(UPDATE_RATIO_MIN / max(med, 1e-30)), ev,
+    return judged("h08", "updates_too_small", stuck, 2 + magnitude(UPDATE_RATIO_MIN / max(med, 1e-30)), ev,
                    f"Each step changes the weights by {med:.2g} of their norm (healthy ~1e-3){klw}{clipw}: the "
                    "policy is not moving. Raise the learning rate or max_grad_norm.",
                    f"Weights move {med:.2g} of their norm per step.")
@@ -446,20 +392,20 @@ def _h08(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
 
 @rule("preflight/signal_share_forecast")
 def _preflight(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
-    sig = _vals(m.get("preflight/signal_share_forecast"))
+    sig = values(m.get("preflight/signal_share_forecast"))
     from musique_rl.diagnostics.preflight import MIN_SIGNAL_SHARE
 
-    ev = {k: _vals(m.get(k))[0] for k in ("preflight/pass_rate_mean", "preflight/zero_variance_forecast",
-                                           "preflight/signal_share_forecast") if _vals(m.get(k))}
+    ev = {k: values(m.get(k))[0] for k in ("preflight/pass_rate_mean", "preflight/zero_variance_forecast",
+                                           "preflight/signal_share_forecast") if values(m.get(k))}
     s = sig[0]
     # The forecast is about answer correctness; a partial-credit reward can still spread inside a
     # group. Flag only when the reward actually trained on confirms it: few signal-carrying groups
     # over the first steps too.
-    actual = _vals(m.get("h01/signal_group_share"))[:5]
+    actual = values(m.get("h01/signal_group_share"))[:5]
     if actual:
         ev["h01/signal_group_share (first steps)"] = statistics.fmean(actual)
     if s < MIN_SIGNAL_SHARE and (not actual or statistics.fmean(actual) < MIN_SIGNAL_SHARE):
-        return [Finding("preflight", "learnability", True, 1 + _mag(MIN_SIGNAL_SHARE / max(s, 1e-3)) / 2,
+        return [Finding("preflight", "learnability", True, 1 + magnitude(MIN_SIGNAL_SHARE / max(s, 1e-3)) / 2,
                         f"Pre-flight: only {s:.0%} of groups are forecast to carry learning signal at this group size "
                         f"(initial pass rate {ev.get('preflight/pass_rate_mean', float('nan')):.2f}).", ev)]
     if s < MIN_SIGNAL_SHARE:
@@ -540,8 +486,8 @@ def diagnose_metrics(metrics: Mapping[str, History], params: Mapping[str, str] |
     """Ranked diagnosis from metric histories {key: [(step, value), ...]} and the run's params."""
     params = params or {}
     findings: list[Finding] = []
-    for rule in RULES:
-        findings.extend(rule(metrics, params))
+    for check in RULES:
+        findings.extend(check(metrics, params))
     _consequences(findings)
     findings.extend(_flat(findings, metrics))
     seen = {f.hypothesis for f in findings}

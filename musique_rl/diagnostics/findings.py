@@ -1,0 +1,79 @@
+"""What a doctor rule is: a finding, the rule registry, and the small helpers every rule uses.
+
+A rule is a function (metric histories, run params) -> findings, registered where it is written
+with ``@rule`` (or ``@rule("metric", ...)`` to run only when one of those metrics was logged). The
+doctor (``diagnostics/doctor.py``) runs every registered rule and ranks the findings; rules may live
+in any diagnostics module the doctor imports.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+History = Sequence[tuple[int, float]]  # (step, value), sorted by step
+
+
+@dataclass
+class Finding:
+    hypothesis: str  # h01..h08, "preflight", or "unexplained" (flat reward, cause not found)
+    check: str  # short machine name of the rule
+    flagged: bool
+    severity: float  # 0 when not flagged
+    verdict: str  # words a researcher understands
+    evidence: dict[str, float] = field(default_factory=dict)
+
+
+def values(h: History | None) -> list[float]:
+    return [v for _, v in (h or []) if v is not None and not math.isnan(v)]
+
+
+def magnitude(ratio: float) -> float:
+    """How far past a threshold, in orders of magnitude / 3, in [0, 1)."""
+    if ratio <= 1 or math.isnan(ratio):
+        return 0.0
+    return min(0.99, math.log10(ratio) / 3) if math.isfinite(ratio) else 0.99
+
+
+def param(params: Mapping[str, str], key: str, default: str = "") -> str:
+    return str(params.get(key, default))
+
+
+def num(params: Mapping[str, str], key: str, default: float = 0.0) -> float:
+    try:
+        return float(params.get(key, default))
+    except (TypeError, ValueError):
+        return default
+
+
+# ---------------------------------------------------------------- registry
+def judged(hyp: str, check: str, flagged: bool, severity: float, evidence: dict[str, float],
+            flagged_text: str, ok_text: str) -> list[Finding]:
+    """One rule's finding: flagged with its severity and words, or ok (severity 0) with its own."""
+    if flagged:
+        return [Finding(hyp, check, True, severity, flagged_text, evidence)]
+    return [Finding(hyp, check, False, 0.0, ok_text, evidence)]
+
+
+# The rules, each registered where it is written (@rule): (metric histories, run params) -> findings.
+RULES: list[Callable[[Mapping[str, History], Mapping[str, str]], list[Finding]]] = []
+
+
+def rule(*needs: Any) -> Any:
+    """``@rule`` registers a rule; ``@rule("metric", ...)`` registers it to run only when one of the
+    named metrics was logged (otherwise it has nothing to judge and reports nothing)."""
+    if len(needs) == 1 and callable(needs[0]):
+        RULES.append(needs[0])
+        return needs[0]
+
+    def register(fn: Callable[[Mapping[str, History], Mapping[str, str]], list[Finding]]) -> Callable:
+        def guarded(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
+            return fn(m, params) if any(values(m.get(k)) for k in needs) else []
+
+        guarded.__name__ = fn.__name__
+        RULES.append(guarded)
+        return fn
+
+    return register
