@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 import queue
 import types
 from dataclasses import dataclass, field
@@ -370,8 +369,9 @@ class FakeAdapter:
         self.server = server
 
     def send(self, request, **kwargs):
-        import requests
         from urllib.parse import parse_qs, urlparse
+
+        import requests
 
         url = urlparse(request.url)
         body = json.loads(request.body) if request.body else {k: v[0] for k, v in parse_qs(url.query).items()}

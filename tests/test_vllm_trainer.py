@@ -19,8 +19,6 @@ import sys
 
 import pytest
 import torch
-from omegaconf import OmegaConf
-
 from fake_vllm import (
     FakeEngine,
     FakeServer,
@@ -31,6 +29,8 @@ from fake_vllm import (
     fake_vllm_module,
     patch_vllm_client,
 )
+from omegaconf import OmegaConf
+
 from musique_rl.core import trainer as trainer_mod
 from musique_rl.env import rewards
 from musique_rl.env.data import load_records
