@@ -240,3 +240,97 @@ def test_a_nucleus_biases_trls_importance_ratio_below_one(tiny_cfg, warm_tiny, t
     diff = (b["old_per_token_logps"] - b["sampling_per_token_logps"])[mask]
     assert diff.max() < 1e-4 and diff.min() < -1e-2
     assert b["importance_sampling_ratio"].max() < 1.0
+
+
+# ---------------------------------------------------------------- TRL's VLLMClient over HTTP
+# A `/v1/completions` answer in the shape `vllm serve` returns for TRL 1.16's request
+# (`return_token_ids`, `return_tokens_as_token_ids`, `logprobs=0`): written out from vLLM's
+# OpenAI protocol (CompletionResponse / CompletionLogProbs) since no vLLM runs here. The second
+# choice ran into max_tokens and carries a clamped -inf (-9999.0), as vLLM serialises it.
+RECORDED_COMPLETIONS = {
+    "id": "cmpl-3f1c", "object": "text_completion", "created": 1764000000, "model": "tiny",
+    "choices": [
+        {"index": 0, "text": "<answer> X</answer><|im_end|>", "token_ids": [5, 6, 99],
+         "prompt_token_ids": [1, 2, 3], "finish_reason": "stop", "stop_reason": 99, "prompt_logprobs": None,
+         "logprobs": {"text_offset": [0, 8, 19], "tokens": ["token_id:5", "token_id:6", "token_id:99"],
+                      "token_logprobs": [-0.5, -1.25, -0.125],
+                      "top_logprobs": [{"token_id:5": -0.5}, {"token_id:6": -1.25}, {"token_id:99": -0.125}]}},
+        {"index": 1, "text": "abcd", "token_ids": [8, 9, 10, 11], "prompt_token_ids": [4],
+         "finish_reason": "length", "stop_reason": None, "prompt_logprobs": None,
+         "logprobs": {"text_offset": [0, 1, 2, 3], "tokens": ["token_id:8", "token_id:9", "token_id:10", "token_id:11"],
+                      "token_logprobs": [-0.75, -9999.0, -2.0, -0.25],
+                      "top_logprobs": [{"token_id:8": -0.75}, {"token_id:9": -9999.0}, {"token_id:10": -2.0},
+                                       {"token_id:11": -0.25}]}},
+    ],
+    "usage": {"prompt_tokens": 4, "total_tokens": 11, "completion_tokens": 7},
+}
+
+
+class RecordedServer:
+    """Answers TRL's client from recorded JSON; keeps what the client sent."""
+
+    def __init__(self, completions: dict):
+        self.completions, self.requests = completions, []
+
+    def handle(self, method, path, body):
+        self.requests.append((method, path, body))
+        if path == "/health":
+            return 200, {}
+        if path == "/v1/models":
+            return 200, {"object": "list", "data": [{"id": "tiny", "object": "model"}]}
+        if path == "/v1/completions":
+            return 200, self.completions
+        return 404, {"detail": "Not Found"}
+
+
+def test_a_recorded_completions_answer_through_trls_client_becomes_samples(monkeypatch):
+    """TRL's own VLLMClient (HTTP mocked under its requests.Session) posts token-id prompts and the
+    sampling settings; musique_rl parses what the client returns: ids cut at the stop id or the
+    turn's own limit, the sampled tokens' log-probs, the stop flag."""
+    import types
+
+    from accelerate import PartialState
+    from trl.generation.vllm_client import VLLMClient
+
+    from musique_rl.core.generation import SamplingSettings, VLLMServerGenerator
+
+    server = RecordedServer(RECORDED_COMPLETIONS)
+    patch_vllm_client(monkeypatch, server)
+    client = VLLMClient(base_url="http://vllm-host:8000", connection_timeout=0)
+    trainer = types.SimpleNamespace(accelerator=PartialState(), vllm_generation=types.SimpleNamespace(vllm_client=client))
+    gen = VLLMServerGenerator(trainer, SamplingSettings(temperature=0.7, top_p=0.9, top_k=20, stop_ids=[99, 98]))
+    with gen.session():
+        samples = gen.generate([[1, 2, 3], [4]], [10, 3])
+    method, path, body = server.requests[-1]
+    assert (method, path) == ("POST", "/v1/completions")
+    assert body["prompt"] == [[1, 2, 3], [4]] and body["model"] == "tiny"  # token ids, never text
+    assert body["return_token_ids"] is True and body["return_tokens_as_token_ids"] is True
+    assert (body["temperature"], body["top_p"], body["top_k"], body["logprobs"], body["n"]) == (0.7, 0.9, 20, 0, 1)
+    assert body["max_tokens"] == 10 and body["stop_token_ids"] == [99, 98] and body["skip_special_tokens"] is False
+    assert samples[0].ids == [5, 6, 99] and samples[0].logprobs == [-0.5, -1.25, -0.125] and samples[0].stopped
+    assert samples[1].ids == [8, 9, 10] and samples[1].logprobs == [-0.75, -9999.0, -2.0] and not samples[1].stopped
+
+
+def test_the_engine_samples_and_scores_as_vllm_does(warm_tiny):
+    """The stand-in itself: stop ids kept and ending the sample, max_tokens, n samples per prompt,
+    processed log-probs renormalised over top-k (rank 1 under top_k=1), NaN before any sync."""
+    model, tok = warm_tiny
+    recorder = Recorder()
+    engine = FakeEngine(model.config, {tok.eos_token_id}, recorder, max_model_len=4096, logprobs_mode="processed_logprobs")
+    prompt = list(tok.apply_chat_template([{"role": "user", "content": "Question: Who?"}], add_generation_prompt=True,
+                                          tokenize=True, return_dict=False))
+    from fake_vllm import SamplingParams
+
+    nan = engine.generate([prompt], SamplingParams(max_tokens=2, logprobs=0))[0][0]
+    assert all(v != v for pos in nan["logprobs"] for v, _ in pos.values())  # nothing synced yet: NaN
+    engine.load_weights(list(model.named_parameters()))
+    engine.reset_prefix_cache()
+    torch.manual_seed(0)
+    out = engine.generate([prompt, prompt], SamplingParams(n=3, max_tokens=6, logprobs=0, temperature=0.8))
+    assert len(out) == 2 and all(len(samples) == 3 for samples in out)
+    for s in out[0] + out[1]:
+        assert len(s["token_ids"]) == len(s["logprobs"]) <= 6
+        assert (s["finish_reason"] == "stop") == (s["token_ids"][-1] == tok.eos_token_id)
+    greedy = engine.generate([prompt], SamplingParams(max_tokens=40, logprobs=0, top_k=1))[0][0]
+    assert all(pos[t] == (0.0, 1) for t, pos in zip(greedy["token_ids"], greedy["logprobs"], strict=True))
+    assert greedy["finish_reason"] == "stop" and greedy["token_ids"][-1] == tok.eos_token_id
