@@ -12,6 +12,8 @@ The rollout (musique_rl/core/rollout.py) never decodes and re-encodes: what is s
   same transformers warper classes ``generate`` uses), which keeps the log-softmax of the final
   distribution for one step and reads the sampled id from the next step's input, so memory stays
   O(batch x vocab) instead of ``output_scores``' O(steps x batch x vocab).
+- ``PagedGenerator`` (musique_rl/core/generation_paged.py, ``train.backend=paged``): transformers'
+  continuous batching with a paged KV cache, in-process like ``HFGenerator``, without vLLM.
 - ``VLLMColocateGenerator``: TRL's vLLM colocate mode (one GPU: the engine lives in the training
   process; TRL syncs the weights before each rollout). Tested with a stand-in engine.
 - ``VLLMServerGenerator``: TRL's vLLM server mode (``trl vllm-serve``; TRL syncs the weights,
@@ -342,16 +344,21 @@ def build_generator(
         if getattr(trainer.args, "vllm_mode", "server") == "colocate":
             return VLLMColocateGenerator(trainer, settings)
         return VLLMServerGenerator(trainer, settings)
-    if backend != "hf":
-        raise ValueError(f"train.backend={backend!r}: expected 'hf' or 'vllm'")
+    if backend not in ("hf", "paged"):
+        raise ValueError(f"train.backend={backend!r}: expected 'hf', 'paged' or 'vllm'")
+    in_process = HFGenerator
+    if backend == "paged":
+        from musique_rl.core.generation_paged import PagedGenerator
+
+        in_process = PagedGenerator
     if trainer is not None:
         if frozen:
             source = trainer.accelerator.unwrap_model(trainer.model)
-            return HFGenerator(frozen_copy(source), tokenizer, settings)
-        return HFGenerator(_trainer_model_source(trainer), tokenizer, settings)
+            return in_process(frozen_copy(source), tokenizer, settings)
+        return in_process(_trainer_model_source(trainer), tokenizer, settings)
     if model is None:
         raise ValueError("build_generator needs a model or a trainer")
-    return HFGenerator(frozen_copy(model) if frozen else model, tokenizer, settings)
+    return in_process(frozen_copy(model) if frozen else model, tokenizer, settings)
 
 
 def frozen_copy(model: Any) -> Any:
