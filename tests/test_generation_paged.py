@@ -60,6 +60,7 @@ def test_paged_logprobs_are_those_of_the_processed_distribution(warm_tiny, tempe
 
 def test_paged_cache_is_sized_for_the_call():
     settings = _cache_settings([[1] * 300, [1] * 10], [48, 48], page_size=256)
+    assert _cache_settings([[1] * 300, [1] * 10], [48, 48], page_size=256, headroom=2)["num_blocks"] == 10
     assert settings["num_blocks"] == (2 + 1) + (1 + 1)
     assert settings["max_batch_tokens"] >= 256
 

@@ -9,11 +9,11 @@ them from our explicit ``GenerationConfig``), which is what the trainer must sco
 
 ``PagedGenerator`` is an ``HFGenerator`` (same session: TRL's unwrap / ZeRO-3 gather, eval mode,
 no grad) whose ``generate`` submits one request per context to a ``ContinuousBatchingManager``
-and waits for all of them: one engine call per turn, as for the other backends. The manager is
-created per call because its cache is sized for the call's requests (``_cache_settings``); on a
-CPU the automatic sizing would allocate most of the free RAM (13 s for the first call of the
-tiny model, measured). It switches the model to its paged attention (``paged|sdpa``, or flash
-attention when installed) for the call and restores the model's own implementation when it stops.
+and waits for all of them: one engine call per turn, as for the other backends. The cache is
+sized from the requests (``_cache_settings``): on a CPU the automatic sizing would allocate most
+of the free RAM (13 s for the first call of the tiny model, measured). The engine switches the
+model to its paged attention (``paged|sdpa``, or flash attention when installed) while it runs
+and restores the model's own implementation when the session ends.
 
 Greedy decoding (``greedy=True``) uses no warper, so its log-probs are those of the unwarped
 distribution (only evaluation decodes greedily, and it does not read them).
@@ -21,7 +21,9 @@ distribution (only evaluation decodes greedily, and it does not read them).
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from typing import Any
 
 from musique_rl.core.generation import HFGenerator, Sample, _truncate
@@ -30,18 +32,70 @@ PAGE_SIZE = 256  # tokens per cache page per layer (transformers' default)
 RESULT_POLL_S = 1.0  # how long one wait for a finished request blocks before the engine thread is checked
 
 
-def _cache_settings(contexts: list[list[int]], limits: list[int], page_size: int = PAGE_SIZE) -> dict[str, int]:
-    """A paged cache that holds every request of this call at its longest: one page more per
-    request than its context plus its limit need (pages are not shared across requests)."""
-    blocks = sum(math.ceil((len(c) + int(m)) / page_size) + 1 for c, m in zip(contexts, limits, strict=True))
+def _cache_settings(
+    contexts: list[list[int]], limits: list[int], page_size: int = PAGE_SIZE, headroom: int = 1
+) -> dict[str, int]:
+    """A paged cache that holds every request of this call at its longest, ``headroom`` times: one
+    page more per request than its context plus its limit need (pages are not shared across requests)."""
+    blocks = headroom * sum(math.ceil((len(c) + int(m)) / page_size) + 1 for c, m in zip(contexts, limits, strict=True))
     return {"page_size": page_size, "num_blocks": blocks,
             "max_batch_tokens": max(page_size, min(sum(len(c) for c in contexts), 8 * page_size))}
 
 
 class PagedGenerator(HFGenerator):
-    """transformers continuous batching (paged KV cache) behind the ``Generator`` interface."""
+    """transformers continuous batching (paged KV cache) behind the ``Generator`` interface.
+
+    One engine (``ContinuousBatchingManager``, its background thread and cache) per session, i.e.
+    per rollout: each turn adds its requests and waits for them. Stopping the engine costs two
+    ``gc.collect()`` calls in transformers (1.2 s in a training process on this CPU, measured),
+    too much to pay every turn. The cache is sized at the first turn for twice that turn's
+    requests at their longest; later turns' longer contexts that do not fit wait for pages as
+    requests finish (the engine's scheduler), which is slower but exact.
+    """
 
     collective = False
+
+    def __init__(self, model_source: Any, tokenizer: Any, settings: Any):
+        super().__init__(model_source, tokenizer, settings)
+        self._manager: Any = None
+        self._manager_greedy: bool | None = None
+        self._requests = 0
+
+    @contextlib.contextmanager
+    def session(self) -> Iterator[PagedGenerator]:
+        with super().session() as gen:
+            try:
+                yield gen
+            finally:
+                self._close()
+
+    def _open(self, model: Any, contexts: list[list[int]], limits: list[int], greedy: bool) -> Any:
+        from transformers import GenerationConfig
+        from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+        s = self.settings
+        gen_cfg = GenerationConfig(
+            do_sample=not greedy,
+            temperature=s.temperature,
+            top_k=s.top_k,  # 0 = off (explicit: the model's generation config must not add top_k=50)
+            top_p=s.top_p,
+            max_new_tokens=max(limits),
+            eos_token_id=list(s.stop_ids),
+            pad_token_id=self.pad_id,
+        )
+        cb_cfg = ContinuousBatchingConfig(return_logprobs=True, allow_block_sharing=False,
+                                          **_cache_settings(contexts, limits, headroom=2))
+        # Switches the model to the paged attention until _close (the manager restores it on stop).
+        manager = model.init_continuous_batching(generation_config=gen_cfg, continuous_batching_config=cb_cfg)
+        manager.start()
+        self._manager, self._manager_greedy = manager, greedy
+        return manager
+
+    def _close(self) -> None:
+        manager, self._manager = self._manager, None
+        if manager is not None:
+            manager.stop(block=True)
+            manager.destroy()
 
     def generate(self, contexts: list[list[int]], max_new_tokens: list[int], greedy: bool = False) -> list[Sample]:
         if not contexts:
@@ -49,46 +103,34 @@ class PagedGenerator(HFGenerator):
         model = getattr(self, "_model", None)
         if model is None:
             raise RuntimeError("PagedGenerator.generate must run inside `with generator.session():`")
-        from transformers import GenerationConfig
-        from transformers.generation.configuration_utils import ContinuousBatchingConfig
-
-        s = self.settings
         limits = [max(1, int(m)) for m in max_new_tokens]
-        stop = list(s.stop_ids)
-        gen_cfg = GenerationConfig(
-            do_sample=not greedy,
-            temperature=s.temperature,
-            top_k=s.top_k,  # 0 = off (explicit: the model's generation config must not add top_k=50)
-            top_p=s.top_p,
-            max_new_tokens=max(limits),
-            eos_token_id=stop,
-            pad_token_id=self.pad_id,
-        )
-        cb_cfg = ContinuousBatchingConfig(return_logprobs=True, allow_block_sharing=False,
-                                          **_cache_settings(contexts, limits))
-        results: dict[str, Any] = {}
-        # The engine runs in a background thread; the context manager stops it (and restores the
-        # model's attention implementation) whatever happens here.
-        with model.continuous_batching_context_manager(
-            generation_config=gen_cfg, continuous_batching_config=cb_cfg, block=True, warmup=False
-        ) as manager:
-            for i, (c, m) in enumerate(zip(contexts, limits, strict=True)):
-                manager.add_request(list(c), request_id=str(i), max_new_tokens=m, eos_token_id=stop)
-            while len(results) < len(contexts):
-                out = manager.get_result(timeout=RESULT_POLL_S)
-                if out is not None and out.is_finished():
-                    results[out.request_id] = out
-                elif out is None and not manager.is_running():
-                    break
+        stop = list(self.settings.stop_ids)
+        if self._manager is not None and self._manager_greedy != greedy:
+            self._close()
+        manager = self._manager or self._open(model, contexts, limits, greedy)
+        ids = {}
+        for i, (c, m) in enumerate(zip(contexts, limits, strict=True)):
+            request_id = f"r{self._requests}"
+            self._requests += 1
+            ids[request_id] = i
+            manager.add_request(list(c), request_id=request_id, max_new_tokens=m, eos_token_id=stop)
+        results: dict[int, Any] = {}
+        while len(results) < len(contexts):
+            out = manager.get_result(timeout=RESULT_POLL_S)
+            if out is not None and out.is_finished() and out.request_id in ids:
+                results[ids[out.request_id]] = out
+            elif out is None and not manager.is_running():
+                break
         samples = []
         for i, m in enumerate(limits):
-            out = results.get(str(i))
+            out = results.get(i)
             if out is None or out.error is not None:
+                self._close()
                 reason = "the engine stopped before it finished" if out is None else out.error
                 raise RuntimeError(f"continuous batching failed on context {i} of {len(contexts)}: {reason}")
-            ids = list(out.generated_tokens)
+            ids_i = list(out.generated_tokens)
             logprobs = [float(x) for x in out.logprobs]
-            if len(logprobs) != len(ids):
-                raise RuntimeError(f"continuous batching returned {len(logprobs)} log-probs for {len(ids)} tokens")
-            samples.append(_truncate(ids, logprobs, set(stop), m))
+            if len(logprobs) != len(ids_i):
+                raise RuntimeError(f"continuous batching returned {len(logprobs)} log-probs for {len(ids_i)} tokens")
+            samples.append(_truncate(ids_i, logprobs, set(stop), m))
         return samples
