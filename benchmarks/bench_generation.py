@@ -122,8 +122,7 @@ def main() -> None:
 
     import torch
 
-    from musique_rl.core.generation import HFGenerator, SamplingSettings
-    from musique_rl.core.generation_paged import PagedGenerator
+    from musique_rl.core.generation import HFGenerator, PagedGenerator, SamplingSettings
 
     torch.set_num_threads(max(1, torch.get_num_threads()) if args.shape == "7b" else 1)
     model, tok, contexts, limit, stop = tiny_setup(args) if args.shape == "tiny" else random_setup(args)

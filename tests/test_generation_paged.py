@@ -8,8 +8,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from musique_rl.core.generation import SamplingSettings, build_generator
-from musique_rl.core.generation_paged import PagedGenerator, _cache_settings
+from musique_rl.core.generation import PagedGenerator, SamplingSettings, build_generator
+from musique_rl.core.generation_paged import _cache_settings
 from musique_rl.core.rollout import RolloutEngine
 from musique_rl.env import prompts
 from musique_rl.env.retrieval import build_retriever

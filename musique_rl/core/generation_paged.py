@@ -7,9 +7,10 @@ token limit and eos ids. ``return_logprobs=True`` makes its sampler return, for 
 temperature / top-k / top-p warper classes ``generate`` uses (``_get_logits_processor`` builds
 them from our explicit ``GenerationConfig``), which is what the trainer must score against.
 
-``PagedGenerator`` is an ``HFGenerator`` (same session: TRL's unwrap / ZeRO-3 gather, eval mode,
-no grad) whose ``generate`` submits one request per context to a ``ContinuousBatchingManager``
-and waits for all of them: one engine call per turn, as for the other backends. The cache is
+``ContinuousBatchingSampler`` runs the engine; ``generation.PagedGenerator`` is the backend: an
+``HFGenerator`` (same session: TRL's unwrap / ZeRO-3 gather, eval mode, no grad) whose
+``generate`` submits one request per context to the engine and waits for all of them: one engine
+call per turn, as for the other backends. The cache is
 sized from the requests (``_cache_settings``): on a CPU the automatic sizing would allocate most
 of the free RAM (13 s for the first call of the tiny model, measured). The engine switches the
 model to its paged attention (``paged|sdpa``, or flash attention when installed) while it runs
@@ -21,12 +22,8 @@ distribution (only evaluation decodes greedily, and it does not read them).
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Iterator
 from typing import Any
-
-from musique_rl.core.generation import HFGenerator, Sample, _truncate
 
 PAGE_SIZE = 256  # tokens per cache page per layer (transformers' default)
 RESULT_POLL_S = 1.0  # how long one wait for a finished request blocks before the engine thread is checked
@@ -42,34 +39,24 @@ def _cache_settings(
             "max_batch_tokens": max(page_size, min(sum(len(c) for c in contexts), 8 * page_size))}
 
 
-class PagedGenerator(HFGenerator):
-    """transformers continuous batching (paged KV cache) behind the ``Generator`` interface.
+class ContinuousBatchingSampler:
+    """transformers' continuous batching engine over one model for one session (a rollout).
 
-    One engine (``ContinuousBatchingManager``, its background thread and cache) per session, i.e.
-    per rollout: each turn adds its requests and waits for them. Stopping the engine costs two
-    ``gc.collect()`` calls in transformers (1.2 s in a training process on this CPU, measured),
-    too much to pay every turn. The cache is sized at the first turn for twice that turn's
-    requests at their longest; later turns' longer contexts that do not fit wait for pages as
-    requests finish (the engine's scheduler), which is slower but exact.
+    One engine (``ContinuousBatchingManager``, its background thread and cache) per session: each
+    turn adds its requests and waits for them. Stopping the engine costs two ``gc.collect()``
+    calls in transformers (1.2 s per stop in the benchmark's process on the 2-core CPU, measured),
+    too much to pay every turn. The cache is sized at the first turn for twice that turn's requests
+    at their longest; later turns' longer contexts that do not fit wait for pages as requests
+    finish (the engine's scheduler), which is slower but exact.
     """
 
-    collective = False
-
-    def __init__(self, model_source: Any, tokenizer: Any, settings: Any):
-        super().__init__(model_source, tokenizer, settings)
+    def __init__(self, model: Any, settings: Any, pad_id: int):
+        self.model, self.settings, self.pad_id = model, settings, pad_id
         self._manager: Any = None
         self._manager_greedy: bool | None = None
         self._requests = 0
 
-    @contextlib.contextmanager
-    def session(self) -> Iterator[PagedGenerator]:
-        with super().session() as gen:
-            try:
-                yield gen
-            finally:
-                self._close()
-
-    def _open(self, model: Any, contexts: list[list[int]], limits: list[int], greedy: bool) -> Any:
+    def _open(self, contexts: list[list[int]], limits: list[int], greedy: bool) -> Any:
         from transformers import GenerationConfig
         from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
@@ -85,52 +72,47 @@ class PagedGenerator(HFGenerator):
         )
         cb_cfg = ContinuousBatchingConfig(return_logprobs=True, allow_block_sharing=False,
                                           **_cache_settings(contexts, limits, headroom=2))
-        # Switches the model to the paged attention until _close (the manager restores it on stop).
-        manager = model.init_continuous_batching(generation_config=gen_cfg, continuous_batching_config=cb_cfg)
+        # Switches the model to the paged attention until close() (the manager restores it on stop).
+        manager = self.model.init_continuous_batching(generation_config=gen_cfg, continuous_batching_config=cb_cfg)
         manager.start()
         self._manager, self._manager_greedy = manager, greedy
         return manager
 
-    def _close(self) -> None:
+    def close(self) -> None:
         manager, self._manager = self._manager, None
         if manager is not None:
             manager.stop(block=True)
             manager.destroy()
 
-    def generate(self, contexts: list[list[int]], max_new_tokens: list[int], greedy: bool = False) -> list[Sample]:
-        if not contexts:
-            return []
-        model = getattr(self, "_model", None)
-        if model is None:
-            raise RuntimeError("PagedGenerator.generate must run inside `with generator.session():`")
-        limits = [max(1, int(m)) for m in max_new_tokens]
+    def generate(self, contexts: list[list[int]], limits: list[int], greedy: bool) -> list[tuple[list[int], list[float]]]:
+        """Per context, the sampled ids (ending on a stop id or at its limit) and their log-probs."""
         stop = list(self.settings.stop_ids)
         if self._manager is not None and self._manager_greedy != greedy:
-            self._close()
-        manager = self._manager or self._open(model, contexts, limits, greedy)
-        ids = {}
+            self.close()
+        manager = self._manager or self._open(contexts, limits, greedy)
+        index = {}
         for i, (c, m) in enumerate(zip(contexts, limits, strict=True)):
             request_id = f"r{self._requests}"
             self._requests += 1
-            ids[request_id] = i
+            index[request_id] = i
             manager.add_request(list(c), request_id=request_id, max_new_tokens=m, eos_token_id=stop)
         results: dict[int, Any] = {}
         while len(results) < len(contexts):
             out = manager.get_result(timeout=RESULT_POLL_S)
-            if out is not None and out.is_finished() and out.request_id in ids:
-                results[ids[out.request_id]] = out
+            if out is not None and out.is_finished() and out.request_id in index:
+                results[index[out.request_id]] = out
             elif out is None and not manager.is_running():
                 break
         samples = []
-        for i, m in enumerate(limits):
+        for i in range(len(contexts)):
             out = results.get(i)
             if out is None or out.error is not None:
-                self._close()
+                self.close()
                 reason = "the engine stopped before it finished" if out is None else out.error
                 raise RuntimeError(f"continuous batching failed on context {i} of {len(contexts)}: {reason}")
-            ids_i = list(out.generated_tokens)
+            ids = list(out.generated_tokens)
             logprobs = [float(x) for x in out.logprobs]
-            if len(logprobs) != len(ids_i):
-                raise RuntimeError(f"continuous batching returned {len(logprobs)} log-probs for {len(ids_i)} tokens")
-            samples.append(_truncate(ids_i, logprobs, set(stop), m))
+            if len(logprobs) != len(ids):
+                raise RuntimeError(f"continuous batching returned {len(logprobs)} log-probs for {len(ids)} tokens")
+            samples.append((ids, logprobs))
         return samples
