@@ -67,11 +67,10 @@ def random_setup(args):
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, args.dtype or ("bfloat16" if device == "cuda" else "float32"))
-    config = AutoConfig.for_model("qwen2", **QWEN25_7B, torch_dtype=dtype)
-    config._attn_implementation = "sdpa"
+    config = AutoConfig.for_model("qwen2", **QWEN25_7B)
     torch.manual_seed(0)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, torch_dtype=dtype).eval()
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa").eval()
     gen = torch.Generator().manual_seed(1)
     contexts = [torch.randint(0, config.vocab_size, (args.prompt_len,), generator=gen).tolist() for _ in range(args.batch)]
     # A stand-in tokenizer: the generators read pad/eos ids only.

@@ -15,6 +15,9 @@ sized from the requests (``_cache_settings``): on a CPU the automatic sizing wou
 of the free RAM (13 s for the first call of the tiny model, measured). The engine switches the
 model to its paged attention (``paged|sdpa``, or flash attention when installed) while it runs
 and restores the model's own implementation when the session ends.
+Without flash attention (transformers' paged ``sdpa`` / ``eager``), every forward attends over a
+dense mask of the whole packed batch (``continuous_batching/input_outputs.py``), so each query
+also scores every other request's cache: on a GPU install flash-attn for this backend.
 
 Greedy decoding (``greedy=True``) uses no warper, so its log-probs are those of the unwarped
 distribution (only evaluation decodes greedily, and it does not read them).
