@@ -334,3 +334,24 @@ def test_the_engine_samples_and_scores_as_vllm_does(warm_tiny):
     greedy = engine.generate([prompt], SamplingParams(max_tokens=40, logprobs=0, top_k=1))[0][0]
     assert all(pos[t] == (0.0, 1) for t, pos in zip(greedy["token_ids"], greedy["logprobs"], strict=True))
     assert greedy["finish_reason"] == "stop" and greedy["token_ids"][-1] == tok.eos_token_id
+
+
+@pytest.mark.parametrize(("temperature", "top_k", "top_p"), [(0.7, 0, 1.0), (1.0, 20, 1.0), (0.9, 0, 0.8), (0.6, 50, 0.9)])
+def test_vllm_and_generate_process_logits_alike(temperature, top_k, top_p):
+    """vLLM's temperature / top-k / top-p (as the stand-in applies them) and the transformers
+    warpers the HF and paged backends use keep the same tokens with the same log-probs."""
+    from fake_vllm import SamplingParams, process_logits
+    from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 500, generator=gen) * 3
+    vllm = torch.cat([process_logits(row[None].clone(), SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p))
+                      for row in logits])
+    hf = TemperatureLogitsWarper(temperature)(None, logits.clone())
+    if top_k:
+        hf = TopKLogitsWarper(top_k)(None, hf)
+    if top_p < 1:
+        hf = TopPLogitsWarper(top_p)(None, hf)
+    assert torch.equal(torch.isinf(vllm), torch.isinf(hf))
+    kept = ~torch.isinf(hf)
+    assert torch.allclose(vllm.log_softmax(-1)[kept], hf.log_softmax(-1)[kept], atol=1e-5)
