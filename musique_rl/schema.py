@@ -76,6 +76,7 @@ class RetrievalScope(StrEnum):
 
 class Backend(StrEnum):
     hf = "hf"  # transformers generate, in-process (CPU, tests, small GPUs)
+    paged = "paged"  # transformers continuous batching (paged KV cache), in-process, no vLLM (core/generation_paged.py)
     vllm = "vllm"  # TRL's vLLM integration (train.vllm_mode: colocate on one GPU, server on several)
 
 

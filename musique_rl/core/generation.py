@@ -12,6 +12,8 @@ The rollout (musique_rl/core/rollout.py) never decodes and re-encodes: what is s
   same transformers warper classes ``generate`` uses), which keeps the log-softmax of the final
   distribution for one step and reads the sampled id from the next step's input, so memory stays
   O(batch x vocab) instead of ``output_scores``' O(steps x batch x vocab).
+- ``PagedGenerator`` (``train.backend=paged``): transformers' continuous batching with a paged KV
+  cache (musique_rl/core/generation_paged.py), in-process like ``HFGenerator``, without vLLM.
 - ``VLLMColocateGenerator``: TRL's vLLM colocate mode (one GPU: the engine lives in the training
   process; TRL syncs the weights before each rollout). Tested with a stand-in engine.
 - ``VLLMServerGenerator``: TRL's vLLM server mode (``trl vllm-serve``; TRL syncs the weights,
@@ -188,6 +190,33 @@ class HFGenerator:
         ]
 
 
+class PagedGenerator(HFGenerator):
+    """``train.backend=paged``: HFGenerator's session around transformers' continuous batching
+    (paged KV cache, no padding; musique_rl/core/generation_paged.py), one engine per session."""
+
+    @contextlib.contextmanager
+    def session(self) -> Iterator[PagedGenerator]:
+        from musique_rl.core.generation_paged import ContinuousBatchingSampler
+
+        with super().session() as gen:
+            self._engine = ContinuousBatchingSampler(self._model, self.settings, self.pad_id)
+            try:
+                yield gen
+            finally:
+                self._engine.close()
+                self._engine = None
+
+    def generate(self, contexts: list[list[int]], max_new_tokens: list[int], greedy: bool = False) -> list[Sample]:
+        if not contexts:
+            return []
+        engine = getattr(self, "_engine", None)
+        if engine is None:
+            raise RuntimeError("PagedGenerator.generate must run inside `with generator.session():`")
+        limits = [max(1, int(m)) for m in max_new_tokens]
+        stop = set(self.settings.stop_ids)
+        return [_truncate(ids, lps, stop, m) for (ids, lps), m in zip(engine.generate(contexts, limits, greedy), limits, strict=True)]
+
+
 # ---------------------------------------------------------------- vLLM server (TRL)
 class _TrainerVLLM:
     """What both vLLM backends share: the engine belongs to TRL's trainer, which syncs the policy's
@@ -342,16 +371,17 @@ def build_generator(
         if getattr(trainer.args, "vllm_mode", "server") == "colocate":
             return VLLMColocateGenerator(trainer, settings)
         return VLLMServerGenerator(trainer, settings)
-    if backend != "hf":
-        raise ValueError(f"train.backend={backend!r}: expected 'hf' or 'vllm'")
+    if backend not in ("hf", "paged"):
+        raise ValueError(f"train.backend={backend!r}: expected 'hf', 'paged' or 'vllm'")
+    in_process = PagedGenerator if backend == "paged" else HFGenerator
     if trainer is not None:
         if frozen:
             source = trainer.accelerator.unwrap_model(trainer.model)
-            return HFGenerator(frozen_copy(source), tokenizer, settings)
-        return HFGenerator(_trainer_model_source(trainer), tokenizer, settings)
+            return in_process(frozen_copy(source), tokenizer, settings)
+        return in_process(_trainer_model_source(trainer), tokenizer, settings)
     if model is None:
         raise ValueError("build_generator needs a model or a trainer")
-    return HFGenerator(frozen_copy(model) if frozen else model, tokenizer, settings)
+    return in_process(frozen_copy(model) if frozen else model, tokenizer, settings)
 
 
 def frozen_copy(model: Any) -> Any:
