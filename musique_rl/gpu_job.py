@@ -359,11 +359,15 @@ def card_gib() -> float | None:
 
 
 def preflight(cfg: Any, processes: int) -> None:
-    """In each training process, before the model loads: the batch splits over ``processes``, and
+    """In each training process, before the model loads: the attention implementation can be met,
+    the batch splits over ``processes``, and
     on a GPU in colocate mode vLLM's share and the training peak fit the card (``layout``), so a
     job launched by hand fails in a second with the nearest valid settings, not after loading."""
+    from musique_rl.core.models import resolve_attention
     from musique_rl.core.trainer import batch_layout
 
+    if str(cfg.model.name_or_path) != "tiny":
+        resolve_attention(str(cfg.model.attn_implementation))  # flash-attn asked for and absent: fail now
     batch_layout(cfg, processes)
     if str(cfg.train.backend) != "vllm" or resolve_vllm_mode(cfg) != "colocate":
         return

@@ -139,7 +139,8 @@ class TinyModelConfig:
 class ModelConfig:
     name_or_path: str = MISSING  # hub id, local dir, or "tiny" (built locally)
     dtype: Dtype = Dtype.auto  # auto: bf16 where the hardware supports it, else fp32
-    attn_implementation: str = "sdpa"
+    # auto | sdpa | eager | flash_attention_2 | flash_attention_3 (transformers names; core/models.resolve_attention)
+    attn_implementation: str = "auto"
     tool_call_format: ToolCallFormat = ToolCallFormat.hermes
     learning_rate: float = MISSING  # recommended LR for this model (loss.learning_rate reads it)
     tiny: Optional[TinyModelConfig] = None
