@@ -40,6 +40,7 @@ from trl import GRPOTrainer
 
 from musique_rl.core import faults
 from musique_rl.core.generation import HFGenerator, build_generator, frozen_copy, sampling_settings
+from musique_rl.core.importance import importance_metrics
 from musique_rl.core.rollout import RolloutEngine
 
 log = logging.getLogger(__name__)
@@ -102,13 +103,26 @@ def blind_attention(attention_mask: torch.Tensor, width: int, tool_mask: torch.T
     return torch.cat([torch.zeros_like(attention_mask[:, :-width]), completion], dim=1)
 
 
+# ``train.importance_sampling=auto`` with vLLM. Not TRL's default sequence_mask: one ratio per
+# sequence multiplies the per-token ratios of thousands of tokens, so ordinary bf16 noise between
+# sampler and trainer (0.036 nats/token mean on an H100, 7B shape) puts a 4096-token sequence's ratio
+# above clip_max 3 for 35% of sequences, which sequence_mask then drops (ESS 0.26);
+# sequence_truncate drops none but weights most near 0 (ESS 0.56). Per-token ratios stay near 1:
+# token_truncate drops nothing at any length (ESS 1.00) and still clamps a token the sampler
+# over-weighted. Measured by benchmarks/bench_importance_sampling.py (README, vLLM section).
+AUTO_IMPORTANCE_SAMPLING = "token_truncate"
+
+
 def importance_sampling_settings(cfg: Any) -> dict[str, Any]:
-    """GRPOConfig's importance-sampling fields from ``train.importance_sampling`` (schema.py):
-    auto keeps TRL's defaults (on with vLLM, where TRL applies it; nothing on the HF backend)."""
+    """GRPOConfig's importance-sampling fields from ``train.importance_sampling`` (schema.py): auto
+    is ``AUTO_IMPORTANCE_SAMPLING`` with vLLM (TRL applies it there) and nothing on the HF backend,
+    whose sampler is the trained model itself."""
     t = cfg.train
     mode = str(t.importance_sampling)
     if mode == "auto":
-        return {}
+        if str(t.backend) != "vllm":
+            return {}
+        mode = AUTO_IMPORTANCE_SAMPLING
     if mode == "off":
         return {"vllm_importance_sampling_correction": False}
     return {
@@ -222,6 +236,7 @@ class MusiqueGRPOTrainer(GRPOTrainer):
             advantages = group_advantages(rewards, num_generations, str(self.scale_rewards), self._adv_epsilon)
             output["advantages"] = advantages[local].to(output["advantages"].device)
         self._last_rewards = rewards
+        self._observe_importance_sampling(output)
         if self.instruments is not None:
             width = output["completion_ids"].shape[1]
             output["token_sources"] = self._token_sources(width).to(output["completion_ids"].device)
@@ -231,6 +246,19 @@ class MusiqueGRPOTrainer(GRPOTrainer):
             # its baseline too.
             self._parity_probe()
         return output
+
+    def _observe_importance_sampling(self, output: dict) -> None:
+        """``h06/is_*`` (core/importance.py): what TRL's correction did to this process's batch,
+        logged whenever it is on, diagnostics or not (it can silently drop most long episodes)."""
+        if not (self.vllm_importance_sampling_correction and (self.use_vllm or self._hf_is)):
+            return
+        if "old_per_token_logps" not in output or "sampling_per_token_logps" not in output:
+            return
+        mask = output["completion_mask"] * output["tool_mask"] if "tool_mask" in output else output["completion_mask"]
+        self.merge_metrics(importance_metrics(
+            output["old_per_token_logps"].detach().float().cpu(), output["sampling_per_token_logps"].float().cpu(),
+            mask.cpu(), str(self.vllm_importance_sampling_mode), self.vllm_importance_sampling_clip_min,
+            self.vllm_importance_sampling_clip_max))
 
     def _token_sources(self, width: int) -> torch.Tensor:
         """(N, width) diagnostics.Source codes of this process's completion tokens (PAD after)."""
