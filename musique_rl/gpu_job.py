@@ -1,22 +1,31 @@
-"""A GPU job's own process topology inside its allocation: vLLM server on one GPU, trainer on the rest.
+"""A GPU job's own process topology inside its allocation, checked before anything loads.
 
 ``train.vllm_mode`` (TRL's names) picks how ``train.backend=vllm`` generates:
-  - ``colocate``: vLLM inside the training process, sharing its GPU (TRL's colocate mode). The
-    job trains in its own process; nothing here runs. This is how one GPU runs vLLM.
-  - ``server``: the topology below. Needs two or more GPUs.
+  - ``colocate``: vLLM inside each training process, sharing its GPU (TRL's colocate mode). On one
+    GPU the job trains in its own process; a single process that sees several GPUs launches one
+    trainer process per GPU (``accelerate launch``, ZeRO-3).
+  - ``server``: ``vllm serve`` on GPUs of its own, the trainer processes on the rest. Needs two or
+    more GPUs.
   - ``auto`` (default): ``server`` when a single process sees two or more GPUs, else ``colocate``
     (also inside an ``accelerate launch`` of several processes: one engine per process).
 
-In server mode the job (a SLURM array task from hydra/launcher=slurm, or a plain run on a GPU
-workstation) does not train in its own process. ``app.run`` hands it to ``run(cfg)``:
+``layout`` decides and checks, before anything loads: how many trainer processes split the batch
+into whole groups and equal micro-batches (server mode: the largest count that does, the spare GPUs
+serving vLLM as data-parallel replicas), vLLM's context length (every request a turn sends fits),
+and memory per GPU (vLLM's share and the training peak of ``memory.estimate_gb``). What it cannot
+make work fails with the config keys to change and their nearest valid values. ``preflight`` runs
+the same checks inside each training process (a job launched by hand).
 
-1. ``vllm serve`` on the first GPU of the allocation (the command TRL's ``trl vllm-serve`` builds,
+In server mode (or colocate on several GPUs) the job (a SLURM array task from hydra/launcher=slurm,
+or a plain run on a GPU workstation) does not train in its own process. ``app.run`` hands it to ``run(cfg)``:
+
+1. ``vllm serve`` on the first GPU(s) of the allocation (the command TRL's ``trl vllm-serve`` builds,
    ``trl.scripts.vllm_serve.build_command``: weight-transfer endpoints, processed log-probs), in
    its own process group, log in ``<job dir>/vllm_server.log``;
 2. health check: GET ``http://<train.vllm_server_host>:<port>/health`` (the endpoint TRL's
    ``VLLMClient.check_server`` polls) until 200, failing early with the log's tail if the server
    exits, or after ``MUSIQUE_RL_VLLM_HEALTH_TIMEOUT_S`` (default 900 s: weights load from disk);
-3. ``accelerate launch --config_file <accelerate config> --num_processes <GPUs - 1> -m musique_rl
+3. ``accelerate launch --config_file <accelerate config> --num_processes <trainers> -m musique_rl
    <this job's overrides> hydra.run.dir=<this job's dir>`` on the remaining GPUs, with
    ``MUSIQUE_RL_GPU_ROLE=trainer`` so that process trains instead of starting another topology.
    Its MLflow run is this job's (tracking's ``mlflow_run_id`` file in the job dir), so a requeued
@@ -26,15 +35,17 @@ workstation) does not train in its own process. ``app.run`` hands it to ``run(cf
 
 Settings that depend on the cluster, from the environment:
 ``MUSIQUE_RL_ACCELERATE_CONFIG`` (default launchers/accelerate/zero3.yaml: DeepSpeed ZeRO-3),
-``MUSIQUE_RL_VLLM_GPU_MEMORY_UTILIZATION`` (0.9), ``MUSIQUE_RL_VLLM_MAX_MODEL_LEN`` (the model's),
-``MUSIQUE_RL_VLLM_HEALTH_TIMEOUT_S`` (900). Ports: the server's (``train.vllm_server_port``), TRL's
+``MUSIQUE_RL_VLLM_GPU_MEMORY_UTILIZATION`` (0.9), ``MUSIQUE_RL_VLLM_MAX_MODEL_LEN`` (default the
+env's prompt + completion + one turn; a smaller value is refused), ``MUSIQUE_RL_VLLM_HEALTH_TIMEOUT_S``
+(900). Ports: the server's (``train.vllm_server_port``), TRL's
 weight-sync group (``train.vllm_group_port``) and accelerate's rendezvous are chosen free when the
 job starts (an explicit port in the config is kept), so two GPU jobs can share a node. A port is
 free when chosen; another process could still take it before the server binds it (no tool closes
 that window without binding for the child), which a retry of the job resolves.
 
-See the commands without running anything (no GPU needed):
-    python -m musique_rl.gpu_job --gpus 4 --job-dir /tmp/job +hypothesis=h02 train.backend=vllm model=qwen2.5-7b-instruct
+See the plan and commands without running anything (no GPU needed):
+    python -m musique_rl.gpu_job --gpus 4 --job-dir /tmp/job +hypothesis=h02 model=qwen2.5-7b-instruct lora=r16
+    python -m musique_rl.gpu_job --gpus 8 --mode colocate model=qwen2.5-7b-instruct lora=r16 --gpu-memory-gib 79.2
 """
 
 from __future__ import annotations

@@ -445,8 +445,8 @@ def nearest_batch_settings(cfg: Any, world: int) -> list[str]:
         local = p * G // world
         parts = [] if p == P else [f"train.prompts_per_step={p}"]
         if p % world == 0:
-            if mb is not None and local % min(mb, local):
-                parts.append(f"train.micro_batch_size={max(d for d in _divisors(local) if d <= mb)}")
+            if mb is not None and (mb < 1 or local % min(mb, local)):
+                parts.append(f"train.micro_batch_size={max(d for d in _divisors(local) if d <= max(mb, 1))}")
             if parts:
                 out.append(" ".join(parts) + f" ({p * G // world} episodes per process)")
     fits = [n for n in _divisors(P) if n <= max(world, 8)]
