@@ -126,7 +126,7 @@ def _zero3(accelerate_config: Path) -> bool:
 
 
 def layout(cfg: Any, gpus: int, mode: str, *, card_gib: float | None, accelerate_config: Path,
-           env: dict[str, str] | None = None) -> Layout:
+           env: dict[str, str] | None = None, zero3: bool | None = None) -> Layout:
     """The layout of a ``train.backend=vllm`` job on ``gpus`` GPUs of ``card_gib`` GiB (None: memory
     not checked), or a TopologyError naming the config keys to change and their nearest valid values.
 
@@ -162,7 +162,7 @@ def layout(cfg: Any, gpus: int, mode: str, *, card_gib: float | None, accelerate
         tried = f" (in server mode every trainer count from {gpus - 1} down to 1 was tried)" if mode == "server" else ""
         raise TopologyError(f"no trainer layout on {gpus} GPU(s) in {mode} mode{tried}: {errors[0]}")
     world, micro, accumulation = chosen
-    zero3 = world > 1 and _zero3(accelerate_config)
+    zero3 = world > 1 and (_zero3(accelerate_config) if zero3 is None else zero3)
     context = vllm_context_length(cfg)
     out = Layout(mode=mode, gpus=gpus, trainer_processes=world, vllm_gpus=gpus - world if mode == "server" else 0,
                  episodes_per_process=micro * accumulation, micro_batch=micro, accumulation=accumulation,
@@ -382,8 +382,9 @@ def preflight(cfg: Any, processes: int) -> None:
     batch_layout(cfg, processes)
     if str(cfg.train.backend) != "vllm" or resolve_vllm_mode(cfg) != "colocate":
         return
-    accelerate_config = Path(os.environ.get("MUSIQUE_RL_ACCELERATE_CONFIG", str(DEFAULT_ACCELERATE_CONFIG)))
-    layout(cfg, processes, "colocate", card_gib=card_gib(), accelerate_config=accelerate_config)
+    # launched: accelerate says whether these processes run ZeRO-3 (whatever config file launched them)
+    zero3 = os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE") == "3"
+    layout(cfg, processes, "colocate", card_gib=card_gib(), accelerate_config=DEFAULT_ACCELERATE_CONFIG, zero3=zero3)
 
 
 def _healthy(url: str) -> bool:

@@ -302,3 +302,15 @@ def test_wants_topology_launches_colocate_processes_for_one_process_seeing_sever
 def test_preflight_refuses_a_batch_the_launched_processes_cannot_split():
     with pytest.raises(ValueError, match="over 3 trainer processes.*train.prompts_per_step=6"):
         gpu_job.preflight(_cfg("train.backend=hf", "model=tiny"), 3)
+
+
+def test_preflight_checks_colocate_memory_on_the_card_it_runs_on(monkeypatch):
+    """A colocate job launched by hand: each process checks its own card before loading."""
+    monkeypatch.setattr(gpu_job, "card_gib", lambda: 64.0)
+    monkeypatch.delenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", raising=False)
+    cfg = _cfg("train.vllm_mode=colocate")
+    with pytest.raises(gpu_job.TopologyError, match="Nearest valid: train.micro_batch_size=2$"):
+        gpu_job.preflight(cfg, 1)
+    gpu_job.preflight(_cfg("train.vllm_mode=colocate", "train.micro_batch_size=2"), 1)
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "3")  # 4 ZeRO-3 processes: a quarter of the weights each
+    gpu_job.preflight(cfg, 4)
