@@ -51,14 +51,15 @@ def policy_episodes(cfg: Any, records: list[dict]) -> Iterator[dict]:
         from musique_rl.env.policies import POLICIES
 
         return POLICIES[cfg.policy](cfg, records)
-    from musique_rl.core.devices import place
+    from musique_rl.core.devices import place, shard_and_gather
     from musique_rl.core.models import load_model
     from musique_rl.core.rollout import run_model_episodes
     from musique_rl.core.warm_start import ensure
 
     model, tokenizer = load_model(cfg, warm_start=ensure(cfg))
     model = place(model)
-    return iter(run_model_episodes(cfg, records, model=model, tokenizer=tokenizer))
+    # under `accelerate launch` every process evaluates its share and gets all episodes back
+    return iter(shard_and_gather(records, lambda part: run_model_episodes(cfg, part, model=model, tokenizer=tokenizer)))
 
 
 def _mean(xs: Iterable[float]) -> float:
@@ -149,7 +150,11 @@ def evaluate(cfg: Any) -> float:
     hint = len(records) if policy in ("oracle", "no_tool", "model") else None
     rows, errors = score_episodes(policy_episodes(cfg, records), records_by_id, cfg.reward, hint)
     metrics = summarize(rows, errors, len(records), data_stats, cfg)
+    if policy == "model":
+        from musique_rl.core.models import process_state
 
+        if not process_state().is_main_process:  # one writer of the job's files (all ranks hold the same rows)
+            return metrics["reward"]
     out = run_dir()
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "episodes.jsonl", "w", encoding="utf-8") as f:

@@ -1,22 +1,31 @@
-"""A GPU job's own process topology inside its allocation: vLLM server on one GPU, trainer on the rest.
+"""A GPU job's own process topology inside its allocation, checked before anything loads.
 
 ``train.vllm_mode`` (TRL's names) picks how ``train.backend=vllm`` generates:
-  - ``colocate``: vLLM inside the training process, sharing its GPU (TRL's colocate mode). The
-    job trains in its own process; nothing here runs. This is how one GPU runs vLLM.
-  - ``server``: the topology below. Needs two or more GPUs.
+  - ``colocate``: vLLM inside each training process, sharing its GPU (TRL's colocate mode). On one
+    GPU the job trains in its own process; a single process that sees several GPUs launches one
+    trainer process per GPU (``accelerate launch``, ZeRO-3).
+  - ``server``: ``vllm serve`` on GPUs of its own, the trainer processes on the rest. Needs two or
+    more GPUs.
   - ``auto`` (default): ``server`` when a single process sees two or more GPUs, else ``colocate``
     (also inside an ``accelerate launch`` of several processes: one engine per process).
 
-In server mode the job (a SLURM array task from hydra/launcher=slurm, or a plain run on a GPU
-workstation) does not train in its own process. ``app.run`` hands it to ``run(cfg)``:
+``layout`` decides and checks, before anything loads: how many trainer processes split the batch
+into whole groups and equal micro-batches (server mode: the largest count that does, the spare GPUs
+serving vLLM as data-parallel replicas), vLLM's context length (every request a turn sends fits),
+and memory per GPU (vLLM's share and the training peak of ``memory.estimate_gb``). What it cannot
+make work fails with the config keys to change and their nearest valid values. ``preflight`` runs
+the same checks inside each training process (a job launched by hand).
 
-1. ``vllm serve`` on the first GPU of the allocation (the command TRL's ``trl vllm-serve`` builds,
+In server mode (or colocate on several GPUs) the job (a SLURM array task from hydra/launcher=slurm,
+or a plain run on a GPU workstation) does not train in its own process. ``app.run`` hands it to ``run(cfg)``:
+
+1. ``vllm serve`` on the first GPU(s) of the allocation (the command TRL's ``trl vllm-serve`` builds,
    ``trl.scripts.vllm_serve.build_command``: weight-transfer endpoints, processed log-probs), in
    its own process group, log in ``<job dir>/vllm_server.log``;
 2. health check: GET ``http://<train.vllm_server_host>:<port>/health`` (the endpoint TRL's
    ``VLLMClient.check_server`` polls) until 200, failing early with the log's tail if the server
    exits, or after ``MUSIQUE_RL_VLLM_HEALTH_TIMEOUT_S`` (default 900 s: weights load from disk);
-3. ``accelerate launch --config_file <accelerate config> --num_processes <GPUs - 1> -m musique_rl
+3. ``accelerate launch --config_file <accelerate config> --num_processes <trainers> -m musique_rl
    <this job's overrides> hydra.run.dir=<this job's dir>`` on the remaining GPUs, with
    ``MUSIQUE_RL_GPU_ROLE=trainer`` so that process trains instead of starting another topology.
    Its MLflow run is this job's (tracking's ``mlflow_run_id`` file in the job dir), so a requeued
@@ -26,15 +35,17 @@ workstation) does not train in its own process. ``app.run`` hands it to ``run(cf
 
 Settings that depend on the cluster, from the environment:
 ``MUSIQUE_RL_ACCELERATE_CONFIG`` (default launchers/accelerate/zero3.yaml: DeepSpeed ZeRO-3),
-``MUSIQUE_RL_VLLM_GPU_MEMORY_UTILIZATION`` (0.9), ``MUSIQUE_RL_VLLM_MAX_MODEL_LEN`` (the model's),
-``MUSIQUE_RL_VLLM_HEALTH_TIMEOUT_S`` (900). Ports: the server's (``train.vllm_server_port``), TRL's
+``MUSIQUE_RL_VLLM_GPU_MEMORY_UTILIZATION`` (0.9), ``MUSIQUE_RL_VLLM_MAX_MODEL_LEN`` (default the
+env's prompt + completion + one turn; a smaller value is refused), ``MUSIQUE_RL_VLLM_HEALTH_TIMEOUT_S``
+(900). Ports: the server's (``train.vllm_server_port``), TRL's
 weight-sync group (``train.vllm_group_port``) and accelerate's rendezvous are chosen free when the
 job starts (an explicit port in the config is kept), so two GPU jobs can share a node. A port is
 free when chosen; another process could still take it before the server binds it (no tool closes
 that window without binding for the child), which a retry of the job resolves.
 
-See the commands without running anything (no GPU needed):
-    python -m musique_rl.gpu_job --gpus 4 --job-dir /tmp/job +hypothesis=h02 train.backend=vllm model=qwen2.5-7b-instruct
+See the plan and commands without running anything (no GPU needed):
+    python -m musique_rl.gpu_job --gpus 4 --job-dir /tmp/job +hypothesis=h02 model=qwen2.5-7b-instruct lora=r16
+    python -m musique_rl.gpu_job --gpus 8 --mode colocate model=qwen2.5-7b-instruct lora=r16 --gpu-memory-gib 79.2
 """
 
 from __future__ import annotations
@@ -63,9 +74,175 @@ class TopologyError(RuntimeError):
     """The allocation or the server cannot run the topology; the message names what and why."""
 
 
+H100_GIB = 79.2  # torch.cuda.get_device_properties(0).total_memory of an H100 80 GB HBM3, in GiB
+SERVER_GPU_MEMORY_UTILIZATION = "0.9"  # vLLM's share of each of its own GPUs in server mode
+
+
+@dataclass
+class Layout:
+    """Where a vLLM job's processes go and what each one holds, decided before anything loads.
+
+    server: vLLM on the first ``vllm_gpus`` GPUs (``vllm_gpus`` data-parallel replicas of the whole
+    model: the 7B/8B configs fit one GPU, and any count of replicas works, where tensor parallelism
+    must divide the attention heads), ``trainer_processes`` trainer processes on the rest.
+    colocate: one trainer process per GPU, each with its own vLLM engine in
+    ``train.vllm_gpu_memory_utilization`` of its GPU.
+    """
+
+    mode: str
+    gpus: int
+    trainer_processes: int
+    vllm_gpus: int
+    episodes_per_process: int
+    micro_batch: int
+    accumulation: int
+    max_model_len: int
+    zero3: bool
+    memory: list[str] = field(default_factory=list)  # the memory plan, one line per GPU kind
+    notes: list[str] = field(default_factory=list)
+
+    def lines(self) -> list[str]:
+        where = (f"vLLM on {self.vllm_gpus} GPU(s) (data-parallel {self.vllm_gpus}), "
+                 f"{self.trainer_processes} trainer process(es) on the other {self.gpus - self.vllm_gpus}"
+                 if self.mode == "server" else
+                 f"{self.trainer_processes} trainer process(es), each with its own vLLM engine on its GPU")
+        sharding = "DeepSpeed ZeRO-3" if self.zero3 else ("one process" if self.trainer_processes == 1 else "data parallel")
+        return [f"plan: {self.gpus} GPU(s), {self.mode}: {where}; {sharding}",
+                f"batch: {self.episodes_per_process} episodes per trainer process per step = {self.accumulation} "
+                f"micro-batch(es) of {self.micro_batch} (gradient accumulation {self.accumulation})",
+                f"context: vLLM max_model_len {self.max_model_len} (prompt + completion + one turn's budget)",
+                *(f"memory: {m}" for m in self.memory), *(f"note: {n}" for n in self.notes)]
+
+
+def _zero3(accelerate_config: Path) -> bool:
+    """Whether an accelerate config runs DeepSpeed ZeRO-3 (parameters partitioned over the processes)."""
+    import yaml
+
+    try:
+        c = yaml.safe_load(accelerate_config.read_text()) or {}
+    except OSError:
+        return False
+    return str(c.get("distributed_type")) == "DEEPSPEED" and int((c.get("deepspeed_config") or {}).get("zero_stage", 0)) == 3
+
+
+def layout(cfg: Any, gpus: int, mode: str, *, card_gib: float | None, accelerate_config: Path,
+           env: dict[str, str] | None = None, zero3: bool | None = None) -> Layout:
+    """The layout of a ``train.backend=vllm`` job on ``gpus`` GPUs of ``card_gib`` GiB (None: memory
+    not checked), or a TopologyError naming the config keys to change and their nearest valid values.
+
+    Checked: (1) every trainer process holds whole groups and its episodes split into equal
+    micro-batches (``trainer.batch_layout``); in server mode the trainer count is the largest that
+    divides the batch, the spare GPUs serving vLLM as more data-parallel replicas; (2) the context:
+    ``trainer.vllm_context_length`` within the model's positions and the server's
+    ``MUSIQUE_RL_VLLM_MAX_MODEL_LEN``; (3) memory, from ``memory.estimate_gb`` (the training peak
+    at the env's full budgets) and the model's weights and KV cache: vLLM's share must hold the
+    weights and one full-length sequence, and in colocate mode that share plus the training peak
+    must fit the card."""
+    from musique_rl import memory
+    from musique_rl.core.trainer import batch_layout, vllm_context_length
+
+    env = os.environ if env is None else env
+    if mode == "server" and gpus < 2:
+        raise TopologyError(
+            f"train.vllm_mode=server needs at least 2 GPUs in the allocation (1 vLLM server + >= 1 trainer); "
+            f"this job sees {gpus}. On one GPU use train.vllm_mode=colocate (or auto); for a server ask for more: "
+            "hydra.launcher.gpus_per_node=N (or MUSIQUE_RL_SLURM_GPUS_PER_NODE)."
+        )
+    if gpus < 1:
+        raise TopologyError("train.backend=vllm needs a GPU; this job sees none (use train.backend=hf on a CPU)")
+    candidates = range(gpus - 1, 0, -1) if mode == "server" else [gpus]
+    chosen, errors = None, []
+    for world in candidates:
+        try:
+            chosen = (world, *batch_layout(cfg, world))
+            break
+        except ValueError as e:
+            errors.append(str(e))
+    if chosen is None:
+        tried = f" (in server mode every trainer count from {gpus - 1} down to 1 was tried)" if mode == "server" else ""
+        raise TopologyError(f"no trainer layout on {gpus} GPU(s) in {mode} mode{tried}: {errors[0]}")
+    world, micro, accumulation = chosen
+    zero3 = world > 1 and (_zero3(accelerate_config) if zero3 is None else zero3)
+    context = vllm_context_length(cfg)
+    out = Layout(mode=mode, gpus=gpus, trainer_processes=world, vllm_gpus=gpus - world if mode == "server" else 0,
+                 episodes_per_process=micro * accumulation, micro_batch=micro, accumulation=accumulation,
+                 max_model_len=context, zero3=zero3)
+    if mode == "server" and world < gpus - 1:
+        out.notes.append(f"{gpus - 1} trainer processes cannot split train.prompts_per_step={cfg.train.prompts_per_step} "
+                         f"into whole groups; {world} train and vLLM takes the other {gpus - world} GPUs")
+    budgets = (f"env.max_prompt_tokens={cfg.env.max_prompt_tokens} + env.max_completion_tokens="
+               f"{cfg.env.max_completion_tokens} + env.max_tokens_per_turn={cfg.env.max_tokens_per_turn}")
+    server_len = env.get("MUSIQUE_RL_VLLM_MAX_MODEL_LEN")
+    if mode == "server" and server_len and int(server_len) < context:
+        raise TopologyError(
+            f"MUSIQUE_RL_VLLM_MAX_MODEL_LEN={server_len} is below the longest request a turn can send, {context} "
+            f"tokens ({budgets}): the server would refuse it. Unset it (the plan sets {context}) or lower those budgets."
+        )
+    arch = memory.architecture(str(cfg.model.name_or_path))
+    if arch is None:
+        out.notes.append(f"memory and positions not checked: no architecture known for model.name_or_path="
+                         f"{cfg.model.name_or_path} (a conf/model hub id or a local directory with config.json)")
+        return out
+    if arch.get("max_positions") and context > int(arch["max_positions"]):
+        raise TopologyError(f"the longest request ({budgets} = {context} tokens) exceeds the model's "
+                            f"{arch['max_positions']} positions; lower those env budgets")
+    if card_gib is None:
+        out.notes.append("memory not checked: card size unknown (--gpu-memory-gib)")
+        return out
+    t = cfg.train
+    tokens = int(cfg.env.max_prompt_tokens) + int(cfg.env.max_completion_tokens)
+    lora_r = int(cfg.lora.r) if cfg.lora.enabled else 0
+    ckpt = bool(t.gradient_checkpointing)
+    shards = world if zero3 else 1
+
+    def peak(m: int) -> float:
+        return memory.estimate_gb(arch, m, tokens, lora_r=lora_r, checkpointing=ckpt, shards=shards)
+
+    local = micro * accumulation
+    fitting = [m for m in range(1, local + 1) if local % m == 0]
+    vllm_need = memory.weights_gb(arch) + memory.kv_cache_gb(arch, context, 1)
+    what = (f"training peak {peak(micro):.1f} GiB (memory.estimate_gb: micro-batch {micro} x {tokens} tokens, "
+            f"{'LoRA r' + str(lora_r) if lora_r else 'full fine-tuning'}, checkpointing {'on' if ckpt else 'off'}"
+            f"{', ZeRO-3 over ' + str(shards) if shards > 1 else ''})")
+    if mode == "colocate":
+        util = float(t.vllm_gpu_memory_utilization)
+        share = util * card_gib
+        if share < vllm_need:
+            raise TopologyError(
+                f"train.vllm_gpu_memory_utilization={util} gives vLLM {share:.1f} GiB of the {card_gib:.1f} GiB card, "
+                f"less than the weights ({memory.weights_gb(arch):.1f} GiB) plus one {context}-token sequence's KV cache: "
+                f"set train.vllm_gpu_memory_utilization>={(vllm_need / card_gib) + 0.01:.2f}")
+        if share + peak(micro) > card_gib:
+            ok = [m for m in fitting if share + peak(m) <= card_gib]
+            room = (card_gib - peak(micro)) / card_gib
+            fixes = ([f"train.micro_batch_size={max(ok)}"] if ok else []) + (
+                [f"train.vllm_gpu_memory_utilization={room - 0.005:.2f}"] if room * card_gib >= vllm_need else [])
+            raise TopologyError(
+                f"colocate memory: vLLM's share {share:.1f} GiB (train.vllm_gpu_memory_utilization={util}) + the {what} "
+                f"= {share + peak(micro):.1f} GiB > the {card_gib:.1f} GiB card. Nearest valid: "
+                + (" or ".join(fixes) if fixes else "none at these budgets: lower env.max_prompt_tokens / "
+                   "env.max_completion_tokens, or use train.vllm_mode=server"))
+        out.memory.append(f"each GPU: vLLM {share:.1f} GiB ({util} of {card_gib:.1f}) + {what} = "
+                          f"{share + peak(micro):.1f} GiB of {card_gib:.1f}")
+        return out
+    share = float(env.get("MUSIQUE_RL_VLLM_GPU_MEMORY_UTILIZATION", SERVER_GPU_MEMORY_UTILIZATION)) * card_gib
+    if share < vllm_need:
+        raise TopologyError(f"the vLLM server's {share:.1f} GiB (MUSIQUE_RL_VLLM_GPU_MEMORY_UTILIZATION) cannot hold "
+                            f"the weights and one {context}-token sequence ({vllm_need:.1f} GiB)")
+    if peak(micro) > card_gib:
+        ok = [m for m in fitting if peak(m) <= card_gib]
+        raise TopologyError(f"the {what} exceeds the {card_gib:.1f} GiB card. Nearest valid: "
+                            + (f"train.micro_batch_size={max(ok)}" if ok else
+                               "train.gradient_checkpointing=true or lower env budgets"))
+    out.memory.append(f"each vLLM GPU: {share:.1f} GiB for the weights ({memory.weights_gb(arch):.1f} GiB) and KV cache")
+    out.memory.append(f"each trainer GPU: {what} of {card_gib:.1f} (an estimate fitted to H100 measurements)")
+    return out
+
+
 @dataclass
 class Topology:
-    """What a GPU job starts: exact argv and environment additions of each process."""
+    """What a GPU job starts: exact argv and environment additions of each process (no server in
+    colocate mode)."""
 
     server_cmd: list[str]
     server_env: dict[str, str]
@@ -74,6 +251,7 @@ class Topology:
     health_url: str
     job_dir: Path
     notes: list[str] = field(default_factory=list)
+    layout: Layout | None = None
 
     def shell(self) -> str:
         """The same topology as shell lines (what the README's GPU section shows)."""
@@ -81,7 +259,11 @@ class Topology:
         def line(env: dict[str, str], cmd: list[str]) -> str:
             return " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()) + " " + shlex.join(cmd)
 
+        head = [f"# {x}" for x in self.layout.lines()] if self.layout is not None else []
+        if not self.server_cmd:
+            return "\n".join([*head, line(self.trainer_env, self.trainer_cmd)])
         return "\n".join([
+            *head,
             f"{line(self.server_env, self.server_cmd)} > {shlex.quote(str(self.job_dir / 'vllm_server.log'))} 2>&1 &",
             f"until curl -sf {self.health_url} >/dev/null; do sleep 5; done",
             line(self.trainer_env, self.trainer_cmd),
@@ -89,13 +271,17 @@ class Topology:
         ])
 
 
-def wants_topology(cfg: Any) -> bool:
-    """True for a vLLM server-mode training job that is not itself one of the trainer processes."""
-    backend = str(cfg.train.backend)
-    mode = str(cfg.mode)
-    if backend != "vllm" or mode != "train" or os.environ.get(ROLE_ENV) == "trainer":
+def wants_topology(cfg: Any, env: dict[str, str] | None = None) -> bool:
+    """True for a vLLM training job whose processes this job must start: server mode, or colocate
+    mode in one process that sees several GPUs (one trainer process per GPU); never inside one of
+    the trainer processes."""
+    env = os.environ if env is None else env
+    if str(cfg.train.backend) != "vllm" or str(cfg.mode) != "train" or env.get(ROLE_ENV) == "trainer":
         return False
-    return resolve_vllm_mode(cfg) == "server"
+    mode = resolve_vllm_mode(cfg, env=env)
+    if mode == "server":
+        return True
+    return int(env.get("WORLD_SIZE", "1") or 1) == 1 and len(visible_gpus(env)) >= 2
 
 
 # overrides the topology sets for its trainer processes (any the user gave are replaced)
@@ -103,20 +289,30 @@ _TRAINER_KEYS = ("train.vllm_mode", "train.vllm_server_port", "train.vllm_group_
 
 
 def plan(cfg: Any, *, gpus: list[str], job_dir: Path, overrides: list[str],
-         env: dict[str, str] | None = None) -> Topology:
-    """The processes this job starts for ``cfg`` on ``gpus``; pure (tests check it as strings)."""
+         env: dict[str, str] | None = None, mode: str | None = None, card_gib: float | None = None) -> Topology:
+    """The processes this job starts for ``cfg`` on ``gpus`` (``mode``: server | colocate, default
+    ``train.vllm_mode`` resolved for these GPUs), after ``layout`` checked batch, context and memory
+    on cards of ``card_gib``; pure (tests check it as strings)."""
     env = os.environ if env is None else env
-    if len(gpus) < 2:
-        raise TopologyError(
-            f"train.vllm_mode=server needs at least 2 GPUs in the allocation (1 vLLM server + >= 1 trainer); "
-            f"this job sees {len(gpus)} ({'CUDA_VISIBLE_DEVICES=' + ','.join(gpus) if gpus else 'none'}). "
-            "On one GPU use train.vllm_mode=colocate (or auto); for a server ask for more: "
-            "hydra.launcher.gpus_per_node=N (or MUSIQUE_RL_SLURM_GPUS_PER_NODE)."
-        )
-    from trl.scripts.vllm_serve import ScriptArguments, build_command
-
+    mode = mode or resolve_vllm_mode(cfg, gpus=gpus, env={k: v for k, v in env.items() if k != ROLE_ENV})
+    accelerate_config = Path(env.get("MUSIQUE_RL_ACCELERATE_CONFIG", str(DEFAULT_ACCELERATE_CONFIG)))
+    lay = layout(cfg, len(gpus), mode, card_gib=card_gib, accelerate_config=accelerate_config, env=env)
+    notes = []
+    if lay.trainer_processes > 1 and not accelerate_config.exists():
+        notes.append(f"accelerate config {accelerate_config} does not exist (MUSIQUE_RL_ACCELERATE_CONFIG)")
+    kept = [o for o in overrides if o.lstrip("+~").split("=", 1)[0] not in _TRAINER_KEYS]
     t = cfg.train
     host = str(t.vllm_server_host)
+    if mode == "colocate":
+        launch = (["python", "-m", "musique_rl"] if lay.trainer_processes == 1 else
+                  ["accelerate", "launch", "--config_file", str(accelerate_config), "--num_processes",
+                   str(lay.trainer_processes), "--main_process_port", str(free_port()), "-m", "musique_rl"])
+        return Topology(server_cmd=[], server_env={},
+                        trainer_cmd=[*launch, *kept, "train.vllm_mode=colocate", f"hydra.run.dir={job_dir}"],
+                        trainer_env={"CUDA_VISIBLE_DEVICES": ",".join(gpus), ROLE_ENV: "trainer"},
+                        health_url="", job_dir=job_dir, notes=notes, layout=lay)
+    from trl.scripts.vllm_serve import ScriptArguments, build_command
+
     port = int(t.vllm_server_port) if t.vllm_server_port is not None else free_port(host)
     group_port = int(t.vllm_group_port) if t.vllm_group_port is not None else free_port(host)
     while group_port == port:  # the two are chosen independently: never the same one
@@ -124,26 +320,21 @@ def plan(cfg: Any, *, gpus: list[str], job_dir: Path, overrides: list[str],
     main_port = free_port()
     while main_port in (port, group_port):
         main_port = free_port()
-    dtype = str(cfg.model.dtype)
     max_len = env.get("MUSIQUE_RL_VLLM_MAX_MODEL_LEN")
     args = ScriptArguments(
         model=str(cfg.model.name_or_path),
         host=host,
         port=port,
-        tensor_parallel_size=1,  # one GPU for generation: the seeds' topology
-        data_parallel_size=1,
-        gpu_memory_utilization=float(env.get("MUSIQUE_RL_VLLM_GPU_MEMORY_UTILIZATION", "0.9")),
-        dtype=dtype,
-        max_model_len=int(max_len) if max_len else None,
+        tensor_parallel_size=1,  # the 7B/8B configs fit one GPU: spare GPUs add replicas
+        data_parallel_size=lay.vllm_gpus,
+        gpu_memory_utilization=float(env.get("MUSIQUE_RL_VLLM_GPU_MEMORY_UTILIZATION", SERVER_GPU_MEMORY_UTILIZATION)),
+        dtype=str(cfg.model.dtype),
+        # the longest request a turn sends fits (trainer.vllm_context_length); layout refused a smaller override
+        max_model_len=int(max_len) if max_len else lay.max_model_len,
     )
     server_cmd = build_command(args)
     server_cmd[0] = "python"  # the job's interpreter at run time; a stable string for the plan
-    accelerate_config = Path(env.get("MUSIQUE_RL_ACCELERATE_CONFIG", str(DEFAULT_ACCELERATE_CONFIG)))
-    notes = []
-    if not accelerate_config.exists():
-        notes.append(f"accelerate config {accelerate_config} does not exist (MUSIQUE_RL_ACCELERATE_CONFIG)")
-    trainer_gpus = gpus[1:]
-    kept = [o for o in overrides if o.lstrip("+~").split("=", 1)[0] not in _TRAINER_KEYS]
+    trainer_gpus = gpus[lay.vllm_gpus:]
     trainer_cmd = [
         "accelerate", "launch",
         "--config_file", str(accelerate_config),
@@ -159,13 +350,41 @@ def plan(cfg: Any, *, gpus: list[str], job_dir: Path, overrides: list[str],
     return Topology(
         server_cmd=server_cmd,
         # TRL's trainer pushes weights through vLLM's dev-mode endpoints (trl vllm-serve sets this too)
-        server_env={"CUDA_VISIBLE_DEVICES": gpus[0], "VLLM_SERVER_DEV_MODE": "1"},
+        server_env={"CUDA_VISIBLE_DEVICES": ",".join(gpus[: lay.vllm_gpus]), "VLLM_SERVER_DEV_MODE": "1"},
         trainer_cmd=trainer_cmd,
         trainer_env={"CUDA_VISIBLE_DEVICES": ",".join(trainer_gpus), ROLE_ENV: "trainer"},
         health_url=f"http://{host}:{port}/health",
         job_dir=job_dir,
         notes=notes,
+        layout=lay,
     )
+
+
+def card_gib() -> float | None:
+    """GiB of this machine's first GPU (None without CUDA)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_properties(0).total_memory / 2**30
+
+
+def preflight(cfg: Any, processes: int) -> None:
+    """In each training process, before the model loads: the attention implementation can be met,
+    the batch splits over ``processes``, and
+    on a GPU in colocate mode vLLM's share and the training peak fit the card (``layout``), so a
+    job launched by hand fails in a second with the nearest valid settings, not after loading."""
+    from musique_rl.core.models import resolve_attention
+    from musique_rl.core.trainer import batch_layout
+
+    if str(cfg.model.name_or_path) != "tiny":
+        resolve_attention(str(cfg.model.attn_implementation))  # flash-attn asked for and absent: fail now
+    batch_layout(cfg, processes)
+    if str(cfg.train.backend) != "vllm" or resolve_vllm_mode(cfg) != "colocate":
+        return
+    # launched: accelerate says whether these processes run ZeRO-3 (whatever config file launched them)
+    zero3 = os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE") == "3"
+    layout(cfg, processes, "colocate", card_gib=card_gib(), accelerate_config=DEFAULT_ACCELERATE_CONFIG, zero3=zero3)
 
 
 def _healthy(url: str) -> bool:
@@ -216,8 +435,14 @@ def execute(topo: Topology, *, health_timeout_s: float | None = None, poll_s: fl
     """Start the server, wait for health, run the trainer, always stop the server. Trainer's exit code."""
     if topo.notes:
         raise TopologyError("; ".join(topo.notes))
-    timeout = health_timeout_s or float(os.environ.get("MUSIQUE_RL_VLLM_HEALTH_TIMEOUT_S", "900"))
     topo.job_dir.mkdir(parents=True, exist_ok=True)
+    if not topo.server_cmd:  # colocate: the trainer processes hold their engines
+        trainer = subprocess.Popen(topo.trainer_cmd, env={**os.environ, **topo.trainer_env}, start_new_session=True)
+        try:
+            return trainer.wait()
+        finally:
+            stop(trainer)
+    timeout = health_timeout_s or float(os.environ.get("MUSIQUE_RL_VLLM_HEALTH_TIMEOUT_S", "900"))
     log_path = topo.job_dir / "vllm_server.log"
     server_cmd = [sys.executable, *topo.server_cmd[1:]] if topo.server_cmd[0] == "python" else topo.server_cmd
     with open(log_path, "ab") as log:
@@ -240,15 +465,23 @@ def run(cfg: Any) -> None:
     from hydra.core.hydra_config import HydraConfig
 
     hc = HydraConfig.get()
-    topo = plan(cfg, gpus=visible_gpus(), job_dir=Path(hc.runtime.output_dir), overrides=list(hc.overrides.task))
+    topo = plan(cfg, gpus=visible_gpus(), job_dir=Path(hc.runtime.output_dir), overrides=list(hc.overrides.task),
+                card_gib=card_gib())
+    for line in topo.layout.lines():
+        print(line, flush=True)
     code = execute(topo)
     if code != 0:
         raise TopologyError(f"trainer exited with code {code}: {shlex.join(topo.trainer_cmd)}")
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m musique_rl.gpu_job", description="Print a GPU job's commands (dry run).")
+    ap = argparse.ArgumentParser(prog="python -m musique_rl.gpu_job",
+                                 description="Check and print a GPU job's layout and commands (dry run, no GPU needed).")
     ap.add_argument("--gpus", type=int, default=4, help="GPUs in the allocation")
+    ap.add_argument("--mode", choices=("auto", "server", "colocate"), default=None,
+                    help="train.vllm_mode (default: the config's; auto = colocate on 1 GPU, server on 2 or more)")
+    ap.add_argument("--gpu-memory-gib", type=float, default=H100_GIB,
+                    help=f"memory of each GPU in GiB (default {H100_GIB}: an H100 80 GB); 0 = do not check memory")
     ap.add_argument("--job-dir", type=Path, default=Path("outputs/gpu_job"))
     ap.add_argument("overrides", nargs="*", help="Hydra overrides of the job (train.backend=vllm is implied)")
     args = ap.parse_args(argv)
@@ -259,13 +492,15 @@ def main(argv: list[str] | None = None) -> int:
     overrides = list(args.overrides)
     if not any(o.startswith("train.backend=") for o in overrides):
         overrides.append("train.backend=vllm")
-    if not any(o.startswith("train.vllm_mode=") for o in overrides):
-        overrides.append("train.vllm_mode=server")
+    if args.mode is not None:
+        overrides = [o for o in overrides if not o.startswith("train.vllm_mode=")] + [f"train.vllm_mode={args.mode}"]
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose("train", overrides=overrides)
+    gpus = [str(i) for i in range(args.gpus)]
     try:
-        topo = plan(cfg, gpus=[str(i) for i in range(args.gpus)], job_dir=args.job_dir, overrides=overrides)
-    except TopologyError as exc:
+        topo = plan(cfg, gpus=gpus, job_dir=args.job_dir, overrides=overrides, env={**os.environ, "WORLD_SIZE": "1"},
+                    card_gib=args.gpu_memory_gib or None)
+    except (TopologyError, ValueError) as exc:
         print(f"gpu_job: {exc}", file=sys.stderr)
         return 2
     print(topo.shell())

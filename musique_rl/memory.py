@@ -34,17 +34,18 @@ from musique_rl.schema import CONF_DIR
 
 # The hub config.json values of each large model config (conf/model/*.yaml), enough to build the
 # same tensors: a random-init copy has the real model's memory footprint without a download.
+# max_positions: the context length vLLM accepts for it (gpu_job's context check).
 ARCHITECTURES: dict[str, dict[str, Any]] = {
     "qwen2.5-7b-instruct": dict(family="qwen2", hidden=3584, intermediate=18944, layers=28, heads=28, kv_heads=4,
-                                head_dim=128, vocab=152064, tie=False, rope_theta=1e6),
+                                head_dim=128, vocab=152064, tie=False, rope_theta=1e6, max_positions=32768),
     "qwen2.5-3b-instruct": dict(family="qwen2", hidden=2048, intermediate=11008, layers=36, heads=16, kv_heads=2,
-                                head_dim=128, vocab=151936, tie=True, rope_theta=1e6),
+                                head_dim=128, vocab=151936, tie=True, rope_theta=1e6, max_positions=32768),
     "llama3.1-8b-instruct": dict(family="llama", hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8,
-                                 head_dim=128, vocab=128256, tie=False, rope_theta=5e5),
+                                 head_dim=128, vocab=128256, tie=False, rope_theta=5e5, max_positions=131072),
     "qwen3-8b": dict(family="qwen3", hidden=4096, intermediate=12288, layers=36, heads=32, kv_heads=8,
-                     head_dim=128, vocab=151936, tie=False, rope_theta=1e6),
+                     head_dim=128, vocab=151936, tie=False, rope_theta=1e6, max_positions=40960),
     "qwen3-4b": dict(family="qwen3", hidden=2560, intermediate=9728, layers=36, heads=32, kv_heads=8,
-                     head_dim=128, vocab=151936, tie=True, rope_theta=1e6),
+                     head_dim=128, vocab=151936, tie=True, rope_theta=1e6, max_positions=40960),
 }
 # A few-thousand-parameter stand-in with the same code path (CPU tests of the builder and the probe).
 MINI = dict(family="qwen2", hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2, head_dim=16, vocab=2048,
@@ -138,18 +139,56 @@ FIT = Fit()
 
 
 def estimate_gb(arch: dict[str, Any], micro: int, tokens: int, lora_r: int = 16, checkpointing: bool = True,
-                fit: Fit = FIT) -> float:
-    """Peak GB of one micro-batch's forward/backward + AdamW step, LoRA ``lora_r`` on a bf16 base:
+                fit: Fit = FIT, shards: int = 1) -> float:
+    """Peak GiB of one micro-batch's forward/backward + AdamW step, LoRA ``lora_r`` on a bf16 base:
     2 bytes x parameters + 16 bytes x LoRA parameters (fp32 weight, grad, two Adam moments)
-    + micro x tokens x activations (``Fit``)."""
+    + micro x tokens x activations (``Fit``).
+
+    ``lora_r=0`` is full fine-tuning (never measured here): 8 bytes a parameter on one process (bf16
+    weight, grad and two AdamW moments in the parameter's dtype), 16 under ZeRO-3 (DeepSpeed keeps
+    fp32 master weights and moments). ``shards`` > 1 is ZeRO-3 over that many processes: every
+    parameter-sized term is partitioned, activations are not (the layer ZeRO-3 gathers for a
+    forward is not counted)."""
     p = params(arch)
-    weights = 2 * p["total"] + 16 * p["lora_per_rank"] * lora_r
+    if lora_r > 0:
+        weights = 2 * p["total"] + 16 * p["lora_per_rank"] * lora_r
+    else:
+        weights = (16 if shards > 1 else 8) * p["total"]
+    weights /= max(1, shards)
     h, i, L = arch["hidden"], arch["intermediate"], arch["layers"]
     if checkpointing:
         per_token = fit.ckpt * L * h + fit.layer * (h + i)
     else:
         per_token = fit.layer * L * (h + i)
     return (weights + micro * tokens * per_token) / GIB
+
+
+def weights_gb(arch: dict[str, Any]) -> float:
+    """GiB of the bf16 weights (what one vLLM engine loads before its KV cache)."""
+    return 2 * params(arch)["total"] / GIB
+
+
+def architecture(name_or_path: str) -> dict[str, Any] | None:
+    """``ARCHITECTURES``' numbers for a model config's hub id (conf/model/*.yaml), or a local model
+    directory's config.json; None when neither says (the memory plan then names what it skipped)."""
+    import json as _json
+    from pathlib import Path
+
+    local = Path(name_or_path) / "config.json"
+    if local.is_file():
+        c = _json.loads(local.read_text())
+        text = c.get("text_config", c)
+        heads = int(text["num_attention_heads"])
+        return dict(family=str(text.get("model_type", "")), hidden=int(text["hidden_size"]),
+                    intermediate=int(text["intermediate_size"]), layers=int(text["num_hidden_layers"]), heads=heads,
+                    kv_heads=int(text.get("num_key_value_heads") or heads),
+                    head_dim=int(text.get("head_dim") or int(text["hidden_size"]) // heads),
+                    vocab=int(text["vocab_size"]), tie=bool(text.get("tie_word_embeddings", False)),
+                    max_positions=text.get("max_position_embeddings"))
+    for path in sorted((CONF_DIR / "model").glob("*.yaml")):
+        if path.stem in ARCHITECTURES and f"name_or_path: {name_or_path}\n" in path.read_text():
+            return ARCHITECTURES[path.stem]
+    return None
 
 
 # ---------------------------------------------------------------- the measurement

@@ -61,7 +61,7 @@ class ScaleRewards(StrEnum):  # TRL 1.16 GRPOConfig.scale_rewards
 
 
 class ImportanceSampling(StrEnum):  # TRL 1.16 GRPOConfig.vllm_importance_sampling_mode, plus auto and off
-    auto = "auto"  # TRL's default on the vLLM backend (sequence_mask); off on the HF backend
+    auto = "auto"  # token_truncate on the vLLM backend (not TRL's sequence_mask: core/trainer.py); off on HF
     off = "off"  # no correction
     sequence_mask = "sequence_mask"  # one ratio a sequence; outside [clip_min, clip_max] -> weight 0
     sequence_truncate = "sequence_truncate"  # one ratio a sequence, clamped to the bounds
@@ -140,7 +140,8 @@ class TinyModelConfig:
 class ModelConfig:
     name_or_path: str = MISSING  # hub id, local dir, or "tiny" (built locally)
     dtype: Dtype = Dtype.auto  # auto: bf16 where the hardware supports it, else fp32
-    attn_implementation: str = "sdpa"
+    # auto | sdpa | eager | flash_attention_2 | flash_attention_3 (transformers names; core/models.resolve_attention)
+    attn_implementation: str = "auto"
     tool_call_format: ToolCallFormat = ToolCallFormat.hermes
     learning_rate: float = MISSING  # recommended LR for this model (loss.learning_rate reads it)
     tiny: Optional[TinyModelConfig] = None
@@ -255,9 +256,11 @@ class TrainSettings:
     mask_env_tokens: bool = True  # tool results and template tokens out of loss and KL (h02)
     # TRL's correction for a sampler whose log-probs differ from the trainer's: each sequence's (or
     # token's) loss is weighted by exp(trainer logp - sampler logp), masked or clamped outside the
-    # bounds. auto = TRL's own default: on (sequence_mask, clip_max 3) with vLLM, off with the HF
-    # sampler, which is the trained model itself. A mode name applies it on either backend (the case
-    # study replays the seeds' vLLM runs on CPU this way: docs/case_study/case_study.md).
+    # bounds. auto = on with vLLM as token_truncate (clip_max 3), not TRL's sequence_mask, which drops
+    # about a third of 4096-token sequences under ordinary bf16 noise (core/trainer.py
+    # AUTO_IMPORTANCE_SAMPLING); off with the HF sampler, which is the trained model itself. A mode
+    # name applies it on either backend (the case study replays the seeds' vLLM runs on CPU this
+    # way: docs/case_study/case_study.md). h06/is_* report what it did each step.
     importance_sampling: ImportanceSampling = ImportanceSampling.auto
     importance_sampling_clip_max: Optional[float] = 3.0  # TRL's vllm_importance_sampling_clip_max
     importance_sampling_clip_min: Optional[float] = None  # TRL's vllm_importance_sampling_clip_min

@@ -64,11 +64,18 @@ def held_out_eval(
     """Mean reward components and total over one episode per held-out record.
 
     Always scored on the LAST assistant turn (the fault first_turn_reward only misleads training).
+    Every process of the job takes part (``devices.shard_and_gather``): each generates its share of
+    the records and all get every episode back, so no rank waits in a collective while one
+    evaluates. ``model``: a model, or a source of one (``generation.trainer_model_source``: ZeRO-3
+    shards gathered on every rank). Greedy figures do not depend on the process count; sampled ones
+    draw from each process's random stream, so they match a one-process run in distribution.
     """
+    from musique_rl.core.devices import shard_and_gather
     from musique_rl.core.rollout import run_model_episodes
     from musique_rl.env import rewards
 
-    episodes = run_model_episodes(cfg, records, model=model, tokenizer=tokenizer, retriever=retriever, greedy=greedy)
+    episodes = shard_and_gather(records, lambda part: run_model_episodes(
+        cfg, part, model=model, tokenizer=tokenizer, retriever=retriever, greedy=greedy))
     comps = [rewards.score_episode(r, e["messages"]) for r, e in zip(records, episodes, strict=True)]
     totals = [rewards.total(c, rewards.n_hops(r), cfg.reward) for c, r in zip(comps, records, strict=True)]
     out = {k: float(np.mean([c[k] for c in comps])) for k in rewards.COMPONENTS}
@@ -188,6 +195,7 @@ def train(cfg: Any, run_dir: str | Path | None = None, callbacks: list | None = 
     from musique_rl import tracking
     from musique_rl.core import faults
     from musique_rl.core.devices import place
+    from musique_rl.core.generation import trainer_model_source
     from musique_rl.core.models import load_model, process_state
     from musique_rl.core.trainer import build_trainer, last_checkpoint
     from musique_rl.core.warm_start import ensure, provenance
@@ -200,6 +208,9 @@ def train(cfg: Any, run_dir: str | Path | None = None, callbacks: list | None = 
     _quiet_library_deprecations()
     logging.getLogger("bm25s").setLevel(logging.WARNING)  # one DEBUG line per indexed record otherwise
     state = process_state()
+    from musique_rl.gpu_job import preflight
+
+    preflight(cfg, int(state.num_processes))  # batch split and colocate memory, before anything loads
     out_dir = run_directory(run_dir)
     transformers.set_seed(int(cfg.seed))
     if str(cfg.model.name_or_path) == "tiny":
@@ -223,12 +234,14 @@ def train(cfg: Any, run_dir: str | Path | None = None, callbacks: list | None = 
     eval_rng: list = []  # the random state the held-out evaluations replay (same_random_numbers)
 
     def evaluate(tag: str, policy_model: Any) -> tuple[dict, dict]:
-        if not eval_records or not state.is_main_process:
+        if not eval_records:
             return {}, {}
         t = time.time()
         with same_random_numbers(eval_rng):
             sampled, eps = held_out_eval(cfg, policy_model, tokenizer, retriever, eval_records, greedy=False)
         greedy, _ = held_out_eval(cfg, policy_model, tokenizer, retriever, eval_records, greedy=True)
+        if not state.is_main_process:
+            return sampled, greedy
         with (out_dir / f"episodes_{tag}.jsonl").open("w") as f:
             for e in eps:
                 f.write(json.dumps(e, default=str) + "\n")
@@ -268,8 +281,7 @@ def train(cfg: Any, run_dir: str | Path | None = None, callbacks: list | None = 
     trainer.add_callback(StepLog(out_dir / "metrics.jsonl", full=str(cfg.train.console) == "full",
                                  warmup_steps=int(cfg.loss.warmup_steps)))
     trainer.train(resume_from_checkpoint=resume)
-    trained = trainer.accelerator.unwrap_model(trainer.model)
-    after, after_g = evaluate("after", trained)
+    after, after_g = evaluate("after", trainer_model_source(trainer))  # every rank gathers ZeRO-3 shards
 
     summary = summarise(reward_curve(trainer.state.log_history), before, after, before_g, after_g)
     summary["time/seconds"] = round(time.time() - t0, 1)

@@ -289,7 +289,9 @@ def test_vllm_modes_reach_grpo_config(tiny_cfg, tmp_path, monkeypatch):
     cfg = _cfg(tiny_cfg, {"train.backend": "vllm", "train.vllm_gpu_memory_utilization": 0.45})
     args = trainer_mod.grpo_config(cfg, tmp_path)
     assert args.use_vllm and args.vllm_mode == "colocate" and args.vllm_gpu_memory_utilization == 0.45
-    assert args.vllm_max_model_length == cfg.env.max_prompt_tokens + cfg.env.max_completion_tokens
+    # the longest request a turn sends: prompt + completion so far + that turn's max_tokens
+    assert args.vllm_max_model_length == cfg.env.max_prompt_tokens + cfg.env.max_completion_tokens + 48
+    assert args.vllm_max_model_length == trainer_mod.vllm_context_length(cfg)
     OmegaConf.update(cfg, "train.vllm_mode", "server")
     with pytest.raises(ValueError, match="train.vllm_server_port"):
         trainer_mod.grpo_config(cfg, tmp_path)

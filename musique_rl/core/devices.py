@@ -61,3 +61,28 @@ def resolve_vllm_mode(cfg: Any, gpus: list[str] | None = None, env: dict[str, st
     if int(env.get("WORLD_SIZE", "1") or 1) > 1:
         return "colocate"  # one of several launched processes: each runs its own engine on its GPU
     return "server" if len(visible_gpus(env) if gpus is None else gpus) >= 2 else "colocate"
+
+
+def shard_and_gather(items: list, run: Any, state: Any = None) -> list:
+    """``run(part)`` over ``items`` split across the job's processes (process i of n takes items
+    i, i + n, ...), every result back on every process in the items' order. Every process must call
+    it (it ends in a collective): a held-out evaluation on rank 0 alone left the other ranks waiting
+    in their next collective for as long as it took (past the collective timeout on a slow model),
+    and under ZeRO-3 rank 0's forward passes would wait for ranks that never join. Split, each rank
+    works 1/n of the time and they meet at the gather. ``run`` must return one result per item,
+    and must itself enter any collective it needs (a ZeRO-3 gather) even for an empty part."""
+    if state is None:
+        from musique_rl.core.models import process_state
+
+        state = process_state()
+    n, rank = int(state.num_processes), int(state.process_index)
+    if n == 1:
+        return list(run(list(items)))
+    from accelerate.utils import gather_object
+
+    mine = list(run(list(items[rank::n])))
+    parts = gather_object([mine])  # one list per process, in rank order
+    out: list = [None] * len(items)
+    for r, part in enumerate(parts):
+        out[r::n] = part
+    return out

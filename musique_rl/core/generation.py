@@ -378,7 +378,7 @@ def build_generator(
         if frozen:
             source = trainer.accelerator.unwrap_model(trainer.model)
             return in_process(frozen_copy(source), tokenizer, settings)
-        return in_process(_trainer_model_source(trainer), tokenizer, settings)
+        return in_process(trainer_model_source(trainer), tokenizer, settings)
     if model is None:
         raise ValueError("build_generator needs a model or a trainer")
     return in_process(frozen_copy(model) if frozen else model, tokenizer, settings)
@@ -397,7 +397,11 @@ def frozen_copy(model: Any) -> Any:
     return copy_
 
 
-def _trainer_model_source(trainer: Any) -> Callable[[], Any]:
+def trainer_model_source(trainer: Any) -> Callable[[], Any]:
+    """The trained model for generation, as a context (TRL's ``unwrap_model_for_generation``: the
+    DDP/DeepSpeed wrapper removed, ZeRO-3 shards gathered on every process that enters it, so each
+    process then generates alone). Rollouts and the held-out evaluation after training use it."""
+
     def source():
         from trl.models import unwrap_model_for_generation
 

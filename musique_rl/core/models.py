@@ -46,6 +46,34 @@ def resolve_dtype(model_cfg: Any) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
+FLASH_ATTN_INSTALL = "pip install flash-attn --no-build-isolation (a CUDA machine; the wheel must match its torch)"
+
+
+def resolve_attention(name: str, cuda: bool | None = None) -> str:
+    """``model.attn_implementation`` as transformers takes it. ``auto``: flash_attention_2 where
+    transformers can use it (``is_flash_attn_2_available``: the flash-attn package on a CUDA device),
+    else sdpa (PyTorch's fused attention, on CPUs too), said in the log. An explicit flash-attention
+    choice this machine cannot meet fails here, naming the package, before any weights load
+    (transformers would raise only inside ``from_pretrained``)."""
+    from transformers.utils import is_flash_attn_2_available, is_flash_attn_3_available
+
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    if name == "auto":
+        chosen = "flash_attention_2" if cuda and is_flash_attn_2_available() else "sdpa"
+        why = "flash-attn installed" if chosen != "sdpa" else ("no CUDA device" if not cuda else "flash-attn not installed")
+        log.info("model.attn_implementation=auto: %s (%s)", chosen, why)
+        return chosen
+    available = {"flash_attention_2": is_flash_attn_2_available, "flash_attention_3": is_flash_attn_3_available}
+    if name in available and not (cuda and available[name]()):
+        package = "flash-attn" if name == "flash_attention_2" else "flash-attn 3 (flash_attn_interface)"
+        raise ImportError(
+            f"model.attn_implementation={name} needs the {package} package on a CUDA machine; this one has "
+            f"{'no CUDA device' if not cuda else 'no ' + package}. Use model.attn_implementation=auto (or sdpa), "
+            f"or install it: {FLASH_ATTN_INSTALL}"
+        )
+    return name
+
+
 def load_model(cfg: Any, warm_start: Any = None) -> tuple[Any, Any]:
     """(model, tokenizer) for ``cfg.model``. The tiny model's warm start must exist (shipped, or built by
     ``musique_rl.core.warm_start.ensure``, which jobs call first and whose result they pass as
@@ -65,10 +93,11 @@ def load_model(cfg: Any, warm_start: Any = None) -> tuple[Any, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dtype = resolve_dtype(cfg.model)
+    attention = resolve_attention(str(cfg.model.attn_implementation))
     try:
         tokenizer = AutoTokenizer.from_pretrained(name)
         model = AutoModelForCausalLM.from_pretrained(
-            name, dtype=dtype, attn_implementation=str(cfg.model.attn_implementation)
+            name, dtype=dtype, attn_implementation=attention
         )
     except OSError as e:
         raise RuntimeError(

@@ -40,6 +40,7 @@ from trl import GRPOTrainer
 
 from musique_rl.core import faults
 from musique_rl.core.generation import HFGenerator, build_generator, frozen_copy, sampling_settings
+from musique_rl.core.importance import importance_metrics
 from musique_rl.core.rollout import RolloutEngine
 
 log = logging.getLogger(__name__)
@@ -102,13 +103,26 @@ def blind_attention(attention_mask: torch.Tensor, width: int, tool_mask: torch.T
     return torch.cat([torch.zeros_like(attention_mask[:, :-width]), completion], dim=1)
 
 
+# ``train.importance_sampling=auto`` with vLLM. Not TRL's default sequence_mask: one ratio per
+# sequence multiplies the per-token ratios of thousands of tokens, so ordinary bf16 noise between
+# sampler and trainer (0.036 nats/token mean on an H100, 7B shape) puts a 4096-token sequence's ratio
+# above clip_max 3 for 35% of sequences, which sequence_mask then drops (ESS 0.26);
+# sequence_truncate drops none but weights most near 0 (ESS 0.56). Per-token ratios stay near 1:
+# token_truncate drops nothing at any length (ESS 1.00) and still clamps a token the sampler
+# over-weighted. Measured by benchmarks/bench_importance_sampling.py (README, vLLM section).
+AUTO_IMPORTANCE_SAMPLING = "token_truncate"
+
+
 def importance_sampling_settings(cfg: Any) -> dict[str, Any]:
-    """GRPOConfig's importance-sampling fields from ``train.importance_sampling`` (schema.py):
-    auto keeps TRL's defaults (on with vLLM, where TRL applies it; nothing on the HF backend)."""
+    """GRPOConfig's importance-sampling fields from ``train.importance_sampling`` (schema.py): auto
+    is ``AUTO_IMPORTANCE_SAMPLING`` with vLLM (TRL applies it there) and nothing on the HF backend,
+    whose sampler is the trained model itself."""
     t = cfg.train
     mode = str(t.importance_sampling)
     if mode == "auto":
-        return {}
+        if str(t.backend) != "vllm":
+            return {}
+        mode = AUTO_IMPORTANCE_SAMPLING
     if mode == "off":
         return {"vllm_importance_sampling_correction": False}
     return {
@@ -222,6 +236,7 @@ class MusiqueGRPOTrainer(GRPOTrainer):
             advantages = group_advantages(rewards, num_generations, str(self.scale_rewards), self._adv_epsilon)
             output["advantages"] = advantages[local].to(output["advantages"].device)
         self._last_rewards = rewards
+        self._observe_importance_sampling(output)
         if self.instruments is not None:
             width = output["completion_ids"].shape[1]
             output["token_sources"] = self._token_sources(width).to(output["completion_ids"].device)
@@ -231,6 +246,19 @@ class MusiqueGRPOTrainer(GRPOTrainer):
             # its baseline too.
             self._parity_probe()
         return output
+
+    def _observe_importance_sampling(self, output: dict) -> None:
+        """``h06/is_*`` (core/importance.py): what TRL's correction did to this process's batch,
+        logged whenever it is on, diagnostics or not (it can silently drop most long episodes)."""
+        if not (self.vllm_importance_sampling_correction and (self.use_vllm or self._hf_is)):
+            return
+        if "old_per_token_logps" not in output or "sampling_per_token_logps" not in output:
+            return
+        mask = output["completion_mask"] * output["tool_mask"] if "tool_mask" in output else output["completion_mask"]
+        self.merge_metrics(importance_metrics(
+            output["old_per_token_logps"].detach().float().cpu(), output["sampling_per_token_logps"].float().cpu(),
+            mask.cpu(), str(self.vllm_importance_sampling_mode), self.vllm_importance_sampling_clip_min,
+            self.vllm_importance_sampling_clip_max))
 
     def _token_sources(self, width: int) -> torch.Tensor:
         """(N, width) diagnostics.Source codes of this process's completion tokens (PAD after)."""
@@ -379,27 +407,61 @@ def batch_layout(cfg: Any, world: int) -> tuple[int, int]:
     normalises per micro-batch by definition (tests/test_trainer.py).
     """
     t = cfg.train
-    batch = int(t.prompts_per_step) * int(t.num_generations)
-    if batch % world:
+    P, G = int(t.prompts_per_step), int(t.num_generations)
+    if P % world:  # each process must hold whole groups: P x G episodes over `world` = P / world groups each
         raise ValueError(
-            f"train.prompts_per_step x train.num_generations = {batch} completions per step cannot be split "
-            f"over {world} processes"
+            f"train.prompts_per_step x train.num_generations = {P} x {G} = {P * G} episodes per step cannot be split "
+            f"into whole groups over {world} trainer processes (train.prompts_per_step must be a multiple of "
+            f"{world}). Nearest valid: {'; '.join(nearest_batch_settings(cfg, world))}"
         )
-    if (batch // world) % int(t.num_generations):
-        raise ValueError(
-            f"each of the {world} processes must hold whole groups: train.prompts_per_step={t.prompts_per_step} "
-            f"must be a multiple of the process count"
-        )
-    local = batch // world
+    local = P * G // world
     # At most micro_batch_size episodes per pass: a model config's default (conf/model) may exceed a
     # small batch, which then runs in one pass.
     micro = local if t.micro_batch_size is None else min(int(t.micro_batch_size), local)
     if micro < 1 or local % micro:
         raise ValueError(
             f"train.micro_batch_size={t.micro_batch_size}: must be >= 1 and divide the {local} episodes each of the "
-            f"{world} process(es) trains per step (train.prompts_per_step x train.num_generations / processes)"
+            f"{world} process(es) trains per step (train.prompts_per_step x train.num_generations / processes). "
+            f"Nearest valid: {'; '.join(nearest_batch_settings(cfg, world))}"
         )
     return micro, local // micro
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def nearest_batch_settings(cfg: Any, world: int) -> list[str]:
+    """Settings closest to ``cfg``'s that ``batch_layout`` accepts on ``world`` processes, as config
+    overrides (what an error proposes): the nearest multiples of ``world`` for
+    ``train.prompts_per_step``, a ``train.micro_batch_size`` that divides each process's episodes,
+    and the process counts that divide the batch as it is."""
+    t = cfg.train
+    P, G = int(t.prompts_per_step), int(t.num_generations)
+    mb = None if t.micro_batch_size is None else int(t.micro_batch_size)
+    out = []
+    below, above = P // world * world, -(-P // world) * world
+    for p in dict.fromkeys(x for x in (P, below, above) if x >= world):
+        local = p * G // world
+        parts = [] if p == P else [f"train.prompts_per_step={p}"]
+        if p % world == 0:
+            if mb is not None and (mb < 1 or local % min(mb, local)):
+                parts.append(f"train.micro_batch_size={max(d for d in _divisors(local) if d <= max(mb, 1))}")
+            if parts:
+                out.append(" ".join(parts) + f" ({p * G // world} episodes per process)")
+    fits = [n for n in _divisors(P) if n <= max(world, 8)]
+    out.append(f"or {' / '.join(map(str, fits))} trainer processes with train.prompts_per_step={P}")
+    return out
+
+
+def vllm_context_length(cfg: Any) -> int:
+    """vLLM's ``max_model_len`` for this env: every request a turn sends must fit it. A turn sends ONE
+    ``max_tokens`` (the largest of its live episodes' remaining budgets, <= env.max_tokens_per_turn)
+    for every context, and a context holds up to the prompt plus the episode's completion so far, so
+    the longest context plus that max_tokens stays within prompt + completion + one turn's budget."""
+    env = cfg.env
+    turn = min(int(env.max_tokens_per_turn), int(env.max_completion_tokens))
+    return int(env.max_prompt_tokens) + int(env.max_completion_tokens) + turn
 
 
 def grpo_config(cfg: Any, output_dir: str | Path) -> Any:
@@ -464,7 +526,7 @@ def vllm_settings(cfg: Any) -> dict[str, Any]:
     """GRPOConfig's vLLM fields for ``train.backend=vllm`` (TRL's names).
 
     colocate: vLLM in this process on its GPU, ``train.vllm_gpu_memory_utilization`` of it, context
-    length = the env's prompt + completion budgets (TRL picks a free rendezvous port itself).
+    length ``vllm_context_length`` (TRL picks a free rendezvous port itself).
     server: the server this job's topology started (musique_rl/gpu_job.py passes its ports), or
     one the user runs: ``train.vllm_server_port`` must then be set. The NCCL weight-sync port is
     ``train.vllm_group_port``, else a free one chosen now, so two jobs on one node do not collide.
@@ -480,7 +542,7 @@ def vllm_settings(cfg: Any) -> dict[str, Any]:
         return {
             "vllm_mode": "colocate",
             "vllm_gpu_memory_utilization": util,
-            "vllm_max_model_length": int(cfg.env.max_prompt_tokens) + int(cfg.env.max_completion_tokens),
+            "vllm_max_model_length": vllm_context_length(cfg),
             "vllm_tensor_parallel_size": 1,
         }
     if t.vllm_server_port is None:

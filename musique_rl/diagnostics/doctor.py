@@ -356,6 +356,31 @@ def _h06(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
     return out
 
 
+@rule("h06/is_masked_seq_share")
+def _h06_importance_sampling_masks(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
+    """TRL's importance-sampling correction giving whole sequences zero weight (h06/is_* from
+    core/importance.py). Threshold: a median of 20% of a step's sequences masked. Why 20%: with
+    sequence_mask (clip 3) ordinary bf16 noise between sampler and trainer masks 25-39% of sequences
+    of 1,024-8,192 loss tokens (benchmarks/bench_importance_sampling.py), so a share above this is
+    the correction, not a rare off-policy sample, deciding which episodes train: the long ones drop
+    out and the reward can stay flat while every other instrument looks sane. token_truncate, the
+    vLLM default (train.importance_sampling=auto), masks none."""
+    limit = 0.2
+    masked = statistics.median(values(m.get("h06/is_masked_seq_share")))
+    ev = {"h06/is_masked_seq_share (median)": masked}
+    for key in ("h06/is_masked_token_share", "h06/is_ess"):
+        if values(m.get(key)):
+            ev[f"{key} (median)"] = statistics.median(values(m.get(key)))
+    mode = params.get("train.importance_sampling", "the configured mode")
+    ess = f", effective sample size {ev['h06/is_ess (median)']:.2f}" if "h06/is_ess (median)" in ev else ""
+    return judged("h06", "importance_sampling_masks_sequences", masked > limit, 1.5 + magnitude(masked / limit), ev,
+                  f"TRL's importance-sampling correction ({mode}) gives {masked:.0%} of each step's sequences zero "
+                  f"weight (median; threshold {limit:.0%}){ess}: those episodes, the long ones first, never train. "
+                  "Per-sequence ratios multiply thousands of per-token ratios, so bf16 noise alone crosses the "
+                  "clip; use train.importance_sampling=token_truncate (the vLLM default) or fix the mismatch.",
+                  f"The importance-sampling correction masks {masked:.0%} of sequences.")
+
+
 @rule("h07/tool_failure_rate")
 def _h07(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
     fail = values(m.get("h07/tool_failure_rate"))
