@@ -15,7 +15,7 @@ word problems, ``logging_steps=1``, and saves what a user of plain TRL would hav
 - ``history.jsonl``: a generic logger's export, one JSON object per step in TRL's names.
 - for the runs in ``MLFLOW_RUNS``: an MLflow run logged by transformers' MLflowCallback
   (``report_to="mlflow"``) into the shared sqlite store ``tests/fixtures/trl_runs/mlflow_store.db``;
-  ``mlflow_runs.json`` maps each name to its run id. (Three runs, not all: an MLflow sqlite store
+  ``mlflow_runs.json`` maps each name to its run id. (Two runs, not all: an MLflow sqlite store
   carries ~0.5 MB of schema and every TrainingArguments field as a param.)
 
 The runs: two healthy seeds, and defects a plain TRL config can carry (``RUNS``). The IS-correction
@@ -41,7 +41,7 @@ WARM_START = ROOT / "musique_rl" / "warm_starts" / "tiny-63a36f167c47"  # the ar
 STEPS = 60
 PROMPTS_PER_STEP = 8
 GENERATIONS = 8
-MLFLOW_RUNS = ("healthy_seed1", "lr_to_zero", "truncated")
+MLFLOW_RUNS = ("healthy_seed1", "truncated")
 STORE = FIXTURES / "mlflow_store.db"
 ANSWER = re.compile(r"<answer>\s*(-?\d+)\s*</answer>")
 FORMAT = re.compile(r"^<think>.*</think>\n<answer>.*</answer>$", re.S)
@@ -91,6 +91,8 @@ answer_correct_shuffled.__name__ = "answer_correct"
 RUNS: dict[str, tuple[dict, list, dict | None, str]] = {
     "healthy_seed1": ({"seed": 1}, [answer_correct, answer_format], None, "nothing"),
     "healthy_seed2": ({"seed": 2}, [answer_correct, answer_format], None, "nothing"),
+    "healthy_kl": ({"seed": 3, "beta": 0.04}, [answer_correct, answer_format], None,
+                   "nothing (beta=0.04: TRL logs `kl` against a reference model)"),
     "lr_to_zero": ({"lr_scheduler_type": "warmup_stable_decay",
                     "lr_scheduler_kwargs": {"num_stable_steps": 6, "num_decay_steps": 6}, "warmup_steps": 2},
                    [answer_correct, answer_format], None,

@@ -605,7 +605,9 @@ def triage_table(rows: Sequence[tuple[str, Sequence[Mapping[str, Any]]]], width:
     for name, diag in rows:
         top = top_finding(diag)
         if top is None:
-            out.append(f"{name:<{w}} {'clean':<40} no flagged finding")
+            unseen = " ".join(d["hypothesis"] for d in diag if d["check"] == "no_data")
+            out.append(f"{name:<{w}} {'clean':<40} no flagged finding"
+                       + (f"; not in this log: {unseen}" if unseen else ""))
             continue
         ev = ", ".join(f"{k}={v:.3g}" for k, v in list(top["evidence"].items())[:3] if v is not None)
         out.append(f"{name:<{w}} {top['hypothesis'] + ' ' + top['check']:<40} {ev}")

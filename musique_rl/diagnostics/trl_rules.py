@@ -311,9 +311,10 @@ def _constant_reward_func(m: Mapping[str, History], params: Mapping[str, str]) -
             out.append(Finding("h05", "reward_function_constant", False, 0.0,
                                f"Reward function `{f}` is {mean:.3g} for every completion (saturated): it carries "
                                "no signal, harmless unless it was meant to be the correctness reward.", ev))
-    if not const and all(values(m.get(f"rewards/{f}/std")) for f in funcs):
+    varying = [f for f in funcs if f not in const and values(m.get(f"rewards/{f}/std"))]
+    if varying and not any(f.flagged for f in out):
         out.append(Finding("h05", "reward_function_constant", False, 0.0,
-                           f"Every reward function varies ({', '.join(funcs)}). Whether each reward belongs to its "
+                           f"Reward functions that vary: {', '.join(varying)}. Whether each reward belongs to its "
                            "own completion (a shuffled or misaligned reward) cannot be seen in TRL's logs: run the "
                            "reward audit (`+hypothesis=h05`).", {}))
     return out
