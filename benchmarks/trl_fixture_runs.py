@@ -96,7 +96,7 @@ RUNS: dict[str, tuple[dict, list, dict | None, str]] = {
     "lr_to_zero": ({"lr_scheduler_type": "warmup_stable_decay",
                     "lr_scheduler_kwargs": {"num_stable_steps": 6, "num_decay_steps": 6}, "warmup_steps": 2},
                    [answer_correct, answer_format], None,
-                   "a warmup-stable-decay schedule sized for 14 steps: the learning rate is 0 from step 14 of 60"),
+                   "a warmup-stable-decay schedule sized for 14 steps: the learning rate is 0 for the last 46 of 60 steps"),
     "truncated": ({"max_completion_length": 6}, [answer_correct, answer_format], None,
                   "a 6-token completion budget: the ~12-token answer never fits"),
     "constant_reward": ({}, [answer_correct_wrong_tag, answer_format], None,

@@ -39,7 +39,7 @@ IS_MIN_VANISH = 1e-3
 # none), 0.09 is the level no healthy bf16 stack reaches; growth is judged against the run's start.
 LOGP_DIFF_MAX = 0.09
 LOGP_DIFF_GROWTH = 3.0  # last quarter above 3x the first steps' level: the sampler drifts from the trainer
-# Learning rate: a quarter of the logged steps below 1e-3 of the run's peak rate. A linear decay to 0
+# Learning rate: a quarter of the logged steps, after the peak, below 1e-3 of the peak rate. A linear decay to 0
 # spends only its last 0.1% of steps there; a quarter of the run without updates is a schedule that
 # ends before the run does (or a rate of 0).
 LR_ZERO_REL = 1e-3
@@ -241,10 +241,10 @@ def _lr_zero(m: Mapping[str, History], params: Mapping[str, str]) -> list[Findin
     lr = m.get("learning_rate") or []
     vals = values(lr)
     peak = max(vals)
-    dead = [s for s, v in lr if v is not None and v <= peak * LR_ZERO_REL]
-    share = len(dead) / len(vals)
     peak_step = next(s for s, v in lr if v == peak)
-    dead = [s for s in dead if s > peak_step] or dead  # where the schedule reaches 0, not warmup's first step
+    # after the peak: a warmup starting at 0 is not a schedule that ended
+    dead = [s for s, v in lr if v is not None and v <= peak * LR_ZERO_REL and s > peak_step]
+    share = len(dead) / len(vals)
     ev = {"learning_rate (peak)": peak, "learning_rate (last)": vals[-1], "steps at ~0 (share)": share}
     configured = num(params, "learning_rate", 0.0)
     if configured:
