@@ -2,6 +2,10 @@
 
     nice -n 10 python benchmarks/trl_fixture_runs.py            # every run (~10 min on 2 CPU cores)
     nice -n 10 python benchmarks/trl_fixture_runs.py --only lr_to_zero truncated
+    # the same under TRL 0.16.1 (its older metric names), installed beside the project's packages:
+    pip install --no-deps --target /tmp/oldtrl trl==0.16.1 transformers==4.51.3 tokenizers==0.21.1 \
+        huggingface_hub==0.30.2 datasets==3.5.0
+    PYTHONPATH=/tmp/oldtrl:. nice -n 10 python benchmarks/trl_fixture_runs.py    # -> trl0161_<name>/
 
 Each run trains the project's shipped tiny arith warm start (a 164k-parameter Qwen2 and its tokenizer,
 ``musique_rl/warm_starts/``; nothing downloaded) with TRL's own GRPOTrainer on single-turn arithmetic
@@ -111,6 +115,11 @@ RUNS: dict[str, tuple[dict, list, dict | None, str]] = {
 }
 
 
+# An older TRL on PYTHONPATH (see LEGACY_RUNS) runs these under their own names instead of RUNS.
+LEGACY = False
+LEGACY_RUNS = ("healthy_seed1", "lr_to_zero")
+
+
 def dataset():
     from datasets import Dataset
 
@@ -132,7 +141,7 @@ def run_one(name: str, store: str) -> str | None:
 
     overrides, funcs, lora, _ = RUNS[name]
     torch.set_num_threads(1)
-    out = FIXTURES / name
+    out = FIXTURES / (f"trl{LEGACY}_{name}" if LEGACY else name)
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     # importing musique_rl (for the arith records) turns transformers' MLflowCallback off for the
@@ -145,16 +154,25 @@ def run_one(name: str, store: str) -> str | None:
         kw = dict(output_dir=tmp, max_steps=STEPS, per_device_train_batch_size=PROMPTS_PER_STEP * GENERATIONS,
                   num_generations=GENERATIONS, learning_rate=1e-3, warmup_steps=4, logging_steps=1,
                   max_completion_length=32, temperature=1.0, use_cpu=True,
-                  report_to=["mlflow"] if name in MLFLOW_RUNS else "none",
+                  report_to=["mlflow"] if name in MLFLOW_RUNS and not LEGACY else "none",
                   save_strategy="steps", save_steps=STEPS, save_only_model=True, run_name=name, seed=1,
                   dataloader_num_workers=0, disable_tqdm=True)
         kw.update(overrides)
-        model = AutoModelForCausalLM.from_pretrained(WARM_START / "model", dtype=torch.float32)
-        tok = AutoTokenizer.from_pretrained(WARM_START / "tokenizer")
+        if LEGACY:  # transformers 4.x: no `dtype=` and no TokenizersBackend class; the same files
+            from transformers import PreTrainedTokenizerFast
+
+            model = AutoModelForCausalLM.from_pretrained(WARM_START / "model", torch_dtype=torch.float32)
+            tdir = WARM_START / "tokenizer"
+            tok = PreTrainedTokenizerFast(tokenizer_file=str(tdir / "tokenizer.json"), eos_token="<|im_end|>",
+                                          pad_token="<|endoftext|>", padding_side="left")
+            tok.chat_template = (tdir / "chat_template.jinja").read_text()
+        else:
+            model = AutoModelForCausalLM.from_pretrained(WARM_START / "model", dtype=torch.float32)
+            tok = AutoTokenizer.from_pretrained(WARM_START / "tokenizer")
         trainer = GRPOTrainer(model=model, reward_funcs=funcs, args=GRPOConfig(**kw), train_dataset=dataset(),
                               processing_class=tok, peft_config=LoraConfig(**lora) if lora else None)
         trainer.train()
-        run_id = mlflow.last_active_run().info.run_id if name in MLFLOW_RUNS else None
+        run_id = mlflow.last_active_run().info.run_id if name in MLFLOW_RUNS and not LEGACY else None
         ckpt = f"checkpoint-{trainer.state.global_step}"
         (out / ckpt).mkdir()
         shutil.copy(Path(tmp) / ckpt / "trainer_state.json", out / ckpt / "trainer_state.json")
@@ -186,6 +204,16 @@ def main() -> None:
     p.add_argument("--only", nargs="*", choices=sorted(RUNS), help="regenerate these runs only")
     args = p.parse_args()
     FIXTURES.mkdir(parents=True, exist_ok=True)
+    import trl
+
+    global LEGACY
+    major, minor = (int(x) for x in trl.__version__.split(".")[:2])
+    if (major, minor) < (0, 17):  # TRL's names before 0.17: completion_length, rewards/<f>, clip_ratio
+        LEGACY = trl.__version__.replace(".", "")
+        for name in args.only or LEGACY_RUNS:
+            print(f"== TRL {trl.__version__} {name}: {RUNS[name][3]}", flush=True)
+            run_one(name, "")
+        return
     names = args.only or list(RUNS)
     if any(n in MLFLOW_RUNS for n in names):  # the store holds exactly the latest run of each name
         STORE.unlink(missing_ok=True)
@@ -203,7 +231,9 @@ def main() -> None:
             db.execute("VACUUM")
     (FIXTURES / "RUNS.md").write_text(
         "# Plain TRL GRPOTrainer runs (regenerate: `python benchmarks/trl_fixture_runs.py`)\n\n"
-        + "".join(f"- `{n}`: {RUNS[n][3]}\n" for n in RUNS))
+        + "".join(f"- `{n}`: {RUNS[n][3]}\n" for n in RUNS)
+        + "".join(f"- `trl0161_{n}`: the same as `{n}` under TRL 0.16.1 (older metric names; see the script)\n"
+                  for n in LEGACY_RUNS))
 
 
 if __name__ == "__main__":

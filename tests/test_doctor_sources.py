@@ -131,21 +131,22 @@ def test_mlflow_run_of_transformers_callback(tmp_path):
         sources.open_source("mlflow:0123456789abcdef", uri)
 
 
-def test_legacy_trl_names_read_as_todays(tmp_path):
-    """TRL 0.14-0.16 logged `completion_length`, `rewards/<f>` (mean only) and one `clip_ratio`.
-    The lr_to_zero log written in those names (the same numbers) gives the same verdict."""
-    legacy = tmp_path / "old_trl.jsonl"
-    with legacy.open("w") as fh:
-        for line in (FIX / "truncated" / "history.jsonl").read_text().splitlines():
-            row = json.loads(line)
-            old = {"completion_length": row.pop("completions/mean_length"), "clip_ratio": row.pop("clip_ratio/region_mean")}
-            for f in ("answer_correct", "answer_format"):
-                old[f"rewards/{f}"] = row.pop(f"rewards/{f}/mean")
-            fh.write(json.dumps({**row, **old}) + "\n")
-    run = sources.open_source(str(legacy))
-    assert "completions/mean_length" in run.histories and "rewards/answer_correct/mean" in run.histories
-    assert any("pre-0.17" in n for n in run.notes)
-    assert top_finding(diagnose_log(run))["check"] == "completions_truncated"
+def test_a_trl_0_16_log_reads_in_todays_names():
+    """TRL 0.16.1 (made by the same script under that version) logged `completion_length`,
+    `rewards/<f>` (the mean only) and one `clip_ratio`: read as today's names, same verdicts."""
+    healthy = sources.open_source(str(FIX / "trl0161_healthy_seed1"))
+    assert "completion_length" not in healthy.histories and "completions/mean_length" in healthy.histories
+    assert "rewards/answer_correct/mean" in healthy.histories and "clip_ratio/region_mean" in healthy.histories
+    assert any("pre-0.17" in n for n in healthy.notes)
+    assert flagged(diagnose_log(healthy)) == []
+    top = top_finding(diagnose_log(sources.open_source(str(FIX / "trl0161_lr_to_zero"))))
+    assert (top["hypothesis"], top["check"]) == NAMED["lr_to_zero"]
+
+
+def test_a_current_name_wins_over_its_legacy_twin():
+    hist, notes = sources.normalise_names({"completion_length": [(1, 5.0)], "completions/mean_length": [(1, 7.0)],
+                                           "train/reward": [(1, 1.0)]})
+    assert hist == {"completions/mean_length": [(1, 7.0)], "reward": [(1, 1.0)]} and notes == []
 
 
 def test_run_dir_copied_elsewhere_with_a_torn_last_line(tmp_path, caplog):

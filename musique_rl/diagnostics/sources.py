@@ -68,11 +68,18 @@ def normalise_names(hist: Mapping[str, History]) -> tuple[dict[str, History], li
     renames made, as notes. A current name present in the log wins over a legacy one."""
     out: dict[str, History] = {}
     renamed: list[str] = []
-    for key in sorted(hist, key=lambda k: k.startswith(_PREFIXES)):  # unprefixed keys first: they win
-        new = key
+    def bare(key: str) -> str:
         for p in _PREFIXES:
-            if new.startswith(p):
-                new = new[len(p):]
+            if key.startswith(p):
+                return key[len(p):]
+        return key
+
+    def legacy(key: str) -> bool:
+        return key in LEGACY_NAMES or _LEGACY_REWARD.match(key) is not None
+
+    # today's unprefixed names first: they win over a prefixed or legacy twin of the same metric
+    for key in sorted(hist, key=lambda k: (legacy(bare(k)), k.startswith(_PREFIXES))):
+        new = bare(key)
         if new in LEGACY_NAMES:
             new = LEGACY_NAMES[new]
         elif (m := _LEGACY_REWARD.match(new)) is not None:
