@@ -51,8 +51,10 @@ def diagnose(cfg: DictConfig, run_dir: Path) -> list[dict] | None:
     tracking is on. The flagged findings go to the console. Never fails the job (the training is done)."""
     from musique_rl import tracking
     from musique_rl.console import METRICS_FILE
+    from musique_rl.core.models import process_state
 
-    if not (run_dir / METRICS_FILE).is_file():  # a non-zero rank: rank 0 writes the metrics and the diagnosis
+    # the main process writes metrics.jsonl and so the diagnosis (the other ranks share its run dir)
+    if not process_state().is_main_process or not (run_dir / METRICS_FILE).is_file():
         return None
     try:
         from musique_rl.diagnostics.doctor import (
