@@ -75,3 +75,19 @@ def test_a_saturated_reward_function_is_reported_but_not_flagged():
          "rewards/correct/mean": steps([0.5] * 10), "rewards/correct/std": steps([0.4] * 10)}
     d = [d for d in diagnose_metrics(m, {}) if d["check"] == "reward_function_constant"]
     assert d and not any(x["flagged"] for x in d) and "saturated" in d[0]["verdict"]
+
+
+def test_our_budget_instrument_and_trls_clipped_ratio_report_one_truncation():
+    m = {"completions/clipped_ratio": steps([0.6] * 10), "h04/budget_cap_share": steps([0.6] * 10)}
+    truncation = [c for c in checks(m) if c[0] == "h04"]
+    assert truncation == [("h04", "budgets_binding")]
+    del m["h04/budget_cap_share"]
+    assert [c for c in checks(m) if c[0] == "h04"] == [("h04", "completions_truncated")]
+
+
+def test_learning_rate_rule_spares_warmup_and_a_linear_decay_to_zero():
+    linear = [min(i / 10, 1.0) * (1 - i / 60) * 1e-3 for i in range(61)]  # warmup from 0, decay to 0
+    assert ("h08", "learning_rate_zero") not in checks({"learning_rate": steps(linear)})
+    ended = [1e-3] * 20 + [0.0] * 40
+    assert ("h08", "learning_rate_zero") in checks({"learning_rate": steps(ended)})
+    assert ("h08", "learning_rate_zero") in checks({"learning_rate": steps([0.0] * 30)})
