@@ -14,7 +14,7 @@
   the traceback as artifact `error/traceback.txt`, and in a multirun returns None instead of
   taking the sweep down (the pattern of lightning-hydra-template's `task_wrapper`). A requeued or
   resumed job (same output dir) continues the same run (`mlflow_run_id` file in the job dir).
-- At the end of a train run: reward-curve plots and the doctor's `diagnosis.json`.
+- At the end of a train run: reward-curve plots (the doctor's `diagnosis.json` is logged by the job pipe).
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import functools
-import json
 import logging
 import math
 import os
@@ -442,25 +441,12 @@ def _log_config(tracker: Tracker, cfg: DictConfig) -> None:
 
 
 def finish_train_run(tracker: Tracker, out_dir: Path | None = None) -> None:
-    """Reward-curve plots and the doctor's diagnosis.json (an artifact of the run, and a copy in
-    the job's output dir beside metrics.json for scripts); neither may fail the run."""
+    """Reward-curve plots, an artifact of the run; may not fail the run. (The doctor's diagnosis
+    is written by the job pipe after training, from the run's metrics.jsonl: musique_rl.app.)"""
     try:
         plot_reward_curves(tracker)
     except Exception:
         log.exception("reward-curve plot failed")
-    try:
-        from musique_rl.diagnostics.doctor import diagnose_run, format_diagnosis, write_diagnosis
-
-        diagnosis = diagnose_run(tracker.run_id, uri=tracker.uri)
-        write_diagnosis(tracker.run_id, diagnosis, uri=tracker.uri)
-        if out_dir is not None and out_dir.is_dir():
-            (out_dir / "diagnosis.json").write_text(json.dumps(diagnosis, indent=2))
-        # flagged findings with their evidence on the console; the full ranked list is diagnosis.json
-        # (and `python -m musique_rl.diagnostics.doctor --run-id <id>`)
-        checks = sum(d["check"] != "no_data" for d in diagnosis)
-        log.info("doctor (%d checks, all in diagnosis.json):\n%s", checks, format_diagnosis(diagnosis, show_ok=False))
-    except Exception:
-        log.exception("doctor failed")
 
 
 def task_wrapper(task: Callable[[DictConfig], Any]) -> Callable[[DictConfig], Any]:

@@ -1,10 +1,12 @@
 """Stand-in job for the tracking tests: the real conf/ tree, launchers and MLflow tracking, no training.
 
 It logs a few steps of instrument-shaped metrics into its MLflow run through `tracking.task_wrapper`
-(exactly what `app.run` does), and fails on request: TRACKING_APP_FAIL=<seed> raises in that job.
+and into the run directory's metrics.jsonl, then runs the doctor as `app.run` does after training
+(`app.diagnose`), and fails on request: TRACKING_APP_FAIL=<seed> raises in that job.
 Run: python tests/tracking_app.py -m seed=1,2 hydra.sweep.dir=/tmp/x
 """
 
+import json
 import os
 from pathlib import Path
 
@@ -23,10 +25,19 @@ def task(cfg: DictConfig) -> float:
     tracker = tracking.active()
     assert tracker is not None, "task_wrapper must have started a run"
     seed = int(cfg.seed)
-    for step in range(3):
-        tracker.log_metrics({"reward": 0.5 + 0.1 * step + 0.01 * seed, "h08/update_weight_ratio": 1e-3}, step=step)
+    from hydra.core.hydra_config import HydraConfig
+
+    from musique_rl.app import diagnose
+
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    with open(run_dir / "metrics.jsonl", "w") as fh:
+        for step in range(3):
+            metrics = {"reward": 0.5 + 0.1 * step + 0.01 * seed, "h08/update_weight_ratio": 1e-3}
+            tracker.log_metrics(metrics, step=step)
+            fh.write(json.dumps({"step": step, **metrics}) + "\n")
     if os.environ.get("TRACKING_APP_FAIL") == str(seed):
         raise RuntimeError(f"planted failure in seed {seed}")
+    diagnose(cfg, run_dir)
     return 0.7
 
 

@@ -1,6 +1,10 @@
-"""The doctor: reads a run's instruments from MLflow and names the broken part.
+"""The doctor: reads a run's metrics and names the broken part.
 
-    python -m musique_rl.diagnostics.doctor --run-id <id>          # one run
+    python -m musique_rl.diagnostics.doctor --run-dir outputs/2026-11-24/01-00-00   # a run dir (metrics.jsonl)
+    python -m musique_rl.diagnostics.doctor --from out/checkpoint-500               # a TRL run's trainer_state.json
+    python -m musique_rl.diagnostics.doctor --from wandb_export.csv history.jsonl  # tables; several: a triage table
+    python -m musique_rl.diagnostics.doctor --from mlflow:<run id> --tracking-uri sqlite:///mlflow.db
+    python -m musique_rl.diagnostics.doctor --run-id <id>          # one run of this project in MLflow
     python -m musique_rl.diagnostics.doctor --experiment h02       # every run of an experiment
 
 Each rule is a fingerprint of a known defect (docs/failure_modes.md) in the h01..h08
@@ -13,7 +17,10 @@ words, and the numbers behind it; flagged findings first, by severity:
   orders of magnitude / 3.
 
 Thresholds are module constants with their reasons. A clean run must produce no flagged finding.
-Training runs write `diagnosis.json` at their end (musique_rl.tracking.finish_train_run).
+Rules over TRL's own metric names (for runs made with plain TRL) are in diagnostics/trl_rules.py;
+the readers of each place logs live (run dir, trainer_state.json, MLflow, CSV/JSONL) in
+diagnostics/sources.py. Every training run writes `diagnosis.json` into its run directory after
+training, from its own metrics.jsonl (musique_rl.app), tracking on or off.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import argparse
 import json
 import math
 import os
+import re
 import statistics
 import sys
 from collections.abc import Mapping, Sequence
@@ -29,6 +37,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from musique_rl.diagnostics import trl_rules  # noqa: F401  (registers the rules over TRL's metric names)
 from musique_rl.diagnostics.findings import (
     RULES,
     Finding,
@@ -518,7 +527,8 @@ def diagnose_metrics(metrics: Mapping[str, History], params: Mapping[str, str] |
     seen = {f.hypothesis for f in findings}
     for h in HYPOTHESES:
         if h not in seen:
-            findings.append(Finding(h, "no_data", False, 0.0, "No instrument data for this hypothesis in this run."))
+            findings.append(Finding(h, "no_data", False, 0.0, "No data for this hypothesis in this log: "
+                                    + trl_rules.CANNOT_TELL.get(h, "no instrument measured it") + "."))
     findings.sort(key=lambda f: (not f.flagged, -f.severity, f.check == "no_data", f.hypothesis))
     out = []
     for rank, f in enumerate(findings, start=1):
@@ -532,7 +542,7 @@ def diagnose_metrics(metrics: Mapping[str, History], params: Mapping[str, str] |
 
 # ---------------------------------------------------------------- MLflow I/O
 _PREFIXES = ("h0", "preflight/")
-_ALSO = ("grad_norm", "reward", IS_WEIGHT_KEY)  # TRL / Trainer metrics some rules read
+_ALSO = ("grad_norm", "reward", IS_WEIGHT_KEY, *trl_rules.TRL_KEYS)  # TRL / Trainer metrics rules read
 
 
 def read_run_metrics(run_id: str, uri: str | None = None) -> tuple[dict[str, History], dict[str, str], Any]:
@@ -543,7 +553,7 @@ def read_run_metrics(run_id: str, uri: str | None = None) -> tuple[dict[str, His
     run = client.get_run(run_id)
     hist: dict[str, History] = {}
     for key in run.data.metrics:
-        if key.startswith(_PREFIXES) or key in _ALSO:
+        if key.startswith(_PREFIXES + trl_rules.TRL_PREFIXES) or key in _ALSO:
             pts = client.get_metric_history(run_id, key)
             hist[key] = sorted(((p.step, p.value) for p in pts), key=lambda sv: sv[0])
     return hist, dict(run.data.params), run
@@ -571,7 +581,8 @@ def top_flagged(diagnosis: Sequence[Mapping[str, Any]]) -> str:
     return next((d["hypothesis"] for d in diagnosis if d["flagged"]), "clean")
 
 
-def format_diagnosis(diagnosis: Sequence[Mapping[str, Any]], show_ok: bool = True) -> str:
+def format_diagnosis(diagnosis: Sequence[Mapping[str, Any]], show_ok: bool = True,
+                     verbose_missing: bool = False) -> str:
     lines = []
     for d in diagnosis:
         if d["check"] == "no_data" or (not show_ok and not d["flagged"]):
@@ -584,26 +595,129 @@ def format_diagnosis(diagnosis: Sequence[Mapping[str, Any]], show_ok: bool = Tru
     missing = [d["hypothesis"] for d in diagnosis if d["check"] == "no_data"]
     if missing:
         lines.append(f"    no instrument data: {', '.join(missing)}")
+        if verbose_missing:
+            lines.extend(f"      {d['hypothesis']}: {d['verdict'].split(': ', 1)[-1]}" for d in diagnosis
+                         if d["check"] == "no_data")
     if not any(d["flagged"] for d in diagnosis):
         lines.insert(0, "No flagged finding: every instrument is within its bounds.")
     return "\n".join(lines)
 
 
+def diagnose_log(run: Any) -> list[dict[str, Any]]:
+    """The ranked diagnosis of a ``sources.RunLog`` (any place a run's logs live)."""
+    return diagnose_metrics(run.histories, run.params)
+
+
+def save_diagnosis(diagnosis: Sequence[Mapping[str, Any]], path: str | Path) -> Path:
+    """``diagnosis.json`` at ``path`` (written whole, then moved into place: a reader never sees half)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(list(diagnosis), indent=2))
+    os.replace(tmp, path)
+    return path
+
+
+def top_finding(diagnosis: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] | None:
+    return next((d for d in diagnosis if d["flagged"]), None)
+
+
+def triage_table(rows: Sequence[tuple[str, Sequence[Mapping[str, Any]]]], width: int = 110) -> str:
+    """One line per run: run, top finding (hypothesis/check or 'clean'), its evidence; then the other
+    flagged checks. How a user triages many runs at once."""
+    w = max([24, *(len(n) for n, _ in rows)])
+    out = [f"{'run':<{w}} {'top finding':<40} evidence", "-" * width]
+    for name, diag in rows:
+        top = top_finding(diag)
+        if top is None:
+            unseen = " ".join(d["hypothesis"] for d in diag if d["check"] == "no_data")
+            out.append(f"{name:<{w}} {'clean':<40} no flagged finding"
+                       + (f"; not in this log: {unseen}" if unseen else ""))
+            continue
+        ev = ", ".join(f"{k}={v:.3g}" for k, v in list(top["evidence"].items())[:3] if v is not None)
+        out.append(f"{name:<{w}} {top['hypothesis'] + ' ' + top['check']:<40} {ev}")
+        also = [f"{d['hypothesis']} {d['check']}" for d in diag if d["flagged"] and d is not top]
+        if also:
+            out.append(f"{'':<{w}} also: {'; '.join(also)}")
+    return "\n".join(out)
+
+
+def _default_uri(arg: str | None) -> str:
+    # The default of tracking.tracking_uri() outside a Hydra job, spelled here so that the doctor
+    # (diagnostics layer) does not import the experiment layer that runs it.
+    return arg or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path.cwd().resolve() / 'mlflow.db'}"
+
+
+def _from_files(args: argparse.Namespace) -> int:
+    """--from / --run-dir: read each input, diagnose, write diagnosis.json; several: a triage table."""
+    from musique_rl.diagnostics.sources import SourceError, open_source, read_run_dir
+
+    specs = [("run-dir", d) for d in args.run_dir or []] + [("from", f) for f in args.sources or []]
+    uri = args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+    rows, results, bad = [], {}, 0
+    for kind, spec in specs:
+        try:
+            run = read_run_dir(spec) if kind == "run-dir" else open_source(spec, uri)
+        except (SourceError, OSError) as e:
+            print(f"doctor: cannot read --{kind} {spec}: {e}", file=sys.stderr)
+            bad += 1
+            continue
+        diag = diagnose_log(run)
+        name = run.name if run.name not in results else f"{run.name} [{spec}]"
+        results[name] = diag
+        rows.append((name, diag))
+        if not args.no_write:
+            home = Path(args.out) if args.out else (run.home or Path.cwd())
+            if args.out and len(specs) > 1:
+                home = home / re.sub(r"[^\w.-]+", "_", name).strip("_")
+            dest = home / ("diagnosis.json" if run.home is not None or args.out else f"diagnosis-{run.name}.json")
+            try:
+                save_diagnosis(diag, dest)
+            except OSError as e:
+                print(f"doctor: cannot write {dest}: {e} (use --out DIR)", file=sys.stderr)
+                dest = None
+        else:
+            dest = None
+        if not args.json:
+            print(f"== {name} ({run.source}): top = {top_flagged(diag)}")
+            for note in run.notes:
+                print(f"   note: {note}")
+            print(format_diagnosis(diag, verbose_missing=True))
+            if dest is not None:
+                print(f"   written: {dest}")
+            print()
+    if args.json:
+        print(json.dumps(results if len(specs) > 1 else next(iter(results.values()), []), indent=2))
+    elif len(rows) > 1:
+        print(triage_table(rows))
+    return 2 if bad else 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m musique_rl.diagnostics.doctor", description=__doc__.split("\n")[0])
-    g = p.add_mutually_exclusive_group(required=True)
-    g.add_argument("--run-id", help="diagnose one MLflow run")
+    g = p.add_argument_group("what to diagnose (one or more)")
+    g.add_argument("--from", dest="sources", nargs="+", metavar="PATH_OR_RUN",
+                   help="a run directory, trainer_state.json (or a checkpoint / output dir), a CSV or JSONL "
+                        "metrics table, or mlflow:<run id> / runs:/<run id>; several give a triage table")
+    g.add_argument("--run-dir", nargs="+", metavar="DIR", help="a run directory of this project (its metrics.jsonl)")
+    g.add_argument("--run-id", help="diagnose one MLflow run of this project")
     g.add_argument("--experiment", help="diagnose every finished or failed run of an MLflow experiment (name)")
     p.add_argument("--tracking-uri", default=None, help="default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db")
-    p.add_argument("--write", action="store_true", help="also save diagnosis.json to each run")
+    p.add_argument("--out", default=None, help="--from/--run-dir: write diagnosis.json here (a directory) "
+                                               "instead of beside each input")
+    p.add_argument("--no-write", action="store_true", help="--from/--run-dir: print only")
+    p.add_argument("--write", action="store_true", help="--run-id/--experiment: also save diagnosis.json to each run")
     p.add_argument("--json", action="store_true", help="print the diagnosis as JSON")
     args = p.parse_args(argv)
+    chosen = [bool(args.sources or args.run_dir), bool(args.run_id), bool(args.experiment)]
+    if sum(chosen) != 1:
+        p.error("give --from/--run-dir, or --run-id, or --experiment")
+    if args.sources or args.run_dir:
+        return _from_files(args)
 
     from mlflow.tracking import MlflowClient
 
-    # The default of tracking.tracking_uri() outside a Hydra job, spelled here so that the doctor
-    # (diagnostics layer) does not import the experiment layer that runs it.
-    uri = args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path.cwd().resolve() / 'mlflow.db'}"
+    uri = _default_uri(args.tracking_uri)
     client = MlflowClient(uri)
     if args.run_id:
         runs = [client.get_run(args.run_id)]

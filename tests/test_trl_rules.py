@@ -1,0 +1,93 @@
+"""The rules over TRL's metric names on metrics this CPU cannot produce with plain TRL: the
+``sampling/*`` metrics exist only with vLLM, and a KL that runs away or goes negative takes a
+broken run. Histories are built in TRL's names and shapes; each test pairs a defect with its
+healthy counterpart so a rule that fires on everything (or nothing) fails."""
+
+from __future__ import annotations
+
+from musique_rl.diagnostics.doctor import diagnose_metrics
+from musique_rl.diagnostics.trl_rules import LOGP_DIFF_MAX
+
+
+def steps(values):
+    return [(i + 1, float(v)) for i, v in enumerate(values)]
+
+
+def checks(m, params=None):
+    return {(d["hypothesis"], d["check"]) for d in diagnose_metrics(m, params or {}) if d["flagged"]}
+
+
+def test_sampler_trainer_difference_at_start_and_drifting():
+    healthy = {"sampling/sampling_logp_difference/mean": steps([0.02] * 20)}
+    at_start = {"sampling/sampling_logp_difference/mean": steps([0.3] * 20)}
+    drift = {"sampling/sampling_logp_difference/mean": steps([0.01] * 10 + [0.01 + 0.05 * i for i in range(10)])}
+    assert not checks(healthy) & {("h06", "sampler_trainer_differ_at_start"), ("h06", "sampler_trainer_drift")}
+    assert ("h06", "sampler_trainer_differ_at_start") in checks(at_start)
+    assert ("h06", "sampler_trainer_drift") in checks(drift)
+    assert 0.02 < LOGP_DIFF_MAX  # a healthy bf16 gap (0.011-0.036 measured) is below the threshold
+
+
+def test_our_instrument_for_the_same_defect_silences_the_trl_name_rule():
+    """Our runs log TRL's metrics too: with our h06 gap instrument present, one finding, not two."""
+    m = {"sampling/sampling_logp_difference/mean": steps([0.3] * 20), "h06/logp_gap_mean": steps([0.3] * 20)}
+    flagged = [d["check"] for d in diagnose_metrics(m, {}) if d["flagged"]]
+    assert "sampler_trainer_differ_at_start" not in flagged
+    assert any(c in flagged for c in ("trainer_sampler_mismatch_at_start", "sampling_settings_differ"))
+
+
+def test_importance_weights_at_the_cap_or_vanishing():
+    ok = {"sampling/importance_sampling_ratio/max": steps([1.3] * 10),
+          "sampling/importance_sampling_ratio/min": steps([0.7] * 10)}
+    capped = {"sampling/importance_sampling_ratio/max": steps([3.0] * 10),
+              "sampling/importance_sampling_ratio/min": steps([0.5] * 10)}
+    lower_cap = {"vllm_importance_sampling_cap": "2.0"}
+    assert ("h06", "importance_weights_clipped") not in checks(ok)
+    assert ("h06", "importance_weights_clipped") in checks(capped)
+    assert ("h06", "importance_weights_clipped") in checks(
+        {**ok, "sampling/importance_sampling_ratio/max": steps([2.0] * 10)}, lower_cap)
+
+
+def test_kl_negative_is_a_proof_and_runaway_needs_level_and_growth():
+    assert ("h03", "kl_negative") in checks({"kl": steps([0.01, -0.02] * 6)})
+    assert ("h03", "kl_runaway") in checks({"kl": steps([0.01] * 5 + [0.5] * 5 + [3.0] * 5)})
+    grows_but_small = {"kl": steps([1e-4] * 5 + [0.01] * 10)}  # early growth of a healthy run
+    assert not {c for c in checks(grows_but_small) if c[0] == "h03"}
+
+
+def test_reward_rising_while_a_component_falls():
+    n = 20
+    total = [1 + 0.05 * i for i in range(n)]
+    fmt = [0.2 + 0.08 * i for i in range(n)]
+    correct = [0.8 - 0.03 * i for i in range(n)]
+    noise = [0.01 * ((-1) ** i) for i in range(n)]
+    m = {"reward": steps([t + e for t, e in zip(total, noise, strict=True)]),
+         "rewards/format/mean": steps(fmt), "rewards/format/std": steps([0.3] * n),
+         "rewards/correct/mean": steps([c + e for c, e in zip(correct, noise, strict=True)]),
+         "rewards/correct/std": steps([0.4] * n)}
+    assert ("h05", "reward_rises_component_falls") in checks(m)
+    m["rewards/correct/mean"] = steps([0.5 + 0.02 * i + e for i, e in enumerate(noise)])
+    assert ("h05", "reward_rises_component_falls") not in checks(m)
+
+
+def test_a_saturated_reward_function_is_reported_but_not_flagged():
+    """A format reward the policy always satisfies carries no signal and harms nothing."""
+    m = {"rewards/format/mean": steps([1.0] * 10), "rewards/format/std": steps([0.0] * 10),
+         "rewards/correct/mean": steps([0.5] * 10), "rewards/correct/std": steps([0.4] * 10)}
+    d = [d for d in diagnose_metrics(m, {}) if d["check"] == "reward_function_constant"]
+    assert d and not any(x["flagged"] for x in d) and "saturated" in d[0]["verdict"]
+
+
+def test_our_budget_instrument_and_trls_clipped_ratio_report_one_truncation():
+    m = {"completions/clipped_ratio": steps([0.6] * 10), "h04/budget_cap_share": steps([0.6] * 10)}
+    truncation = [c for c in checks(m) if c[0] == "h04"]
+    assert truncation == [("h04", "budgets_binding")]
+    del m["h04/budget_cap_share"]
+    assert [c for c in checks(m) if c[0] == "h04"] == [("h04", "completions_truncated")]
+
+
+def test_learning_rate_rule_spares_warmup_and_a_linear_decay_to_zero():
+    linear = [min(i / 10, 1.0) * (1 - i / 60) * 1e-3 for i in range(61)]  # warmup from 0, decay to 0
+    assert ("h08", "learning_rate_zero") not in checks({"learning_rate": steps(linear)})
+    ended = [1e-3] * 20 + [0.0] * 40
+    assert ("h08", "learning_rate_zero") in checks({"learning_rate": steps(ended)})
+    assert ("h08", "learning_rate_zero") in checks({"learning_rate": steps([0.0] * 30)})
