@@ -27,8 +27,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from musique_rl.env.data import load_records  # noqa: E402
-from musique_rl.env.policies import sub_questions  # noqa: E402
 from musique_rl.env.retrieval import BM25Retriever, build_retriever  # noqa: E402
+from musique_rl.env.tasks.musique import sub_questions  # noqa: E402
 from musique_rl.schema import EnvConfig  # noqa: E402
 
 SHARED = ROOT.parent / "shared" / "data" / "musique"

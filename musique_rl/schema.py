@@ -19,6 +19,8 @@ from omegaconf import MISSING, OmegaConf
 from musique_rl.core.faults import FAULTS
 from musique_rl.env.policies import POLICIES
 from musique_rl.env.retrieval import RETRIEVERS
+from musique_rl.env.tasks import TASKS
+from musique_rl.env.tool_formats import TOOL_FORMATS
 
 
 # ---------------------------------------------------------------- enums (allowed values)
@@ -31,6 +33,8 @@ class Mode(StrEnum):
 Policy = POLICIES.choices("Policy", __name__, extra=("model",))  # model = the configured LLM; the rest scripted
 Retriever = RETRIEVERS.choices("Retriever", __name__)
 Fault = FAULTS.choices("Fault", __name__)  # planted defects (docs/failure_modes.md), proving the instruments only
+Task = TASKS.choices("Task", __name__)  # musique (the default), arith (the control task): env/tasks/
+ToolCallFormat = TOOL_FORMATS.choices("ToolCallFormat", __name__)  # hermes (Qwen), llama3_json (Llama 3.1): env/tool_formats/
 
 
 class Dtype(StrEnum):
@@ -38,11 +42,6 @@ class Dtype(StrEnum):
     float32 = "float32"
     bfloat16 = "bfloat16"
     float16 = "float16"
-
-
-class ToolCallFormat(StrEnum):
-    hermes = "hermes"  # Qwen2.5 / Qwen3: <tool_call>{"name":..,"arguments":..}</tool_call>
-    llama3_json = "llama3_json"  # Llama 3.1: bare JSON object {"name":..,"parameters":..}
 
 
 class LossType(StrEnum):  # TRL 1.16 GRPOConfig.loss_type
@@ -84,11 +83,6 @@ class VllmMode(StrEnum):  # TRL 1.16 GRPOConfig.vllm_mode, plus auto
     auto = "auto"  # colocate when the job sees one GPU, server when it sees two or more
     colocate = "colocate"  # vLLM inside each training process, sharing its GPU
     server = "server"  # `vllm serve` on the first GPU, the trainer on the others (musique_rl/gpu_job.py)
-
-
-class Task(StrEnum):
-    musique = "musique"  # multi-hop QA over documents, the retrieval tool (the default)
-    arith = "arith"  # the control task: single-turn arithmetic word problems, no tool, no documents
 
 
 class Console(StrEnum):
@@ -142,7 +136,7 @@ class ModelConfig:
     dtype: Dtype = Dtype.auto  # auto: bf16 where the hardware supports it, else fp32
     # auto | sdpa | eager | flash_attention_2 | flash_attention_3 (transformers names; core/models.resolve_attention)
     attn_implementation: str = "auto"
-    tool_call_format: ToolCallFormat = ToolCallFormat.hermes
+    tool_call_format: ToolCallFormat = ToolCallFormat["hermes"]
     learning_rate: float = MISSING  # recommended LR for this model (loss.learning_rate reads it)
     tiny: Optional[TinyModelConfig] = None
 
@@ -208,7 +202,7 @@ class ArithConfig:
 class EnvConfig:
     # musique: multi-hop QA with the retrieval tool; arith: the single-turn control task (no tool,
     # no documents, its own prompt, warm start and reward check: docs/warm_start.md)
-    task: Task = Task.musique
+    task: Task = Task["musique"]
     data: str = MISSING  # dataset spec(s): "path,name,split[slice]" joined by ";"
     eval_data: Optional[str] = None  # held-out spec; None = no held-out eval
     hops: Optional[List[int]] = None  # keep only these hop counts; None = all

@@ -144,7 +144,7 @@ def summarise(curve: list[float], before: dict, after: dict, before_g: dict, aft
 def gate_line(summary: dict) -> str:
     """The warm start's gate numbers in a few words (empty for models without a gate)."""
     parts = []
-    for shape in ("tool", "single_step", "arith"):
+    for shape in dict.fromkeys(k.split("/")[2] for k in summary if k.startswith("warm_start/gate/")):  # any task's shapes
         k = f"warm_start/gate/{shape}/"
         if k + "sampled_em" in summary:
             parts.append(f"{shape}: sampled EM {summary[k + 'sampled_em']:.2f}, pass@8 {summary[k + 'pass8']:.2f}, "

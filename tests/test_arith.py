@@ -15,6 +15,7 @@ from conftest import compose_cfg
 
 from musique_rl.env import arith, policies, prompts, rewards
 from musique_rl.env.data import InvalidRecordError, load_records, parse_spec, validate_record
+from musique_rl.env.tasks import arith as arith_task
 
 ROOT = Path(__file__).resolve().parents[1]
 ARITH = ["tracking.enabled=false", "env=arith", "reward=answer_em"]
@@ -78,7 +79,7 @@ def test_the_prompt_offers_no_tool_and_asks_for_the_answer_format(arith_cfg):
     messages = prompts.build_messages(rec, arith_cfg.env)
     assert prompts.tool_schemas(arith_cfg.env) == []
     assert [m["role"] for m in messages] == ["system", "user"]
-    assert messages[0]["content"] == prompts.ARITH_SYSTEM_PROMPT
+    assert messages[0]["content"] == arith_task.SYSTEM_PROMPT
     assert "<think>" in messages[0]["content"] and "<answer>" in messages[0]["content"]
     assert "retrieve_documents" not in messages[0]["content"] and "<cite>" not in messages[0]["content"]
     assert rec["question"] in messages[1]["content"]
@@ -163,7 +164,7 @@ def test_the_arith_warm_start_follows_the_task_and_leaves_musique_alone(arith_cf
 
     key = tiny_model.build_key(arith_cfg)
     assert key != tiny_model.build_key(compose_cfg(["tracking.enabled=false"]))
-    assert tiny_model.build_settings(arith_cfg)["env"] == tiny_model.ARITH_WARM_START_ENV
+    assert tiny_model.build_settings(arith_cfg)["env"] == arith_task.Arith.warm_start_env
     assert "task" not in tiny_model.build_settings(compose_cfg(["tracking.enabled=false"]))  # musique's key unchanged
     # the run's seed, data size or reward are not build inputs
     assert tiny_model.build_key(compose_cfg([*ARITH, "seed=7", "env.arith.num_train=31", "reward=shuffled_em"])) == key

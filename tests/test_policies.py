@@ -5,9 +5,10 @@ import json
 import pytest
 from omegaconf import OmegaConf
 
-from musique_rl.env.policies import no_tool_episode, oracle_episode, replay_episodes, sub_questions
+from musique_rl.env.policies import no_tool_episode, oracle_episode, replay_episodes
 from musique_rl.env.retrieval import build_retriever
 from musique_rl.env.rewards import COMPONENTS, max_total, n_hops, score_episode, total
+from musique_rl.env.tasks.musique import sub_questions
 from musique_rl.schema import EnvConfig, RewardConfig
 
 COMBINED = OmegaConf.structured(RewardConfig(

@@ -2,7 +2,8 @@
 
 from omegaconf import OmegaConf
 
-from musique_rl.env.prompts import SYSTEM_PROMPT, build_messages, tool_schemas
+from musique_rl.env.prompts import build_messages, tool_schemas
+from musique_rl.env.tasks.musique import SYSTEM_PROMPT
 from musique_rl.schema import EnvConfig
 
 

@@ -11,8 +11,10 @@ import pytest
 import torch
 
 from musique_rl.core import tiny_model, warm_start
-from musique_rl.env import policies, prompts
+from musique_rl.env import prompts
 from musique_rl.env.rewards import score_episode
+from musique_rl.env.tasks import musique
+from musique_rl.env.tool_formats import tool_format
 
 
 def test_tokenizer_reloads_exactly_and_keeps_its_pre_tokenizer(raw_tiny, tmp_path):
@@ -30,7 +32,7 @@ def test_tokenizer_reloads_exactly_and_keeps_its_pre_tokenizer(raw_tiny, tmp_pat
     assert again.chat_template == tok.chat_template == tiny_model.chat_template()
     assert again.eos_token == "<|im_end|>" and again.pad_token == "<|endoftext|>"
     assert [again.decode([i]) for i in again.encode("ID: 13")][-2:] == ["1", "3"]  # digits one by one
-    final = policies.noisy_final_text(["Kalon"], ["3"], "Kalon")
+    final = musique.noisy_final_text(["Kalon"], ["3"], "Kalon")
     assert again.decode(again.encode(final), skip_special_tokens=True) == final  # tags are not special
 
 
@@ -45,8 +47,8 @@ def test_a_name_is_one_token_the_same_wherever_it_appears(raw_tiny):
     for text in (
         f"Question: Who is the boss of the mother of {b}?",
         f"# {b}\nThe boss of {b} is {a}.",
-        policies.tool_call_text("retrieve_documents", {"query": f"Who is the boss of {b}?"}, "hermes"),
-        policies.noisy_final_text([a, b], ["3"], b),
+        tool_format("hermes").render("retrieve_documents", {"query": f"Who is the boss of {b}?"}),
+        musique.noisy_final_text([a, b], ["3"], b),
     ):
         ids = tok.encode(text, add_special_tokens=False)
         assert name[0] in ids, text
@@ -82,7 +84,7 @@ def test_build_key_follows_the_build_inputs_not_the_seed(tiny_cfg, monkeypatch):
     other.model.tiny.sft_noise = 0.3
     assert tiny_model.build_key(other) != key
     # what the SFT data says is a build input, whichever code path changes it
-    monkeypatch.setattr(prompts, "SYSTEM_PROMPT", prompts.SYSTEM_PROMPT + " Be brief.")
+    monkeypatch.setattr(musique, "SYSTEM_PROMPT", musique.SYSTEM_PROMPT + " Be brief.")
     assert tiny_model.build_key(tiny_cfg) != key
 
 

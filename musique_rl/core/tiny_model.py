@@ -9,7 +9,7 @@ Nothing is downloaded:
   2. a ``Qwen2ForCausalLM`` built from ``model.tiny`` (hidden size, layers, heads);
   3. its warm start, a directory ``tiny-<key>`` holding ``model/``, ``tokenizer/`` and
      ``build.json`` (quality gate, weights hash). ``<key>`` (``build_key``) hashes every input of
-     the build: the ``model.tiny`` settings, the fixed warm-start environment (``WARM_START_ENV``),
+     the build: the ``model.tiny`` settings, the task's fixed warm-start environment (``Task.warm_start_env``),
      the chat template, and the rendered text of the first warm-start conversations (so a change
      to prompts, tools or the synthetic world changes the key, while a refactor does not).
 
@@ -34,13 +34,15 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from musique_rl.env.tasks import DEFAULT_TASK, TASKS, Task, task_for
+
 log = logging.getLogger(__name__)
 
 BUILD_VERSION = "2"  # bump when the build recipe changes (SFT schedule, gate): a new key, a rebuild
 SHIPPED_DIR = Path(__file__).resolve().parent.parent / "warm_starts"  # warm starts committed to the repository
 FINGERPRINT_EPISODES = 16  # rendered conversations hashed into the key (the data's behaviour, not its code)
 BPE_EPISODES = 1000  # warm-start conversations the tokenizer is trained on
-# The synthetic worlds of the warm-start data: many (policies.noisy_oracle_dataset says why), none of
+# The synthetic worlds of the warm-start data: many (tasks/musique.py noisy_oracle_dataset says why), none of
 # them a world a run draws (a run's world is its seed: 1, 2, ...) or the gate's (warm_start.py).
 WARM_START_WORLDS = list(range(1000, 1016))
 
@@ -60,9 +62,10 @@ TAG_TOKENS = [
 ]
 
 
-def isolating_pattern(task: str = "musique") -> str:
-    """The pre-tokenizer's isolated pieces: capitalised words (names, with their leading space),
-    the relation words of the synthetic world, and single digits (as Qwen splits digits).
+def isolating_pattern(task: Any) -> str:
+    """The pre-tokenizer's isolated pieces, the task's (``Task.tokenizer_pattern``): for musique
+    capitalised words (names, with their leading space), the relation words of the synthetic world,
+    and single digits (as Qwen splits digits); for arith whole numbers.
 
     Why not Qwen's word-by-word split: on this CPU every token costs, and ~70% of an episode was
     constant text (system prompt, tool schema, JSON around a tool call) that a word-level BPE
@@ -70,16 +73,8 @@ def isolating_pattern(task: str = "musique") -> str:
     (``\n{"name": "retrieve_documents", "arguments": {"query": "`` becomes a token or two), while
     every word a policy must copy (a name, a relation, a document id) is the same token ids
     wherever it appears: in the question, a document, a query or the answer.
-
-    The arith task (``task="arith"``) isolates whole numbers with their leading space instead: the
-    BPE merges each small number into ONE token (`` 12``), the same in the question, the working and
-    the answer, so an operation is a lookup over number tokens, not digit-by-digit carrying.
     """
-    if task == "arith":
-        return r" ?\p{Lu}\p{L}*| ?\p{N}+"
-    from musique_rl.env.synthetic import RELATIONS
-
-    return r" ?\p{Lu}\p{L}*| ?\b(?:" + "|".join(RELATIONS) + r")\b|\p{N}"
+    return task.tokenizer_pattern()
 
 
 def chat_template() -> str:
@@ -88,7 +83,7 @@ def chat_template() -> str:
 
 
 # ---------------------------------------------------------------- tokenizer
-def _byte_level_tokenizer(vocab_size: int | None, texts: list[str] | None, task: str = "musique"):
+def _byte_level_tokenizer(vocab_size: int | None, texts: list[str] | None, task: Any):
     """A ``tokenizers.Tokenizer``: byte-level BPE (isolating_pattern split); trained on ``texts`` if given."""
     from tokenizers import (
         AddedToken,
@@ -141,15 +136,15 @@ def _wrap(tok) -> Any:
     return fast
 
 
-def build_tokenizer(texts: list[str], vocab_size: int, task: str = "musique") -> Any:
+def build_tokenizer(texts: list[str], vocab_size: int, task: Any) -> Any:
     """Train the BPE on ``texts`` (rendered conversations) and wrap it with the chat template."""
     return _wrap(_byte_level_tokenizer(vocab_size, texts, task))
 
 
 def render_tokenizer() -> Any:
     """A merge-less byte-level tokenizer with the chat template: renders conversations to text
-    before the real BPE exists (rendering needs the template, not the merges)."""
-    return _wrap(_byte_level_tokenizer(None, None))
+    before the real BPE exists (rendering needs the template, not the merges: any task's pieces do)."""
+    return _wrap(_byte_level_tokenizer(None, None, TASKS[DEFAULT_TASK]))
 
 
 def load_tokenizer(path: str | Path) -> Any:
@@ -200,75 +195,22 @@ def cpu_threads_for_tiny() -> None:
 
 
 # ---------------------------------------------------------------- the warm-start data
-# The environment the warm start is trained and gated in, whatever the run's ``env``: a warm start is
-# a fixed artifact (like a downloaded checkpoint), so both arms of a sweep that changes the env
-# (h04's small budgets, another retriever) start from the same weights. musique_mini's defaults.
-WARM_START_ENV = {
-    "synthetic": {"hops": [2], "num_paragraphs": 6},
-    "retriever": "bm25",
-    "scope": "question",
-    "top_n": 1,
-    "get_document_tool": False,
-    "supporting_in_prompt": False,
-    "max_turns": 4,
-    "max_prompt_tokens": 1024,
-    "max_tokens_per_turn": 48,
-    "max_completion_tokens": 512,
-}
-
-
-# The control task's warm start (``env.task=arith``, musique_rl/env/arith.py): its own fixed
-# environment, and its own SFT recipe in place of model.tiny's sft_* settings (those are tuned for
-# the multi-hop task; the architecture settings stay model.tiny's). Both are hashed into its key.
-ARITH_WARM_START_ENV = {
-    "task": "arith",
-    "arith": {"max_operand": 9, "ops": ["+", "-"]},
-    "supporting_in_prompt": False,
-    "max_turns": 1,
-    "max_prompt_tokens": 256,
-    "max_tokens_per_turn": 32,
-    "max_completion_tokens": 32,
-}
-ARITH_SFT = {
-    "sft_records": 4800,
-    # 4800 x 6 / 16 = 1,800 steps (~2 min on one core). Measured: 900 steps had not formed the
-    # operation (sampled EM 0.04 with operands to 20; 0.03 after 2,400 steps); with operands 1-9 a
-    # 1,800-step build passes at sampled/greedy EM 0.54/1.00
-    "sft_epochs": 6,
-    "sft_learning_rate": 2.0e-2,
-    "sft_noise": 0.5,  # share of SFT targets with one wrong decision (the other operation, or off by one)
-    "sft_single_step_share": 0.0,
-    "sft_max_rounds": 3,
-    "sft_extra_lr_scale": 0.25,
-    "gate_shapes": ["arith"],
-}
-
-
-def task_of(cfg: Any) -> str:
-    """The run's task (``env.task``): ``musique`` or ``arith``; it picks the warm start's environment."""
-    env = cfg.get("env") if hasattr(cfg, "get") else None
-    return str(env.get("task", "musique")) if env is not None else "musique"
+# The environment the warm start is trained and gated in, whatever the run's ``env``, is its task's
+# (``Task.warm_start_env``, and ``Task.warm_start_sft`` in place of model.tiny's sft_* settings): a
+# warm start is a fixed artifact (like a downloaded checkpoint), so both arms of a sweep that changes
+# the env (h04's small budgets, another retriever) start from the same weights.
+def task_of(cfg: Any) -> Task:
+    """The run's task (``env.task``); it holds the warm start's environment and recipe."""
+    return task_for(cfg.get("env") if hasattr(cfg, "get") else None)
 
 
 def warm_start_config(cfg: Any) -> Any:
-    """``cfg`` with the fixed warm-start environment of its task in place of the run's
-    (``WARM_START_ENV``; for ``env.task=arith``, ``ARITH_WARM_START_ENV`` and ``ARITH_SFT``)."""
-    if task_of(cfg) == "arith":
-        return OmegaConf.merge(cfg, {"env": ARITH_WARM_START_ENV, "model": {"tiny": ARITH_SFT}})
-    return OmegaConf.merge(cfg, {"env": WARM_START_ENV})
-
-
-def names_text(task: str = "musique") -> str:
-    """Every name once with its leading space, so the BPE gives each its own token whatever world a
-    run draws its people from (arith: every number the task can write, and its words)."""
-    if task == "arith":
-        from musique_rl.env import arith
-
-        top = 2 * int(ARITH_WARM_START_ENV["arith"]["max_operand"]) + 1
-        return " " + " ".join([*(str(i) for i in range(top + 1)), *arith.NAMES, *arith.OBJECTS])
-    from musique_rl.env.synthetic import NAMES, RELATIONS
-
-    return " " + " ".join([*NAMES, *RELATIONS])
+    """``cfg`` with its task's fixed warm-start environment (and SFT recipe) in place of the run's."""
+    task = task_of(cfg)
+    overlay: dict = {"env": task.warm_start_env}
+    if task.warm_start_sft:
+        overlay["model"] = {"tiny": task.warm_start_sft}
+    return OmegaConf.merge(cfg, overlay)
 
 
 def tools_for(env_cfg: Any) -> list[dict] | None:
@@ -280,17 +222,10 @@ def tools_for(env_cfg: Any) -> list[dict] | None:
 def warm_start_conversations(cfg: Any, n_records: int | None = None) -> tuple[list[dict], list[list[dict]], list]:
     """(records, message lists, env config per episode) of the noisy-oracle SFT data (the first
     ``n_records`` of it: the generator, the retriever and the rng stream are prefix-stable)."""
-    from musique_rl.env.policies import arith_noisy_oracle_dataset, noisy_oracle_dataset
-
     cfg = warm_start_config(cfg)
     tiny = cfg.model.tiny
-    if task_of(cfg) == "arith":
-        return arith_noisy_oracle_dataset(cfg.env, int(n_records if n_records is not None else tiny.sft_records),
-                                          float(tiny.sft_noise), worlds=WARM_START_WORLDS)
-    return noisy_oracle_dataset(
-        cfg.env, int(n_records if n_records is not None else tiny.sft_records), float(tiny.sft_noise),
-        float(tiny.sft_single_step_share), worlds=WARM_START_WORLDS,
-    )
+    n = int(n_records if n_records is not None else tiny.sft_records)
+    return task_of(cfg).warm_start_dataset(cfg.env, n, tiny, WARM_START_WORLDS)
 
 
 def render_texts(episodes: list[list[dict]], envs: list) -> list[str]:
@@ -301,16 +236,13 @@ def render_texts(episodes: list[list[dict]], envs: list) -> list[str]:
 
 # ---------------------------------------------------------------- where a warm start lives
 def build_settings(cfg: Any) -> dict:
-    """Every setting the built warm start depends on: ``model.tiny`` and the fixed warm-start
-    environment (not the run's env or seed: seeds and arms vary the RL run, never its start)."""
-    arith = task_of(cfg) == "arith"
-    if arith:
-        cfg = warm_start_config(cfg)
-    tiny = OmegaConf.to_container(cfg.model.tiny, resolve=True)
+    """Every setting the built warm start depends on: ``model.tiny`` (with the task's SFT recipe),
+    the task and its fixed warm-start environment (not the run's env or seed: seeds and arms vary
+    the RL run, never its start)."""
+    task = task_of(cfg)
+    tiny = OmegaConf.to_container(warm_start_config(cfg).model.tiny, resolve=True)
     tiny.pop("cache_dir", None)
-    if arith:
-        return {"build": BUILD_VERSION, "task": "arith", "tiny": tiny, "env": ARITH_WARM_START_ENV}
-    return {"build": BUILD_VERSION, "tiny": tiny, "env": WARM_START_ENV}
+    return {"build": BUILD_VERSION, **task.key_fields(), "tiny": tiny, "env": task.warm_start_env}
 
 
 def build_key(cfg: Any) -> str:
@@ -359,5 +291,5 @@ def build_untrained(cfg: Any, n_records: int | None = None) -> tuple[Any, Any, l
     # 1,000 conversations hold every merge worth having; the names text covers the rest
     texts = render_texts(episodes[:BPE_EPISODES], envs[:BPE_EPISODES])
     task = task_of(cfg)
-    tokenizer = build_tokenizer(texts + [names_text(task)] * 8, int(cfg.model.tiny.vocab_size), task)
+    tokenizer = build_tokenizer(texts + [task.names_text()] * 8, int(cfg.model.tiny.vocab_size), task)
     return build_model(cfg.model.tiny, tokenizer), tokenizer, records, episodes, envs

@@ -2,9 +2,10 @@
 
 GRPO only sharpens choices a policy already samples (docs/warm_start.md): a warm start that
 cannot copy a name yet gains nothing, one that always answers right has nothing to learn. So the
-build ends with a gate on held-out questions (the synthetic validation split of a world the SFT
-data never saw), for EACH episode shape the hypotheses use (with the tool, and single-step with
-the gold paragraphs in the prompt: h07):
+build ends with a gate on held-out questions (the validation split of a world the SFT data never
+saw), for EACH episode shape of the task (``Task.gate_shapes``; musique: with the tool, and
+single-step with the gold paragraphs in the prompt, h07), within the task's bounds (``Task.gate``;
+musique's):
   - sampled answer EM (pass@1) in [0.40, 0.70]: room to learn;
   - greedy answer EM >= 0.80: the right decision is the policy's mode (copying formed);
   - pass@8 >= pass@1 + 0.30: the right answer is sampled often enough for a group to see it.
@@ -39,34 +40,21 @@ import numpy as np
 from omegaconf import OmegaConf
 
 from musique_rl.core import tiny_model
+from musique_rl.env.tasks import gate_of
 
 log = logging.getLogger(__name__)
 
-GATE_SAMPLED_EM = (0.40, 0.70)
-GATE_GREEDY_EM = 0.80
-GATE_PASS_GAP = 0.30
-GATE_RECORDS = 48  # held-out questions per shape
 GATE_SAMPLES = 8  # samples per question (pass@8)
-GATE_WORLD_SEED = 1  # the gate's world: not the SFT data's (tiny_model.WARM_START_WORLDS); seed 1's
-SHAPES = {"tool": False, "single_step": True}  # gate shape -> env.supporting_in_prompt
-# The control task's start (env.task=arith, tiny_model.ARITH_WARM_START_ENV): one shape, its own
-# bounds. Sampled EM with room to learn, the right answer the mode (greedy clearly above sampled),
-# and groups that see it (pass@8 well above pass@1). More questions: a turn is ~12 tokens.
-ARITH_SHAPE = "arith"
-ARITH_GATE = {"sampled_em": (0.30, 0.65), "greedy_over_sampled_min": 0.15, "pass8_minus_pass1_min": 0.25}
-ARITH_GATE_RECORDS = 96
 
 
 def shapes_for(cfg: Any) -> tuple[str, ...]:
     """The episode shapes a warm start of ``cfg``'s task is measured in."""
-    return (ARITH_SHAPE,) if tiny_model.task_of(cfg) == "arith" else tuple(SHAPES)
+    return tuple(tiny_model.task_of(cfg).gate_shapes)
 
 
 def shape_of(cfg: Any) -> str:
     """The episode shape a run of ``cfg`` trains."""
-    if tiny_model.task_of(cfg) == "arith":
-        return ARITH_SHAPE
-    return next(k for k, v in SHAPES.items() if v == bool(cfg.env.supporting_in_prompt))
+    return tiny_model.task_of(cfg).shape_of(cfg.env)
 
 
 class WarmStartGateError(RuntimeError):
@@ -160,17 +148,7 @@ def sft(model: Any, tokenizer: Any, rows: list, out_dir: Path, *, epochs: float,
 
 # ---------------------------------------------------------------- the gate
 def gate_records(cfg: Any) -> list[dict]:
-    if tiny_model.task_of(cfg) == "arith":  # held-out questions: the validation split, never in SFT
-        from musique_rl.env import arith
-
-        ar = cfg.env.arith
-        return arith.generate_records("validation", ARITH_GATE_RECORDS, seed=GATE_WORLD_SEED,
-                                      max_operand=int(ar.max_operand), ops=list(ar.ops))
-    from musique_rl.env.synthetic import generate_records
-
-    syn = cfg.env.synthetic
-    return generate_records("validation", GATE_RECORDS, seed=GATE_WORLD_SEED, hops=list(syn.hops),
-                            num_paragraphs=int(syn.num_paragraphs))
+    return tiny_model.task_of(cfg).gate_records(cfg.env)
 
 
 def measure(cfg: Any, model: Any, tokenizer: Any, records: list[dict] | None = None,
@@ -185,9 +163,10 @@ def measure(cfg: Any, model: Any, tokenizer: Any, records: list[dict] | None = N
         return np.array([score_episode(r, e["messages"])["answer_em"] for r, e in zip(recs, episodes, strict=True)])
 
     records = records or gate_records(cfg)
+    overrides = tiny_model.task_of(cfg).gate_shapes
     out = {}
     for shape in shapes or shapes_for(cfg):
-        shape_cfg = cfg if shape == ARITH_SHAPE else OmegaConf.merge(cfg, {"env": {"supporting_in_prompt": SHAPES[shape]}})
+        shape_cfg = OmegaConf.merge(cfg, {"env": overrides[shape]}) if overrides[shape] else cfg
         torch.manual_seed(0)
         sampled = run_model_episodes(shape_cfg, records * GATE_SAMPLES, model=model, tokenizer=tokenizer,
                                      temperature=float(cfg.train.temperature))
@@ -202,47 +181,34 @@ def measure(cfg: Any, model: Any, tokenizer: Any, records: list[dict] | None = N
 
 
 def gate_failures(numbers: dict[str, dict[str, float]], shapes: Any = None) -> list[str]:
-    """What fails the gate in ``shapes`` (default: all measured), one reason per shape and criterion
-    (empty: the gate holds)."""
-    lo, hi = GATE_SAMPLED_EM
+    """What fails the gate in ``shapes`` (default: all measured), one reason per shape and criterion,
+    each shape against its task's bounds (``Task.gate``; empty: the gate holds)."""
     failures = []
     for shape, n in numbers.items():
         if shapes is not None and shape not in shapes:
             continue
-        if shape == ARITH_SHAPE:
-            failures += _arith_gate_failures(n)
-            continue
+        gate = gate_of(shape)
+        lo, hi = gate["sampled_em"]
         if not lo <= n["sampled_em"] <= hi:
             failures.append(f"{shape}: sampled answer EM {n['sampled_em']:.3f} outside [{lo}, {hi}]")
-        if n["greedy_em"] < GATE_GREEDY_EM:
-            failures.append(f"{shape}: greedy answer EM {n['greedy_em']:.3f} < {GATE_GREEDY_EM}")
-        if n["pass8"] < n["sampled_em"] + GATE_PASS_GAP:
-            failures.append(f"{shape}: pass@8 {n['pass8']:.3f} < pass@1 {n['sampled_em']:.3f} + {GATE_PASS_GAP}")
+        if "greedy_em_min" in gate and n["greedy_em"] < gate["greedy_em_min"]:
+            failures.append(f"{shape}: greedy answer EM {n['greedy_em']:.3f} < {gate['greedy_em_min']}")
+        if "greedy_over_sampled_min" in gate and n["greedy_em"] < n["sampled_em"] + gate["greedy_over_sampled_min"]:
+            failures.append(f"{shape}: greedy answer EM {n['greedy_em']:.3f} < sampled {n['sampled_em']:.3f} + "
+                            f"{gate['greedy_over_sampled_min']}")
+        if n["pass8"] < n["sampled_em"] + gate["pass8_minus_pass1_min"]:
+            failures.append(f"{shape}: pass@8 {n['pass8']:.3f} < pass@1 {n['sampled_em']:.3f} + {gate['pass8_minus_pass1_min']}")
     return failures
-
-
-def _arith_gate_failures(n: dict[str, float]) -> list[str]:
-    lo, hi = ARITH_GATE["sampled_em"]
-    out = []
-    if not lo <= n["sampled_em"] <= hi:
-        out.append(f"arith: sampled answer EM {n['sampled_em']:.3f} outside [{lo}, {hi}]")
-    if n["greedy_em"] < n["sampled_em"] + ARITH_GATE["greedy_over_sampled_min"]:
-        out.append(f"arith: greedy answer EM {n['greedy_em']:.3f} < sampled {n['sampled_em']:.3f} + "
-                   f"{ARITH_GATE['greedy_over_sampled_min']}")
-    if n["pass8"] < n["sampled_em"] + ARITH_GATE["pass8_minus_pass1_min"]:
-        out.append(f"arith: pass@8 {n['pass8']:.3f} < pass@1 {n['sampled_em']:.3f} + {ARITH_GATE['pass8_minus_pass1_min']}")
-    return out
 
 
 def gate_criteria(cfg: Any) -> dict[str, Any]:
     """The gate's bounds and sample, as build.json records them."""
-    if tiny_model.task_of(cfg) == "arith":
-        return {**{k: list(v) if isinstance(v, tuple) else v for k, v in ARITH_GATE.items()},
-                "records_per_shape": ARITH_GATE_RECORDS, "samples": GATE_SAMPLES, "generator_seed": GATE_WORLD_SEED,
-                "split": "validation"}
-    return {"sampled_em": list(GATE_SAMPLED_EM), "greedy_em_min": GATE_GREEDY_EM,
-            "pass8_minus_pass1_min": GATE_PASS_GAP, "records_per_shape": GATE_RECORDS,
-            "samples": GATE_SAMPLES, "world_seed": GATE_WORLD_SEED, "split": "validation"}
+    out: dict[str, Any] = {}
+    for k, v in tiny_model.task_of(cfg).gate.items():
+        out[k] = list(v) if isinstance(v, tuple) else v
+        if k == "records_per_shape":
+            out["samples"] = GATE_SAMPLES
+    return out
 
 
 # ---------------------------------------------------------------- build
@@ -262,8 +228,8 @@ def deterministic() -> None:
 
 
 def build(cfg: Any, out: Path) -> dict:
-    """Build, warm-start and gate the tiny model of ``cfg`` into ``out`` (in the fixed warm-start
-    environment, ``tiny_model.WARM_START_ENV``); returns build.json's content."""
+    """Build, warm-start and gate the tiny model of ``cfg`` into ``out`` (in its task's fixed
+    warm-start environment, ``Task.warm_start_env``); returns build.json's content."""
     import torch
 
     t0 = time.time()

@@ -1,4 +1,5 @@
-"""The control task (``env=arith``): short arithmetic word problems, single turn, no documents.
+"""The control task's generator (``env=arith``; the task: musique_rl/env/tasks/arith.py): short
+arithmetic word problems, single turn, no documents.
 
 Why: the seeds saw single-turn GSM8K learn with the same trainer that sat flat on MuSiQue. A
 known-good task beside MuSiQue proves the GRPO library learns here before a MuSiQue run is
@@ -61,7 +62,7 @@ def work_text(a: int, op: str, b: int, result: int) -> str:
 
 
 def answer_text(work: str, answer: int | str) -> str:
-    """The final turn in the task's format (``prompts.ARITH_ANSWER_FORMAT``)."""
+    """The final turn in the task's format (``tasks/arith.py`` ``ANSWER_FORMAT``)."""
     return f"<think>{work}</think>\n<answer> {answer}</answer>"
 
 

@@ -5,10 +5,10 @@ slicing (``bdsaglam/musique,answerable,train[:256]``). Each part is one of
 - a hub dataset, loaded with ``datasets.load_dataset(path, name, split=split)``;
 - a local file in the original MuSiQue format (jsonl, or a json list): the part is its path,
   optionally followed by ``,name,split[slice]`` to slice it (the name is ignored);
-- ``synthetic,<name>,<split>``: the embedded generator (musique_rl/env/synthetic.py), ``env.synthetic``
-  sizes; split ``train`` gives ``num_train`` records, any other ``num_eval``.
-- ``arith,<name>,<split>``: the control task's generator (musique_rl/env/arith.py), ``env.arith``
-  settings, sized the same way; its records have no paragraphs (valid under ``env.task=arith``).
+- ``<generator>,<name>,<split>``: a task's embedded generator (``Task.generator``,
+  musique_rl/env/tasks/): ``synthetic`` (musique_rl/env/synthetic.py, ``env.synthetic`` sizes) or
+  ``arith`` (musique_rl/env/arith.py, ``env.arith`` settings; records without paragraphs, valid
+  under ``env.task=arith``); split ``train`` gives ``num_train`` records, any other ``num_eval``.
 All parts are concatenated, validated, filtered (env.answerable_only, env.hops, env.noise_rate,
 env.max_paragraphs) and shuffled with the seed. ``load_records`` is the entry point.
 """
@@ -21,12 +21,11 @@ import random
 from pathlib import Path
 from typing import Any
 
-from musique_rl.env.prompts import is_arith
+from musique_rl.env.tasks import TASKS, generators, task_for
 
 log = logging.getLogger(__name__)
 
 LOCAL_SUFFIXES = (".jsonl", ".json")
-GENERATORS = ("synthetic", "arith")  # embedded generators a spec names by its first field
 
 
 class InvalidRecordError(ValueError):
@@ -35,7 +34,8 @@ class InvalidRecordError(ValueError):
 
 # ---------------------------------------------------------------- spec parsing
 def parse_spec(spec: str) -> list[dict]:
-    """Split a spec string into parts: ``[{"kind": hub|local|synthetic|arith, "path", "name", "split"}]``."""
+    """Split a spec string into parts: ``[{"kind": hub|local|<generator>, "path", "name", "split"}]``
+    (a generator is a task's embedded one: synthetic, arith, ...)."""
     if not isinstance(spec, str) or not spec.strip():
         raise ValueError(f"env.data={spec!r}: expected 'path,name,split' specs joined by ';' or a file path")
     parts = []
@@ -45,7 +45,7 @@ def parse_spec(spec: str) -> list[dict]:
             continue
         fields = [f.strip() for f in raw.split(",")]
         path = fields[0]
-        if path in GENERATORS:
+        if path in generators():
             if len(fields) != 3:
                 raise ValueError(f"env.data part {raw!r}: expected '{path},<name>,<split>'")
             parts.append({"kind": path, "path": path, "name": fields[1], "split": fields[2]})
@@ -122,26 +122,10 @@ def _read_hub(path: str, name: str | None, split: str) -> list[dict]:
     return [dict(r) for r in ds]
 
 
-def _read_synthetic(part: dict, env_cfg: Any, seed: int) -> list[dict]:
-    try:
-        from musique_rl.env.synthetic import generate_records
-    except ImportError as e:
-        raise RuntimeError("env.data=synthetic needs musique_rl/env/synthetic.py (the embedded generator)") from e
-    syn = env_cfg.synthetic
+def _read_generator(part: dict, env_cfg: Any, seed: int) -> list[dict]:
+    """Records of a task's embedded generator (``Task.generate``), then the split's slice."""
     base = part["split"].split("[", 1)[0]
-    n = syn.num_train if base == "train" else syn.num_eval
-    records = generate_records(split=base, n=int(n), seed=seed, hops=list(syn.hops), num_paragraphs=int(syn.num_paragraphs))
-    return _slice(list(records), part["split"])
-
-
-def _read_arith(part: dict, env_cfg: Any, seed: int) -> list[dict]:
-    from musique_rl.env.arith import generate_records
-
-    ar = env_cfg.arith
-    base = part["split"].split("[", 1)[0]
-    n = ar.num_train if base == "train" else ar.num_eval
-    records = generate_records(split=base, n=int(n), seed=seed, max_operand=int(ar.max_operand), ops=list(ar.ops))
-    return _slice(records, part["split"])
+    return _slice(generators()[part["kind"]].generate(base, env_cfg, seed), part["split"])
 
 
 # ---------------------------------------------------------------- validation
@@ -165,8 +149,8 @@ def _type_name(t: type) -> str:
 def validate_record(rec: Any, where: str = "", documents: bool = True) -> None:
     """Raise InvalidRecordError naming the record id and the field if ``rec`` breaks the schema.
 
-    ``documents=False`` (``env.task=arith``, a single-turn task with no documents): ``paragraphs``
-    may be empty, and a decomposition step then needs no ``paragraph_support_idx``."""
+    ``documents=False`` (a task whose records hold no documents, ``Task.documents``: arith):
+    ``paragraphs`` may be empty, and a decomposition step then needs no ``paragraph_support_idx``."""
     rid = rec.get("id", "<no id>") if isinstance(rec, dict) else "<not an object>"
     at = f" ({where})" if where else ""
 
@@ -181,7 +165,8 @@ def validate_record(rec: Any, where: str = "", documents: bool = True) -> None:
         if not isinstance(rec[key], typ):
             raise bad(key, f"must be {_type_name(typ)}, got {type(rec[key]).__name__}")
     if not rec["paragraphs"] and documents:
-        raise bad("paragraphs", "is empty (a record without documents is valid only under env.task=arith)")
+        without = " or ".join(f"env.task={t.name}" for t in TASKS.values() if not t.documents) or "no task"
+        raise bad("paragraphs", f"is empty (a record without documents is valid only under {without})")
     seen = set()
     for i, p in enumerate(rec["paragraphs"]):
         if not isinstance(p, dict):
@@ -255,14 +240,13 @@ def load_records(spec: str, env_cfg: Any, seed: int, stats: dict | None = None) 
             recs = _read_hub(part["path"], part["name"], part["split"])
             where = f"{part['path']},{part['name']},{part['split']}"
         else:
-            read = _read_synthetic if part["kind"] == "synthetic" else _read_arith
-            recs = read(part, env_cfg, seed)
+            recs = _read_generator(part, env_cfg, seed)
             where = f"{part['kind']},{part['name']},{part['split']}"
         raw += [(r, f"{where} #{i}") for i, r in enumerate(recs)]
 
     counts = {"loaded": len(raw), "invalid": 0, "unanswerable": 0, "wrong_hops": 0, "kept": 0}
     hops = set(env_cfg.hops) if env_cfg.hops else None
-    documents = not is_arith(env_cfg)
+    documents = task_for(env_cfg).documents
     records = []
     for rec, where in raw:
         try:

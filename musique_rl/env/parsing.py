@@ -27,6 +27,11 @@ class FinalAnswer:
         return {t: getattr(self, t) is not None for t in TAGS}
 
 
+def final_text(think: str, cite_ids: list[str], answer: str) -> str:
+    """A final turn in the answer format read here (what the scripted policies write)."""
+    return f"<think>{think}</think>\n<cite>{', '.join(cite_ids)}</cite>\n<answer>{answer}</answer>"
+
+
 def extract_tag(text: str, tag: str) -> str | None:
     """Content of the last closed ``<tag>...</tag>`` pair, stripped; None when there is none.
 

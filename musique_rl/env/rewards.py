@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from musique_rl.env.parsing import TAGS, assistant_turn, parse_final
-from musique_rl.env.prompts import is_arith
+from musique_rl.env.tasks import task_for
 from musique_rl.env.tools import paragraph_ids, parse_document_ids
 
 log = logging.getLogger(__name__)
@@ -211,25 +211,19 @@ def check_weights(reward_cfg: Any) -> None:
         raise ValueError(f"reward.normalizer={reward_cfg.normalizer}: must be > 0")
 
 
-# What a record of the control task (env.task=arith: no documents, no citations, no <cite> in its
-# answer format) can be scored on; every other component would be a constant 0 (or capped at 2/3
-# for ``format``), a reward that cannot tell a right answer from a wrong one.
-ARITH_COMPONENTS = ("answer_em", "answer_f1")
-
-
 def check_task(reward_cfg: Any, env_cfg: Any) -> None:
-    """Fail before any compute when ``reward`` weighs a component the task cannot score: under
-    ``env.task=arith`` only ``ARITH_COMPONENTS`` (retrieval and citations need documents; ``format``
-    counts a ``<cite>`` the task's format does not have)."""
-    if not is_arith(env_cfg):
+    """Fail before any compute when ``reward`` weighs a component the task cannot score
+    (``Task.scored_components``: under env.task=arith only the answer; retrieval and citations need
+    documents, and ``format`` counts a ``<cite>`` its answer format does not have)."""
+    task = task_for(env_cfg)
+    if task.scored_components is None:
         return
     spec = as_spec(reward_cfg)
-    bad = [k for k, w in spec.weights if w and k not in ARITH_COMPONENTS]
+    bad = [k for k, w in spec.weights if w and k not in task.scored_components]
     if bad:
         raise ValueError(
-            f"reward={spec.name} weighs {bad}, which env.task=arith (env=arith: one turn, no documents, no "
-            f"citations) cannot score; use a reward over {list(ARITH_COMPONENTS)}: reward=answer_em, "
-            "reward=answer_f1, reward=answer_only, or the shuffled control reward=shuffled_em"
+            f"reward={spec.name} weighs {bad}, which env.task={task.name} ({task.description}) cannot score; "
+            f"use a reward over {list(task.scored_components)}: {task.reward_hint}"
         )
 
 

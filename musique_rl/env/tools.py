@@ -1,4 +1,4 @@
-"""The retrieval tools: parsing tool calls from model text, executing them, rendering documents.
+"""The retrieval tools: checking the tool calls a model wrote, executing them, rendering documents.
 
 Model output is untrusted: a malformed call (bad JSON, unknown tool, missing or empty argument)
 becomes a ``ToolCall`` with ``error`` set, and executing it returns an error message for the model
@@ -18,15 +18,14 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from musique_rl.env.tool_formats import tool_format
+
 TOOL_ARGS = {"retrieve_documents": "query", "get_document": "id"}  # tool -> its one required argument
 # A turn with more calls than this gets them plus one error call: a degenerate policy that repeats
 # a call 100,000 times must not stall the rollout (measured: 85 s to parse and run one such turn).
 MAX_CALLS_PER_TURN = 16
 
 _DOC_ID_RE = re.compile(r"^Document ID: (\S+)", re.MULTILINE)
-_HERMES_RE = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
-_LLAMA_PREFIX = "<|python_tag|>"
-_LLAMA_SEP_RE = re.compile(r"[\s;]*")
 
 
 @dataclass
@@ -109,57 +108,21 @@ def _validate(obj: Any, args_key: str) -> ToolCall:
     return ToolCall(name=name, arguments={**args, key: value.strip()})
 
 
-def _loads(text: str) -> tuple[Any, str | None]:
-    try:
-        return json.loads(text), None
-    except (ValueError, RecursionError) as e:  # RecursionError: absurdly nested JSON
-        return None, f"tool call is not valid JSON ({type(e).__name__})"
-
-
 def parse_tool_calls(text: str, fmt: str = "hermes") -> list[ToolCall]:
     """All tool calls in one assistant turn, valid or not (empty list = no call attempted).
 
-    hermes (Qwen2.5/Qwen3): ``<tool_call>{"name": .., "arguments": {..}}</tool_call>``; an
-    unclosed final ``<tool_call>`` (generation stopped on the closing tag) is read to the end.
-    llama3_json (Llama 3.1): a bare JSON object ``{"name": .., "parameters": {..}}``, optionally
-    after ``<|python_tag|>``, several separated by ';' or newlines.
-    """
+    ``fmt`` (``model.tool_call_format``) names the syntax (musique_rl/env/tool_formats/); each call
+    it finds is then checked here, the same for every format."""
     if not isinstance(text, str):
         return []
-    fmt = str(fmt)
+    form = tool_format(fmt)
     calls: list[ToolCall] = []
-    too_many = ToolCall(name="", error=f"more than {MAX_CALLS_PER_TURN} tool calls in one turn; the rest were ignored")
-    if fmt == "hermes":
-        for match in _HERMES_RE.finditer(text):
-            if len(calls) == MAX_CALLS_PER_TURN:
-                calls.append(too_many)
-                break
-            obj, err = _loads(match.group(1).strip())
-            calls.append(ToolCall(name="", error=err) if err else _validate(obj, "arguments"))
-        return calls
-    if fmt == "llama3_json":
-        stripped = text.strip()
-        if stripped.startswith(_LLAMA_PREFIX):
-            stripped = stripped[len(_LLAMA_PREFIX) :].strip()
-        if not stripped.startswith("{"):
-            return []  # prose or a final answer: no call attempted
-        decoder = json.JSONDecoder()
-        pos = 0
-        while pos < len(stripped):
-            if len(calls) == MAX_CALLS_PER_TURN:
-                calls.append(too_many)
-                break
-            try:
-                obj, end = decoder.raw_decode(stripped, pos)
-            except (ValueError, RecursionError) as e:
-                calls.append(ToolCall(name="", error=f"tool call is not valid JSON ({type(e).__name__})"))
-                break
-            calls.append(_validate(obj, "parameters"))
-            pos = _LLAMA_SEP_RE.match(stripped, end).end()  # no slicing: linear in the text length
-            if not stripped.startswith("{", pos):
-                break
-        return calls
-    raise ValueError(f"model.tool_call_format={fmt!r}: expected 'hermes' or 'llama3_json'")
+    for obj, err in form.decode(text):
+        if len(calls) == MAX_CALLS_PER_TURN:
+            calls.append(ToolCall(name="", error=f"more than {MAX_CALLS_PER_TURN} tool calls in one turn; the rest were ignored"))
+            break
+        calls.append(ToolCall(name="", error=err) if err else _validate(obj, form.args_key))
+    return calls
 
 
 # ---------------------------------------------------------------- executing calls
