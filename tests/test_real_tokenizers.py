@@ -59,6 +59,7 @@ def test_standins_have_the_real_vocabulary_ids_and_generation_config(standins, s
     assert len(tok) == base + len(spec.added)
     for k, (content, special) in enumerate(spec.added):
         assert tok.convert_tokens_to_ids(content) == base + k
+        assert tok.added_tokens_decoder[base + k].special == special, content
     ids = {t: tok.convert_tokens_to_ids(t) for t in (tok.eos_token, tok.pad_token, tok.bos_token) if t}
     if spec is tf.LLAMA31:
         assert (base, ids) == (128000, {"<|eot_id|>": 128009, "<|begin_of_text|>": 128000})
