@@ -297,3 +297,79 @@ def test_sampler_logprobs_equal_the_trainers_whatever_the_models_generation_conf
             worst = max(worst, float((ref - torch.tensor(s.logprobs)).abs().max()))
     assert worst < 1e-4, worst
     assert model.generation_config.repetition_penalty == 1.5  # the model's own config is left as it was
+
+
+# ---------------------------------------------------------------- a real training run on each stand-in
+def _scripted_model_dir(spec, tok) -> object:
+    """A tiny model of the real vocabulary taught (tokenizer_fixtures.sft_on_turns) to call the tool once
+    and then answer, cached beside the stand-in tokenizer: a policy whose runs have tool results."""
+    import hashlib
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    from musique_rl.env.data import load_records
+
+    cfg = _cfg(spec)
+    call = policies.tool_call_text("retrieve_documents", {"query": "friend father mother teacher boss spouse mentor neighbor"}, spec.tool_call_format)
+    final = "<think> t</think>\n<cite>[0]</cite>\n<answer> unknown</answer>"
+    steps, lr = 120, 1e-2
+    key = hashlib.sha256(f"{tf.build_key(spec)} {call} {final} {steps} {lr}".encode()).hexdigest()[:12]
+    out = tf.cache_root() / f"{spec.name}-scripted-{key}"
+    if (out / "model.safetensors").exists():
+        return out
+    records = load_records(cfg.env.data, cfg.env, 1)[:32]
+    chat = ChatTokens(tok, cfg.env)
+    scripts = {tuple(chat.prompt_ids(prompts.build_messages(r, cfg.env))): [call, final] for r in records}
+    stop = tok.convert_tokens_to_ids("<|eom_id|>") if spec is tf.LLAMA31 else tok.eos_token_id
+    engine = RolloutEngine(cfg, tok, build_retriever(cfg.env, records), {r["id"]: r for r in records})
+    episodes = engine.run(records, Scripted(tok, scripts, stop))
+    sequences = [(e.prompt_ids + e.completion_ids, [0] * len(e.prompt_ids) + e.env_mask) for e in episodes]
+    base = tf.save_tiny_model(spec, out.with_name(out.name + ".base"), layers=2)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    loss = tf.sft_on_turns(model, sequences, steps=steps, lr=lr)
+    assert loss < 0.1, f"the scripted turns were not learned (loss {loss:.3f})"
+    tmp = out.with_name(out.name + ".tmp")
+    model.save_pretrained(tmp)
+    for f in base.iterdir():
+        if f.is_file() and not (tmp / f.name).exists():
+            (tmp / f.name).write_bytes(f.read_bytes())  # tokenizer, chat template, generation_config
+    tmp.replace(out)
+    shutil.rmtree(base)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", ROLLOUT_SPECS, ids=lambda s: s.name)
+def test_a_healthy_run_on_the_standin_is_diagnosed_without_an_h04_alarm(standins, spec, tmp_path):
+    """``model=<config> model.name_or_path=<dir>``: the project's own loading, HF backend, 3 steps. Every
+    tool result is checked and none is altered, and the doctor raises no h04 / h05 alarm."""
+    from musique_rl.diagnostics.doctor import diagnose_metrics
+    from musique_rl.train import train
+
+    tok = _tok(standins, spec)
+    path = _scripted_model_dir(spec, tok)
+    cfg = _cfg(spec, **{"model.name_or_path": str(path), "model.dtype": "float32", "model.attn_implementation": "sdpa",
+                        "env.max_tokens_per_turn": 48, "env.max_turns": 3, "env.top_n": 2, "train.max_steps": 3,
+                        "train.prompts_per_step": 2, "train.num_generations": 4, "train.micro_batch_size": 2,
+                        "train.eval_episodes": 4})
+    train(cfg, run_dir=tmp_path)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "h04/tool_results_checked" in r]
+    assert len(rows) == 3, "every step checks tool results (the policy calls the tool, the query matches)"
+    assert sum(r["h04/tool_results_checked"] for r in rows) >= 12
+    assert sum(r["h04/tool_results_altered"] for r in rows) == 0
+    # the ids after a tool result are found, so the sampler/trainer gap is split around them
+    assert any("h06/logp_gap_post_tool" in r for r in rows)
+    history: dict[str, list] = {}
+    for r in rows:
+        for k, v in r.items():
+            if isinstance(v, int | float) and k != "step":
+                history.setdefault(k, []).append((r["step"], float(v)))
+    flagged = [(f["hypothesis"], f["check"]) for f in diagnose_metrics(history) if f["flagged"]]
+    print(f"{spec.name}: tool results checked {sum(r['h04/tool_results_checked'] for r in rows):.0f}, altered "
+          f"{sum(r['h04/tool_results_altered'] for r in rows):.0f}; flagged {flagged}")
+    # what this degenerate policy really does (answers 'unknown', some turns cut) may be flagged; what
+    # a tokenizer could fake may not
+    for false_alarm in (("h04", "tool_results_altered"), ("h05", "reward_audit"), ("h05", "reward_errors")):
+        assert false_alarm not in flagged, flagged

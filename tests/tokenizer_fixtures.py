@@ -271,3 +271,39 @@ def save_tiny_model(spec: StandIn, path: Path, *, hidden: int = 32, layers: int 
     model.generation_config = GenerationConfig(**gc)
     model.save_pretrained(path)
     return path
+
+
+def sft_on_turns(model: Any, sequences: list[tuple[list[int], list[int]]], *, steps: int, lr: float,
+                 batch: int = 4, seed: int = 0) -> float:
+    """Teach ``model`` fixed assistant turns: (ids, mask) pairs, loss on the next id where mask is 1.
+
+    A hand-written loop, not TRL's SFTTrainer, for one reason: the logits are computed only at the
+    supervised positions (a few dozen of each ~700-id sequence), which keeps a 152k-row output layer
+    cheap enough for a test fixture. Returns the last step's mean loss."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    head = model.get_output_embeddings()
+    model.train()
+    loss = torch.tensor(0.0)
+    for _ in range(steps):
+        picks = torch.randint(len(sequences), (batch,), generator=g).tolist()
+        width = max(len(sequences[i][0]) for i in picks)
+        ids = torch.zeros((batch, width), dtype=torch.long)
+        att = torch.zeros((batch, width), dtype=torch.long)
+        tgt = torch.zeros((batch, width), dtype=torch.bool)
+        for row, i in enumerate(picks):  # left padding, as generation sees contexts
+            seq, mask = sequences[i]
+            ids[row, width - len(seq):] = torch.tensor(seq)
+            att[row, width - len(seq):] = 1
+            tgt[row, width - len(seq):] = torch.tensor(mask, dtype=torch.bool)
+        hidden = model.model(input_ids=ids, attention_mask=att).last_hidden_state
+        where = tgt[:, 1:]  # position t predicts id t+1
+        logits = head(hidden[:, :-1][where])
+        loss = torch.nn.functional.cross_entropy(logits.float(), ids[:, 1:][where])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval()
+    return float(loss.detach())
