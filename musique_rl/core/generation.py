@@ -101,8 +101,9 @@ def _without_model_defaults(model: Any) -> Iterator[None]:
     """
     from transformers import GenerationConfig
 
+    # only modules that own one (a PEFT wrapper forwards the attribute to its base model)
     saved = [(m, m.generation_config) for m in model.modules()
-             if isinstance(getattr(m, "generation_config", None), GenerationConfig)]
+             if isinstance(vars(m).get("generation_config"), GenerationConfig)]
     try:
         for m, _ in saved:
             m.generation_config = GenerationConfig()
