@@ -23,8 +23,13 @@ class CharTokenizer:
     def encode(self, text: str) -> list[int]:
         return [ord(c) + 10 for c in text]
 
-    def decode(self, ids, skip_special_tokens=False) -> str:
+    def decode(self, ids, skip_special_tokens=False, clean_up_tokenization_spaces=None) -> str:
         return "".join(chr(i - 10) for i in ids if i >= 10)
+
+    def apply_chat_template(self, messages, tools=None, add_generation_prompt=False, tokenize=False) -> str:
+        """A template that renders each content as it is, between role markers."""
+        return "".join(f"<{m['role']}>{m['content']}</{m['role']}>" for m in messages) + (
+            "<assistant>" if add_generation_prompt else "")
 
 
 def _episode(record, answer: str, doc_text: str | None = None):

@@ -84,8 +84,9 @@ def _check_token_exact(ep, tok, tools):
     turns = [m["content"] for m in ep.messages if m["role"] == "assistant"]
     assert len(runs) == len(turns) == ep.num_turns
     header = tok.encode("<|im_start|>assistant\n", add_special_tokens=False)
-    for k, ((a, b), content) in enumerate(zip(runs, turns, strict=True)):
-        closed = not (cut and k == len(turns) - 1)
+    for (a, b), content in zip(runs, turns, strict=True):
+        # closed by the template's eos; a turn that stopped on another stop id keeps it in its text
+        closed = ep.completion_ids[b - 1] == tok.eos_token_id
         assert tok.decode(ep.completion_ids[a:b]) == content + (tok.eos_token if closed else "")
         before = (ep.prompt_ids + ep.completion_ids)[len(ep.prompt_ids) + a - len(header) : len(ep.prompt_ids) + a]
         assert before == header

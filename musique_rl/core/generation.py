@@ -72,6 +72,49 @@ def _truncate(ids: list[int], logprobs: list[float], stop_ids: set[int], limit: 
 
 
 # ---------------------------------------------------------------- HF generate
+# transformers fills every field a GenerationConfig leaves unset (None) from the model's own
+# generation_config.json (Qwen2.5-7B-Instruct ships repetition_penalty 1.05, top_k 20): the neutral
+# value of each setting that changes the sampled distribution, so nothing is inherited.
+NEUTRAL_GENERATION: dict[str, Any] = {
+    "repetition_penalty": 1.0,
+    "encoder_repetition_penalty": 1.0,
+    "no_repeat_ngram_size": 0,
+    "encoder_no_repeat_ngram_size": 0,
+    "typical_p": 1.0,
+    "epsilon_cutoff": 0.0,
+    "eta_cutoff": 0.0,
+    "min_new_tokens": 0,
+    "length_penalty": 1.0,
+    "num_beams": 1,
+    "num_return_sequences": 1,
+    "guidance_scale": 1.0,
+    "renormalize_logits": False,
+    "remove_invalid_values": False,
+}
+
+
+@contextlib.contextmanager
+def _without_model_defaults(model: Any) -> Iterator[None]:
+    """Blank generation_configs on ``model`` (and a PEFT model's base) while it generates.
+
+    Settings with no neutral value (min_p, bad_words_ids, sequence_bias, suppress_tokens, forced
+    bos/eos, stop_strings, ...) count as unset when None and would be filled from the model's
+    generation_config: with a blank one there, only what ``HFGenerator`` sets applies.
+    """
+    from transformers import GenerationConfig
+
+    # only modules that own one (a PEFT wrapper forwards the attribute to its base model)
+    saved = [(m, m.generation_config) for m in model.modules()
+             if isinstance(vars(m).get("generation_config"), GenerationConfig)]
+    try:
+        for m, _ in saved:
+            m.generation_config = GenerationConfig()
+        yield
+    finally:
+        for m, cfg in saved:
+            m.generation_config = cfg
+
+
 class _WarpAndRecord:
     """A logits processor: applies the sampling warpers, remembers the log-softmax of the result.
 
@@ -170,18 +213,22 @@ class HFGenerator:
             temperature=1.0,
             top_k=0,
             top_p=1.0,
+            # Every other logits processor off, said explicitly: the trainer scores the raw logits
+            # divided by the temperature, so anything else would make sampler and trainer disagree.
+            **NEUTRAL_GENERATION,
             max_new_tokens=max(1, max(max_new_tokens)),
             eos_token_id=list(self.settings.stop_ids),
             pad_token_id=self.pad_id,
             use_cache=True,
             return_dict_in_generate=True,
         )
-        out = model.generate(
-            input_ids=input_ids.to(device),
-            attention_mask=attention.to(device),
-            generation_config=gen_cfg,
-            logits_processor=LogitsProcessorList([recorder]),
-        )
+        with _without_model_defaults(model):
+            out = model.generate(
+                input_ids=input_ids.to(device),
+                attention_mask=attention.to(device),
+                generation_config=gen_cfg,
+                logits_processor=LogitsProcessorList([recorder]),
+            )
         new = out.sequences[:, width:].cpu()
         logprobs = recorder.finish(out.sequences[:, -1]).cpu()
         stop = set(self.settings.stop_ids)
@@ -273,6 +320,8 @@ class VLLMServerGenerator(_TrainerVLLM):
             temperature=1.0 if greedy else s.temperature,
             top_p=1.0 if greedy else s.top_p,
             top_k=1 if greedy else s.top_k,  # vLLM: top_k=1 is greedy
+            repetition_penalty=1.0,  # explicit: nothing from the model's generation_config (HF path too)
+            min_p=0.0,
             max_tokens=max(1, max(limits)),
             logprobs=0,  # the sampled token's log-prob only ("processed_logprobs" server mode)
             generation_kwargs={"stop_token_ids": list(s.stop_ids), "skip_special_tokens": False},
@@ -305,6 +354,10 @@ class VLLMColocateGenerator(_TrainerVLLM):
             temperature=1.0 if greedy else s.temperature,
             top_p=1.0 if greedy else s.top_p,
             top_k=1 if greedy else s.top_k,  # vLLM: top_k=1 is greedy, 0 is off
+            min_p=0.0,  # explicit: nothing from the model's generation_config (HF path too)
+            repetition_penalty=1.0,
+            presence_penalty=0.0,
+            frequency_penalty=0.0,
             max_tokens=max(1, max(max_new_tokens)),
             logprobs=0,  # the sampled token's log-prob (TRL builds the engine with processed_logprobs)
             stop_token_ids=list(s.stop_ids),
@@ -319,7 +372,10 @@ class VLLMColocateGenerator(_TrainerVLLM):
 
 
 def samples_from_vllm(out: dict, limits: list[int], stop_ids: set[int]) -> list[Sample]:
-    """Parse ``VLLMClient.generate`` output (``completion_ids`` and (seq, len, 1) ``logprobs``)."""
+    """Parse ``VLLMClient.generate`` output (``completion_ids`` and (seq, len, 1) ``logprobs``).
+
+    A completion is stopped when it holds any id of ``stop_ids`` (the whole eos list, ``stop_ids()``),
+    cut after the first; vLLM keeps the stop id in ``token_ids``."""
     samples = []
     logprobs = out.get("logprobs")
     for i, ids in enumerate(out["completion_ids"]):
@@ -334,12 +390,35 @@ def samples_from_vllm(out: dict, limits: list[int], stop_ids: set[int]) -> list[
 
 
 # ---------------------------------------------------------------- construction
-def sampling_settings(cfg: Any, tokenizer: Any) -> SamplingSettings:
-    stop = [tokenizer.eos_token_id]
-    if tokenizer.pad_token_id is not None and tokenizer.pad_token_id not in stop:
-        stop.append(tokenizer.pad_token_id)  # <|endoftext|> ends a turn too (Qwen's generation config)
+def stop_ids(tokenizer: Any, generation_config: Any = None) -> list[int]:
+    """The one stop rule of every backend: the tokenizer's eos (the id the chat template closes an
+    assistant turn with), then every id of the model's generation_config ``eos_token_id`` list, the ids
+    the model was tuned to end on (Llama-3.1-Instruct: 128001, 128008 <|eom_id|> after a tool call,
+    128009; Qwen2.5-Instruct: 151645, 151643). vLLM adds that list to every request's stops itself."""
+    stop = [int(tokenizer.eos_token_id)]
+    listed = getattr(generation_config, "eos_token_id", None)
+    if listed is None and generation_config is None and tokenizer.pad_token_id is not None:
+        listed = [tokenizer.pad_token_id]  # no model at hand (tests, stand-ins): Qwen's <|endoftext|>
+    for t in [listed] if isinstance(listed, int) else list(listed or []):
+        if int(t) not in stop:
+            stop.append(int(t))
+    return stop
+
+
+def generation_config_of(model: Any) -> Any:
+    """The model's own generation_config (PEFT forwards it from the base model); None without one."""
+    return getattr(model, "generation_config", None) if model is not None else None
+
+
+def _policy_of(trainer: Any) -> Any:
+    model, accelerator = getattr(trainer, "model", None), getattr(trainer, "accelerator", None)
+    return accelerator.unwrap_model(model) if model is not None and accelerator is not None else model
+
+
+def sampling_settings(cfg: Any, tokenizer: Any, generation_config: Any = None) -> SamplingSettings:
     return SamplingSettings(
-        temperature=float(cfg.train.temperature), top_p=float(cfg.train.top_p), top_k=int(cfg.train.top_k), stop_ids=stop
+        temperature=float(cfg.train.temperature), top_p=float(cfg.train.top_p), top_k=int(cfg.train.top_k),
+        stop_ids=stop_ids(tokenizer, generation_config),
     )
 
 
@@ -359,7 +438,7 @@ def build_generator(
     model as it is (evaluation). ``frozen``: sample from a frozen copy of the weights as they are
     now (the planted fault ``stale_sampler``: the sampler never sees an update).
     """
-    settings = sampling_settings(cfg, tokenizer)
+    settings = sampling_settings(cfg, tokenizer, generation_config_of(model if model is not None else _policy_of(trainer)))
     if temperature is not None:
         settings.temperature = float(temperature)
     backend = backend or str(cfg.train.backend)

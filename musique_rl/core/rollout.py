@@ -18,6 +18,13 @@ after an assistant turn (the difference of two renderings, as TRL's own tool loo
 so a decoded episode equals the chat template applied to its messages, token for token
 (tests/test_rollout.py checks this).
 
+A turn ends on any id of the model's eos list (``generation.stop_ids``). The template closes an
+assistant message with the tokenizer's eos; a turn that stopped on another id of the list
+(Llama-3.1's ``<|eom_id|>`` after a tool call, Qwen's ``<|endoftext|>``) keeps that id in its message
+text, and when a tool turn follows, the environment supplies the template's eos before it (env_mask 0),
+so the ids stay what re-rendering the messages gives: ``...call<|eom_id|><|eot_id|><|start_header_id|>ipython``.
+Tool ids are labelled by character offsets of the rendered text (``ChatTokens.tool_turn``).
+
 An episode ends on a final answer (``answer``), a turn with no tool call (``no_tool_call``),
 ``env.max_turns`` (``max_turns``), a turn cut at ``env.max_tokens_per_turn`` (``turn_budget``),
 or ``env.max_completion_tokens`` over all assistant + tool ids (``episode_budget``). A tool result
@@ -73,6 +80,12 @@ class ChatTokens:
         Rendered as the difference between a conversation ending on an assistant turn and the same
         conversation plus ``tool_messages`` with the generation prompt (TRL's ``_get_tool_suffix_ids``
         does the same for its built-in tool loop). Returns (ids, source of each id).
+
+        An id is a tool id when its characters overlap what the template rendered for a tool
+        message's content (``tool_content_spans``), read from the tokenizer's offset mapping: the
+        content's own encoding need not appear among the ids, since byte-level BPE merges across its
+        edges (Qwen: a result's final ``.`` and the template's newline are one id) and a template
+        may re-render it (Llama-3.1: through ``tojson``).
         """
         base = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "x"}]
         if self._prefix is None:  # the same for every tool turn: rendered once
@@ -80,30 +93,77 @@ class ChatTokens:
             last_eos = max(i for i, t in enumerate(prefix) if t == self.eos_id)
             self._prefix = prefix[: last_eos + 1]
         prefix = self._prefix
-        full = self._render(base + tool_messages, add_generation_prompt=True)
+        text = self.tokenizer.apply_chat_template(
+            base + tool_messages, tools=self.tools, add_generation_prompt=True, tokenize=False
+        )
+        full, offsets = encode_with_offsets(self.tokenizer, text)
         if full[: len(prefix)] != prefix:
             raise ValueError(
                 "the chat template is not prefix-preserving: a conversation's rendering changes when a tool "
                 "message follows, so tool turns cannot be appended as tokens (use a prefix-preserving template)"
             )
+        spans = tool_content_spans(self.tokenizer, base, tool_messages, self.tools, text)
         ids = full[len(prefix) :]
-        sources = [SOURCE_TEMPLATE] * len(ids)
-        for m in tool_messages:  # mark the tool content's own ids (the rest is template scaffolding)
-            content = self.tokenizer.encode(m["content"], add_special_tokens=False)
-            start = _find(ids, content)
-            if start >= 0:
-                sources[start : start + len(content)] = [SOURCE_TOOL] * len(content)
+        sources = [
+            SOURCE_TOOL if any(a < end and b > start for start, end in spans) else SOURCE_TEMPLATE
+            for a, b in offsets[len(prefix) :]
+        ]
         return ids, sources
 
 
-def _find(haystack: list[int], needle: list[int]) -> int:
-    n = len(needle)
-    if n == 0:
-        return -1
-    for i in range(len(haystack) - n + 1):
-        if haystack[i : i + n] == needle:
-            return i
-    return -1
+def encode_with_offsets(tokenizer: Any, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+    """Ids of ``text`` as the chat template's ``tokenize=True`` encodes it, with each id's character span."""
+    try:
+        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    except NotImplementedError as e:  # slow (Python) tokenizers have no offset mapping
+        raise ValueError(
+            f"{type(tokenizer).__name__} gives no offset mapping: tool results are located by character "
+            "offsets, which needs a fast (tokenizers-backed) tokenizer"
+        ) from e
+    return list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
+
+
+def tool_content_spans(
+    tokenizer: Any, before: list[dict], tool_messages: list[dict], tools: Any = None, text: str | None = None
+) -> list[tuple[int, int]]:
+    """Character spans, in the rendering of ``before + tool_messages`` (with the generation prompt), of
+    what the chat template rendered for each tool message's content.
+
+    A template may render a content as it is (Qwen) or transformed (Llama-3.1: ``tojson``), so the span
+    is found by rendering the conversation again with that one content replaced: the text that changes
+    is the content's rendering. Two replacements with different first and last characters, keeping the
+    narrower common prefix and suffix, so a content that starts or ends like the replacement cannot
+    stretch the span past its own characters.
+    """
+
+    def render(msgs: list[dict]) -> str:
+        return tokenizer.apply_chat_template(before + msgs, tools=tools, add_generation_prompt=True, tokenize=False)
+
+    if text is None:
+        text = render(tool_messages)
+    spans = []
+    for k, m in enumerate(tool_messages):
+        start, end = len(text), len(text)
+        for stand_in in ("A", "B"):
+            other = render([*tool_messages[:k], {**m, "content": stand_in}, *tool_messages[k + 1 :]])
+            p = 0
+            while p < min(len(text), len(other)) and text[p] == other[p]:
+                p += 1
+            s = 0
+            while s < min(len(text), len(other)) - p and text[-1 - s] == other[-1 - s]:
+                s += 1
+            start, end = min(start, p), min(end, s)
+        spans.append((start, len(text) - end))
+    return spans
+
+
+def rendered_tool_content(tokenizer: Any, message: dict) -> str:
+    """What the chat template renders for one tool message's content (the content itself for Qwen's
+    template, its ``tojson`` for Llama-3.1's): the text a tool result must appear as in the ids."""
+    base = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "x"}]
+    text = tokenizer.apply_chat_template(base + [message], add_generation_prompt=True, tokenize=False)
+    ((start, end),) = tool_content_spans(tokenizer, base, [message], None, text)
+    return text[start:end]
 
 
 # ---------------------------------------------------------------- one episode
@@ -166,9 +226,6 @@ class RolloutEngine:
         self.chat = ChatTokens(tokenizer, cfg.env)
         self.fmt = str(cfg.model.tool_call_format)
         self.env_token_mask = env_mask_value(cfg)  # 0 normally; 1 under train.mask_env_tokens=false
-        self.stop_ids = {tokenizer.eos_token_id}
-        if tokenizer.pad_token_id is not None:
-            self.stop_ids.add(tokenizer.pad_token_id)
         for key in ("max_turns", "max_tokens_per_turn", "max_completion_tokens", "max_prompt_tokens"):
             if int(self.env[key]) < 1:
                 raise ValueError(f"env.{key}={self.env[key]}: must be >= 1")
@@ -196,8 +253,7 @@ class RolloutEngine:
         return Episode(record=record, messages=messages, prompt_ids=ids, question_in_context=in_context)
 
     def _decode_turn(self, ids: list[int]) -> str:
-        body = ids[:-1] if ids and ids[-1] in self.stop_ids else ids
-        return self.tokenizer.decode(body, skip_special_tokens=False)
+        return turn_text(self.tokenizer, ids)
 
     def _after_turn(self, ep: Episode, ids: list[int], logprobs: list[float], stopped: bool, limit: int) -> None:
         """Append one sampled assistant turn and decide what happens next."""
@@ -226,6 +282,12 @@ class RolloutEngine:
             ep.tool_errors += 0 if result.ok else 1
             tool_messages.append({"role": "tool", "name": call.name or "retrieve_documents", "content": result.content})
         env_ids, sources = self.chat.tool_turn(tool_messages)
+        if ids[-1] != self.chat.eos_id:
+            # The turn stopped on another stop id of the model's eos list (Llama-3.1's <|eom_id|>,
+            # Qwen's <|endoftext|>): its text keeps that token, and the template's own close
+            # (re-rendering adds the eos after the content) comes from the environment, so the ids
+            # stay exactly what re-rendering the messages gives.
+            env_ids, sources = [self.chat.eos_id, *env_ids], [SOURCE_TEMPLATE, *sources]
         room = int(self.env.max_completion_tokens) - len(ep.completion_ids)
         if len(env_ids) >= room:  # no room for the results AND at least one more sampled token
             ep.dropped_tool_results += len(tool_messages)
@@ -269,6 +331,14 @@ class RolloutEngine:
             "env_mask": [ep.env_mask for ep in episodes],
             "episode": [ep.as_dict() for ep in episodes],
         }
+
+
+def turn_text(tokenizer: Any, ids: list[int]) -> str:
+    """An assistant turn's message text: its ids decoded as they are, less a final eos (the id the
+    chat template closes an assistant message with). A turn that stopped on any other stop id keeps
+    it in its text, so re-rendering the message reproduces the sampled ids."""
+    body = ids[:-1] if ids and ids[-1] == tokenizer.eos_token_id else ids
+    return tokenizer.decode(body, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
 
 def record_id_of(prompt: Any) -> str:

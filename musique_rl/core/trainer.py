@@ -39,7 +39,13 @@ import torch
 from trl import GRPOTrainer
 
 from musique_rl.core import faults
-from musique_rl.core.generation import HFGenerator, build_generator, frozen_copy, sampling_settings
+from musique_rl.core.generation import (
+    HFGenerator,
+    build_generator,
+    frozen_copy,
+    generation_config_of,
+    sampling_settings,
+)
 from musique_rl.core.importance import importance_metrics
 from musique_rl.core.rollout import RolloutEngine
 
@@ -175,7 +181,7 @@ class MusiqueGRPOTrainer(GRPOTrainer):
         self._kl_sign = faults.kl_sign(cfg)
         tokenizer = self.processing_class
         if sampler_model is not None:
-            self.musique_generator = HFGenerator(sampler_model, tokenizer, sampling_settings(cfg, tokenizer))
+            self.musique_generator = HFGenerator(sampler_model, tokenizer, sampling_settings(cfg, tokenizer, generation_config_of(sampler_model)))
         else:
             self.musique_generator = build_generator(cfg, tokenizer, trainer=self)  # read by RolloutEngine.rollout_func
         if instruments is not None:  # before any callback that reads its on_log additions (h08/grad_norm_before_clip)

@@ -10,8 +10,9 @@ to the wrong sample, a cached reward, a tool result cut between retriever and pr
   the reward the trainer used for that same sample. Only `audit_size` episodes a step: cheap.
 - Environment integrity: every document in every tool message is compared with its source, the
   record's paragraph (question-scope id = paragraph idx) or, for a corpus-scope id, the content hash
-  the id is made of; and each tool message must appear, token for token, among the TOOL-source ids
-  of the completion (nothing cut or altered between the environment's message and the prompt).
+  the id is made of; and what the chat template renders for each tool message must appear within
+  the TOOL-source ids of the completion (nothing cut or altered between the environment's message
+  and the prompt).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Any
 
 import torch
 
+from musique_rl.core.rollout import rendered_tool_content, turn_text
 from musique_rl.diagnostics.ledger import Source
 from musique_rl.env import rewards, tools
 
@@ -51,8 +53,6 @@ class RewardAudit:
         self.tokenizer = tokenizer
         self.audit_size = audit_size
         self.rng = random.Random(seed)
-        stops = {getattr(tokenizer, "eos_token_id", None), getattr(tokenizer, "pad_token_id", None)}
-        self.stop_ids = {s for s in stops if s is not None}
 
     @property
     def enabled(self) -> bool:
@@ -60,11 +60,8 @@ class RewardAudit:
         return self.audit_size > 0 and not self.spec.shuffle_within_batch and self.tokenizer is not None
 
     def _assistant_texts(self, ids: Sequence[int], sources: Sequence[int]) -> list[str]:
-        texts = []
-        for run in _runs(ids, sources, int(Source.ASSISTANT)):
-            body = run[:-1] if run and run[-1] in self.stop_ids else run
-            texts.append(self.tokenizer.decode(body, skip_special_tokens=False))
-        return texts
+        # decoded by the rollout's own rule (a final eos dropped, any other stop id kept)
+        return [turn_text(self.tokenizer, run) for run in _runs(ids, sources, int(Source.ASSISTANT))]
 
     def rescore(self, episode: Mapping[str, Any], ids: Sequence[int], sources: Sequence[int]) -> float:
         """The reward of this sample's text: episode's prompt and tool messages, assistant turns from ids."""
@@ -131,10 +128,14 @@ def environment_integrity(episodes: Sequence[Mapping[str, Any]], records_by_id: 
     """h04/tool_results_checked, h04/tool_results_altered (+ _share): tool results that differ from source.
 
     A tool result differs when one of its documents is not its source paragraph (cut, altered, or
-    labelled with another document's id), or when its text is not found among the completion's
-    TOOL-source token runs (cut or altered between the environment's message and the prompt).
+    labelled with another document's id), or when what the chat template renders for it
+    (``rollout.rendered_tool_content``: the content itself, or Llama-3.1's ``tojson`` of it) is not
+    found within the completion's TOOL-source token runs (cut or altered between the environment's
+    message and the prompt). A run may hold a few characters more than the rendering: a byte-level
+    BPE id can span the content's edge and the template's next character (Qwen's ``.\n``).
     """
     checked = altered = 0
+    rendered: dict[str, str] = {}  # content -> its rendering, once per call
     for i, ep in enumerate(episodes):
         record = records_by_id.get(ep.get("id"))
         tool_msgs = [m for m in ep.get("messages") or [] if m.get("role") == "tool"]
@@ -142,7 +143,7 @@ def environment_integrity(episodes: Sequence[Mapping[str, Any]], records_by_id: 
             continue
         decoded: list[str] | None = None
         if tokenizer is not None and completion_ids is not None and token_sources is not None and i < len(completion_ids):
-            decoded = [tokenizer.decode(r, skip_special_tokens=False)
+            decoded = [tokenizer.decode(r, skip_special_tokens=False, clean_up_tokenization_spaces=False)
                        for r in _runs(completion_ids[i].tolist(), token_sources[i].tolist(), int(Source.TOOL))]
         for m in tool_msgs:
             content = m.get("content")
@@ -150,8 +151,13 @@ def environment_integrity(episodes: Sequence[Mapping[str, Any]], records_by_id: 
                 continue  # errors and "No documents found." have no source to compare with
             checked += 1
             ok = all(document_matches_source(d, t, x, record) for d, t, x in _doc_blocks(content))
-            if ok and decoded is not None and content not in decoded:
-                ok = False
+            if ok and decoded is not None:
+                if content not in rendered:
+                    try:
+                        rendered[content] = rendered_tool_content(tokenizer, m)
+                    except Exception:  # a tokenizer without a chat template: compare the content as it is
+                        rendered[content] = content
+                ok = any(rendered[content] in run for run in decoded)
             altered += not ok
     if checked == 0:
         return {}
