@@ -59,6 +59,8 @@ class SamplingParams:
     top_k: int = 0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     max_tokens: int | None = 16
     logprobs: int | None = None
     stop_token_ids: list[int] | None = None
@@ -96,7 +98,12 @@ def apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Ten
 
 
 def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """(1, vocab) raw logits -> the distribution vLLM samples from (temperature, top-k, top-p)."""
+    """(1, vocab) raw logits -> the distribution vLLM samples from (temperature, top-k, top-p).
+    The penalties and min_p are not imitated: a request that sets them (the trainer would not apply
+    them either) fails here instead of being sampled as if they were neutral."""
+    penalties = (params.min_p, params.repetition_penalty, params.presence_penalty, params.frequency_penalty)
+    if penalties != (0.0, 1.0, 0.0, 0.0):
+        raise NotImplementedError(f"the vLLM stand-in samples with neutral penalties only, got {penalties}")
     logits = logits.float()
     if params.temperature >= SAMPLING_EPS:
         logits = logits / params.temperature
