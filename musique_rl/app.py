@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+
 from omegaconf import DictConfig
 
 
 def run(cfg: DictConfig) -> float | None:
+    from musique_rl import launch, schema
     from musique_rl.tracking import task_wrapper  # the job's MLflow run; a failed sweep job ends FAILED
 
-    result = task_wrapper(_dispatch)(cfg)
+    schema.validate(cfg)  # a value no job can run with fails here, naming the key, before any run or file
+
+    with launch.terminate_as_interrupt(), _own_run_dir(cfg):
+        result = task_wrapper(_dispatch)(cfg)
     from musique_rl import train
 
     # Consumed, so a later job of the same process that fails cannot re-print this job's summary.
@@ -16,6 +23,20 @@ def run(cfg: DictConfig) -> float | None:
     if summary is not None:  # again after the MLflow run closed (its doctor logs to stdout)
         train.print_summary_json(summary)
     return result
+
+
+def _own_run_dir(cfg: DictConfig) -> contextlib.AbstractContextManager:
+    """This launch's hold on its Hydra output dir (musique_rl.launch.claim). The processes a GPU
+    topology starts in the same dir (musique_rl/gpu_job.py) and data-parallel ranks other than 0 are
+    part of the launch that holds it."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from musique_rl import launch
+    from musique_rl.core.devices import ROLE_ENV
+
+    if not HydraConfig.initialized() or os.environ.get(ROLE_ENV) == "trainer" or os.environ.get("RANK", "0") != "0":
+        return contextlib.nullcontext()
+    return launch.claim(HydraConfig.get().runtime.output_dir, cfg)
 
 
 def _dispatch(cfg: DictConfig) -> float | None:
