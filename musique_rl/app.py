@@ -12,6 +12,7 @@ def run(cfg: DictConfig) -> float | None:
     from musique_rl import launch, schema
     from musique_rl.tracking import task_wrapper  # the job's MLflow run; a failed sweep job ends FAILED
 
+    _redact_job_outputs()
     schema.validate(cfg)  # a value no job can run with fails here, naming the key, before any run or file
 
     with launch.terminate_as_interrupt(), _own_run_dir(cfg):
@@ -23,6 +24,21 @@ def run(cfg: DictConfig) -> float | None:
     if summary is not None:  # again after the MLflow run closed (its doctor logs to stdout)
         train.print_summary_json(summary)
     return result
+
+
+def _redact_job_outputs() -> None:
+    """Hydra logs through its own handlers and saves the config as typed (a tracking URI's password
+    included) before the job starts: both are redacted here, first thing."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from musique_rl.redact import redact_files, redact_logs
+
+    redact_logs()
+    if HydraConfig.initialized():
+        from pathlib import Path
+
+        hc = HydraConfig.get()
+        redact_files(sorted((Path(hc.runtime.output_dir) / hc.output_subdir).glob("*.yaml")) if hc.output_subdir else [])
 
 
 def _own_run_dir(cfg: DictConfig) -> contextlib.AbstractContextManager:

@@ -772,15 +772,22 @@ class SweepCallback(_HydraCallback):
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         if self._enabled(config):
-            with contextlib.suppress(Exception):  # the job reports store errors itself
-                ensure_experiment(tracking_uri(config, Path.cwd()), _safe_experiment_name(config))
+            # the job reports store errors itself, in seconds (tracking.probe): no MLflow retries here
+            with contextlib.suppress(Exception), _mlflow_settings(_PROBE_HTTP, force=True):
+                uri = tracking_uri(config, Path.cwd())
+                probe(uri)
+                ensure_experiment(uri, _safe_experiment_name(config))
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        from musique_rl.redact import redact_logs
+
+        redact_logs()  # the launching process's log lines (the sweep's overrides, MLflow's errors)
         if not self._enabled(config):
             return
         from mlflow.tracking import MlflowClient
 
         self.uri = tracking_uri(config, Path.cwd())
+        probe(self.uri)  # an unreachable server fails the sweep here, in seconds, before any job starts
         exp_id = ensure_experiment(self.uri, _safe_experiment_name(config))
         sweep_dir = Path(str(config.hydra.sweep.dir)).resolve()
         sweep = sweep_id_of(sweep_dir)
@@ -821,7 +828,9 @@ class SweepCallback(_HydraCallback):
         """Last of the multirun's callbacks (Hydra calls end hooks in reverse order: after the
         verdict): the job table, the parent run's outcome, and a non-zero exit when a job failed."""
         from musique_rl import sweep_jobs
+        from musique_rl.redact import redact_files
 
+        redact_files([Path(str(config.hydra.sweep.dir)) / "multirun.yaml"])  # saved as typed by Hydra's launcher
         rows = sweep_jobs.read(Path(str(config.hydra.sweep.dir)))
         if rows:
             print("\n" + sweep_jobs.table(rows), flush=True)
