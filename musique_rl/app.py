@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 
 from omegaconf import DictConfig
@@ -15,8 +16,16 @@ def run(cfg: DictConfig) -> float | None:
     _redact_job_outputs()
     schema.validate(cfg)  # a value no job can run with fails here, naming the key, before any run or file
 
-    with launch.terminate_as_interrupt(), _own_run_dir(cfg):
-        result = task_wrapper(_dispatch)(cfg)
+    try:
+        with launch.terminate_as_interrupt(), _own_run_dir(cfg):
+            result = task_wrapper(_dispatch)(cfg)
+    except Exception as exc:
+        if not _single_run():
+            raise  # the sweep's launcher records the job FAILED, and the sweep goes on
+        # Hydra would print the job's overrides as typed (a password in a URI included) before the
+        # traceback; the job's logger says it redacted, and the exit status is Hydra's (1)
+        logging.getLogger("musique_rl").error("%s: %s", type(exc).__name__, exc, exc_info=exc)
+        raise SystemExit(1) from None
     from musique_rl import train
 
     # Consumed, so a later job of the same process that fails cannot re-print this job's summary.
@@ -24,6 +33,13 @@ def run(cfg: DictConfig) -> float | None:
     if summary is not None:  # again after the MLflow run closed (its doctor logs to stdout)
         train.print_summary_json(summary)
     return result
+
+
+def _single_run() -> bool:
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.RUN
 
 
 def _redact_job_outputs() -> None:

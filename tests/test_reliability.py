@@ -132,11 +132,13 @@ def test_a_job_never_adopts_the_run_of_another_config(tmp_path, monkeypatch, cap
     assert run.data.params["seed"] == run.data.tags["seed"] == "1"
 
 
-def test_two_sweeps_started_together_stay_apart(tmp_path, store):
-    """Before: `-m seed=1,2` and `-m seed=3,4` started together shared one multirun/... dir."""
-    app = str(ROOT / "tests" / "tracking_app.py")
-    procs = [subprocess.Popen([sys.executable, app, "-m", f"seed={s}"], cwd=tmp_path, env=_env(),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for s in ("1,2", "3,4")]
+@pytest.mark.parametrize("tracked", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_two_sweeps_started_together_stay_apart(tmp_path, store, tracked):
+    """Before: `-m seed=1,2` and `-m seed=3,4` started together shared one multirun/... dir (jobs.json
+    listing seeds 1-2, seeds 3-4 writing into the same job dirs and MLflow runs, a parent orphaned)."""
+    common = [*TEST_OVERRIDES, "mode=eval", "policy=oracle", "train.eval_episodes=2", "env.synthetic.num_train=20",
+              "env.synthetic.num_eval=4", f"tracking.enabled={str(tracked).lower()}"]
+    procs = [_launch(["-m", *common, f"seed={s}"], tmp_path) for s in ("1,2", "3,4")]
     outs = [p.communicate(timeout=300) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
     sweeps = sorted(p for p in (tmp_path / "multirun").glob("*/*") if p.is_dir())
@@ -149,6 +151,11 @@ def test_two_sweeps_started_together_stay_apart(tmp_path, store):
         assert len(rows) == 2
     assert any("seed=1" in s for s in seeds[0] + seeds[1])
     assert not set(seeds[0]) & set(seeds[1])
+    for d in sweeps:  # each job dir holds one job's identity, claimed by one launch
+        assert {json.loads((j / launch.IDENTITY_FILE).read_text())["config"]["seed"] for j in d.glob("[0-9]")} in (
+            {"1", "2"}, {"3", "4"})
+    if not tracked:
+        return
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
@@ -361,7 +368,7 @@ def test_a_password_in_an_unreachable_tracking_uri_reaches_no_output(tmp_path):
     proc = _launch([*FAST, "tracking.enabled=true", f"tracking.tracking_uri={uri}"], tmp_path)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 1 and time.time() - t0 < 90
-    assert "tracking.enabled=false" in err and "user:***@127.0.0.1" in err
+    assert "tracking.enabled=false" in out + err and "user:***@127.0.0.1" in out + err
     assert PASSWORD not in out + err
     assert (tmp_path / "outputs").is_dir() and not _files_holding(tmp_path, PASSWORD)
 
@@ -460,9 +467,9 @@ def test_every_shipped_config_passes_the_value_checks():
 
 def test_an_impossible_value_fails_before_compute(tmp_path):
     proc = _launch(["env.top_n=0", "tracking.enabled=false"], tmp_path)
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 1 and "env.top_n=0: must be >= 1" in err
-    assert "Loading weights" not in err
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1 and "env.top_n=0: must be >= 1" in out + err
+    assert "Loading weights" not in out + err
 
 
 def test_skip_invalid_covers_malformed_lines(tmp_path, toy_record, caplog):
