@@ -14,9 +14,8 @@ def run(cfg: DictConfig) -> float | None:
     from musique_rl.tracking import task_wrapper  # the job's MLflow run; a failed sweep job ends FAILED
 
     _redact_job_outputs()
-    schema.validate(cfg)  # a value no job can run with fails here, naming the key, before any run or file
-
     try:
+        schema.validate(cfg)  # a value no job can run with fails here, naming the key, before any run or file
         with launch.terminate_as_interrupt(), _own_run_dir(cfg):
             result = task_wrapper(_dispatch)(cfg)
     except Exception as exc:
@@ -24,7 +23,11 @@ def run(cfg: DictConfig) -> float | None:
             raise  # the sweep's launcher records the job FAILED, and the sweep goes on
         # Hydra would print the job's overrides as typed (a password in a URI included) before the
         # traceback; the job's logger says it redacted, and the exit status is Hydra's (1)
-        logging.getLogger("musique_rl").error("%s: %s", type(exc).__name__, exc, exc_info=exc)
+        from musique_rl.core.checkpoints import DiskFullError
+        from musique_rl.tracking import TrackingUnavailable
+
+        said = (schema.ConfigValueError, launch.RunDirError, TrackingUnavailable, DiskFullError)  # the message is the story
+        logging.getLogger("musique_rl").error("%s: %s", type(exc).__name__, exc, exc_info=None if isinstance(exc, said) else exc)
         raise SystemExit(1) from None
     from musique_rl import train
 
