@@ -486,3 +486,17 @@ def test_skip_invalid_covers_malformed_lines(tmp_path, toy_record, caplog):
         records = load_records(str(path), env, 1, stats=stats)
     assert len(records) == 2 and stats["invalid"] == 1 and stats["loaded"] == 3
     assert f"{path} line 2" in caplog.text
+
+
+def test_a_sweeps_job_table_and_saved_configs_hold_no_password(tmp_path):
+    from musique_rl import sweep_jobs
+    from musique_rl.redact import redact_files
+
+    uri = f"tracking.tracking_uri=http://user:{PASSWORD}@127.0.0.1:5000"
+    sweep_jobs.write(tmp_path, [sweep_jobs.JobRow(0, [uri, "seed=1"], "FAILED", 1.0, f"MlflowException: {uri}")])
+    assert PASSWORD not in (tmp_path / "jobs.json").read_text()
+    assert sweep_jobs.read(tmp_path)[0].overrides == ["tracking.tracking_uri=http://user:***@127.0.0.1:5000", "seed=1"]
+    saved = tmp_path / "overrides.yaml"
+    saved.write_text(f"- {uri}\n- seed=1\n- hf_token=abc\n")
+    redact_files([saved])
+    assert saved.read_text() == "- tracking.tracking_uri=http://user:***@127.0.0.1:5000\n- seed=1\n- hf_token=<redacted>\n"
