@@ -845,6 +845,15 @@ class SweepCallback(_HydraCallback):
         if self.parent_run_id is None or self.uri is None:
             return
         parent_run_id, self.parent_run_id = self.parent_run_id, None  # once, by the hook or at exit
+        try:
+            with _mlflow_settings(_JOB_HTTP):  # MLflow's "View run" line would print the URI as typed
+                self._close_run(parent_run_id, jobs, failed)
+        except Exception as exc:  # the jobs are done and recorded in jobs.json: the store's failure is only said
+            log.warning("MLflow parent run %s not closed (%s: %s)", parent_run_id, type(exc).__name__, redact(str(exc))[:300])
+        os.environ.pop(PARENT_ENV, None)
+        os.environ.pop(SWEEP_ENV, None)
+
+    def _close_run(self, parent_run_id: str, jobs: int, failed: int) -> None:
         from mlflow.tracking import MlflowClient
 
         client = MlflowClient(self.uri)
@@ -859,8 +868,6 @@ class SweepCallback(_HydraCallback):
         client.set_tag(parent_run_id, "jobs", str(max(jobs, len(children))))
         client.set_tag(parent_run_id, "failed_jobs", str(failed))
         client.set_terminated(parent_run_id, "FAILED" if failed else "FINISHED")
-        os.environ.pop(PARENT_ENV, None)
-        os.environ.pop(SWEEP_ENV, None)
 
 
 def _safe_experiment_name(config: DictConfig) -> str:
