@@ -88,8 +88,17 @@ class StepLog(ProgressCallback):
         step = int(state.global_step)
         numbers = {k: n for k, v in logs.items() if (n := _num(v)) is not None}
         if self.metrics_path is not None:
-            with open(self.metrics_path, "a", encoding="utf-8") as fh:
-                fh.write(json.dumps({"step": step, **numbers}, allow_nan=True) + "\n")
+            try:
+                with open(self.metrics_path, "a", encoding="utf-8") as fh:
+                    fh.write(json.dumps({"step": step, **numbers}, allow_nan=True) + "\n")
+            except OSError as exc:
+                from musique_rl.core.checkpoints import disk_full_error, is_disk_full
+
+                if not is_disk_full(exc, self.metrics_path):
+                    raise
+                raise disk_full_error(exc, self.metrics_path, f"appending step {step} to {self.metrics_path.name}",
+                                      "Free space and run the same command again: it resumes from the last "
+                                      "checkpoint (train.resume=auto); a torn last line is dropped then.") from exc
         if self.full:
             return super().on_log(args, state, control, logs=logs, **kwargs)
         self._write(self.line(step, int(state.max_steps), numbers))

@@ -500,3 +500,26 @@ def test_a_sweeps_job_table_and_saved_configs_hold_no_password(tmp_path):
     saved.write_text(f"- {uri}\n- seed=1\n- hf_token=abc\n")
     redact_files([saved])
     assert saved.read_text() == "- tracking.tracking_uri=http://user:***@127.0.0.1:5000\n- seed=1\n- hf_token=<redacted>\n"
+
+
+def test_a_full_disk_under_metrics_jsonl_is_named(tmp_path, monkeypatch):
+    import builtins
+
+    from transformers import TrainerControl, TrainerState, TrainingArguments
+
+    from musique_rl.console import StepLog
+    from musique_rl.core.checkpoints import DiskFullError
+
+    real_open = builtins.open
+
+    def full(path, mode="r", *a, **kw):
+        if str(path).endswith("metrics.jsonl") and "a" in mode:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_open(path, mode, *a, **kw)
+
+    monkeypatch.setattr(builtins, "open", full)
+    state = TrainerState()
+    state.global_step = 3
+    with pytest.raises(DiskFullError, match=r"disk full: appending step 3 to metrics.jsonl at .* bytes free there"):
+        StepLog(tmp_path / "metrics.jsonl").on_log(TrainingArguments(str(tmp_path), report_to="none"), state,
+                                                   TrainerControl(), logs={"reward": 0.5})
