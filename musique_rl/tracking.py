@@ -13,7 +13,12 @@
 - `task_wrapper(task)`: runs a job inside its MLflow run; a failing job ends its run FAILED with
   the traceback as artifact `error/traceback.txt`, and in a multirun returns None instead of
   taking the sweep down (the pattern of lightning-hydra-template's `task_wrapper`). A requeued or
-  resumed job (same output dir) continues the same run (`mlflow_run_id` file in the job dir).
+  resumed job (same output dir) continues the same run (`mlflow_run_id` file in the job dir), only
+  when that run's `config_hash` tag is its own (musique_rl.launch.config_hash).
+- Tracking is a side service: an HTTP server that does not answer fails the job in seconds before
+  compute (`probe`, naming `tracking.enabled=false`); a failure once the job runs is said once and
+  costs nothing (`Tracker`); what the store missed is sent from metrics.jsonl when it answers again,
+  or by `python -m musique_rl.tracking --upload <run dir>`.
 - At the end of a train run: reward-curve plots and the doctor's `diagnosis.json`.
 """
 
