@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
+import sys
 
 from omegaconf import DictConfig
 
@@ -22,12 +22,17 @@ def run(cfg: DictConfig) -> float | None:
         if not _single_run():
             raise  # the sweep's launcher records the job FAILED, and the sweep goes on
         # Hydra would print the job's overrides as typed (a password in a URI included) before the
-        # traceback; the job's logger says it redacted, and the exit status is Hydra's (1)
+        # traceback; here the same goes to stderr redacted, and the exit status is Hydra's (1)
+        import traceback
+
         from musique_rl.core.checkpoints import DiskFullError
+        from musique_rl.redact import redact
         from musique_rl.tracking import TrackingUnavailable
 
         said = (schema.ConfigValueError, launch.RunDirError, TrackingUnavailable, DiskFullError)  # the message is the story
-        logging.getLogger("musique_rl").error("%s: %s", type(exc).__name__, exc, exc_info=None if isinstance(exc, said) else exc)
+        text = f"{type(exc).__name__}: {exc}\n" if isinstance(exc, said) else "".join(traceback.format_exception(exc))
+        sys.stderr.write(redact(text))
+        sys.stderr.flush()
         raise SystemExit(1) from None
     from musique_rl import train
 
