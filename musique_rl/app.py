@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
+import os
+import sys
 from pathlib import Path
 
 from omegaconf import DictConfig
@@ -11,9 +15,30 @@ log = logging.getLogger(__name__)
 
 
 def run(cfg: DictConfig) -> float | None:
+    from musique_rl import launch, schema
     from musique_rl.tracking import task_wrapper  # the job's MLflow run; a failed sweep job ends FAILED
 
-    result = task_wrapper(_dispatch)(cfg)
+    _redact_job_outputs()
+    try:
+        schema.validate(cfg)  # a value no job can run with fails here, naming the key, before any run or file
+        with launch.terminate_as_interrupt(), _own_run_dir(cfg):
+            result = task_wrapper(_dispatch)(cfg)
+    except Exception as exc:
+        if not _single_run():
+            raise  # the sweep's launcher records the job FAILED, and the sweep goes on
+        # Hydra would print the job's overrides as typed (a password in a URI included) before the
+        # traceback; here the same goes to stderr redacted, and the exit status is Hydra's (1)
+        import traceback
+
+        from musique_rl.core.checkpoints import DiskFullError
+        from musique_rl.redact import redact
+        from musique_rl.tracking import TrackingUnavailable
+
+        said = (schema.ConfigValueError, launch.RunDirError, TrackingUnavailable, DiskFullError)  # the message is the story
+        text = f"{type(exc).__name__}: {exc}\n" if isinstance(exc, said) else "".join(traceback.format_exception(exc))
+        sys.stderr.write(redact(text))
+        sys.stderr.flush()
+        raise SystemExit(1) from None
     from musique_rl import train
 
     # Consumed, so a later job of the same process that fails cannot re-print this job's summary.
@@ -21,6 +46,42 @@ def run(cfg: DictConfig) -> float | None:
     if summary is not None:  # again after the MLflow run closed (its doctor logs to stdout)
         train.print_summary_json(summary)
     return result
+
+
+def _single_run() -> bool:
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.RUN
+
+
+def _redact_job_outputs() -> None:
+    """Hydra logs through its own handlers and saves the config as typed (a tracking URI's password
+    included) before the job starts: both are redacted here, first thing."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from musique_rl.redact import redact_files, redact_logs
+
+    redact_logs()
+    if HydraConfig.initialized():
+        from pathlib import Path
+
+        hc = HydraConfig.get()
+        redact_files(sorted((Path(hc.runtime.output_dir) / hc.output_subdir).glob("*.yaml")) if hc.output_subdir else [])
+
+
+def _own_run_dir(cfg: DictConfig) -> contextlib.AbstractContextManager:
+    """This launch's hold on its Hydra output dir (musique_rl.launch.claim). The processes a GPU
+    topology starts in the same dir (musique_rl/gpu_job.py) and data-parallel ranks other than 0 are
+    part of the launch that holds it."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from musique_rl import launch
+    from musique_rl.core.devices import ROLE_ENV
+
+    if not HydraConfig.initialized() or os.environ.get(ROLE_ENV) == "trainer" or os.environ.get("RANK", "0") != "0":
+        return contextlib.nullcontext()
+    return launch.claim(HydraConfig.get().runtime.output_dir, cfg)
 
 
 def _dispatch(cfg: DictConfig) -> float | None:
@@ -59,9 +120,9 @@ def diagnose(cfg: DictConfig, run_dir: Path) -> list[dict] | None:
     try:
         from musique_rl.diagnostics.doctor import (
             diagnose_log,
+            diagnosis_tags,
             format_diagnosis,
             save_diagnosis,
-            write_diagnosis,
         )
         from musique_rl.diagnostics.sources import read_run_dir
 
@@ -70,8 +131,10 @@ def diagnose(cfg: DictConfig, run_dir: Path) -> list[dict] | None:
         diagnosis = diagnose_log(run)
         save_diagnosis(diagnosis, run_dir / "diagnosis.json")
         tracker = tracking.active()
-        if tracker is not None:
-            write_diagnosis(tracker.run_id, diagnosis, uri=tracker.uri)
+        if tracker is not None:  # through the tracker: a tracking outage is said once and costs nothing
+            tracker.log_text(json.dumps(diagnosis, indent=2), "diagnosis.json")
+            for key, value in diagnosis_tags(diagnosis).items():
+                tracker.set_tag(key, value)
         # flagged findings with their evidence on the console; the full ranked list is diagnosis.json
         # (and `python -m musique_rl.diagnostics.doctor --run-dir <run dir>`)
         checks = sum(d["check"] != "no_data" for d in diagnosis)

@@ -613,7 +613,9 @@ def main(argv: list[str] | None = None) -> int:
     dirs = [Path(a) for a in args.paths if "=" not in a]
     rc = 0
     if args.run:
-        stamp = dt.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
+        from musique_rl.launch import stamp as launch_stamp
+
+        stamp = f"{dt.datetime.now():%Y-%m-%d}_{launch_stamp()}"  # two case studies started together stay apart
         dirs = dirs[:1] or [Path("multirun") / "case_study" / stamp]
         rc = run_sweep(dirs[0], args.seeds, overrides)  # a failed job is a named gap in the report, not an abort
     elif overrides:

@@ -11,7 +11,9 @@ restores TRL's dict on the console.
 from __future__ import annotations
 
 import json
+import logging
 import math
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -19,6 +21,8 @@ from typing import Any
 from transformers.trainer_callback import ProgressCallback
 
 from musique_rl.diagnostics.bounds import out_of_bounds
+
+log = logging.getLogger(__name__)
 
 TREND_WINDOW = 5  # logged steps averaged at each end for the reward trend
 METRICS_FILE = "metrics.jsonl"
@@ -28,15 +32,38 @@ def _num(v: Any) -> float | None:
     return float(v) if isinstance(v, int | float) and not isinstance(v, bool) else None
 
 
+def read_metrics(path: str | Path) -> list[dict]:
+    """The rows of a metrics.jsonl. A line that is not a JSON object (the torn last line of a killed
+    job or a full disk) is dropped with a warning naming the file and line: the steps around it stay."""
+    path = Path(path)
+    rows: list[dict] = []
+    if not path.exists():
+        return rows
+    for lineno, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError:
+            row = None
+        if not isinstance(row, dict):
+            log.warning("%s line %d is not a JSON object (a write cut short?): dropped", path, lineno)
+            continue
+        rows.append(row)
+    return rows
+
+
 def start_metrics_file(path: str | Path, resume_from: str | None = None) -> None:
-    """A fresh metrics.jsonl; resuming from ``checkpoint-<N>``, the lines of steps <= N are kept
+    """A fresh metrics.jsonl; resuming from ``checkpoint-<N>``, the rows of steps <= N are kept
     (the steps after it run again and are written again)."""
     path = Path(path)
-    keep: list[str] = []
+    keep: list[dict] = []
     if resume_from and path.exists():
         last = int(Path(resume_from).name.rsplit("-", 1)[-1]) if "-" in Path(resume_from).name else -1
-        keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line).get("step", 0) <= last]
-    path.write_text("".join(line + "\n" for line in keep))
+        keep = [row for row in read_metrics(path) if row.get("step", 0) <= last]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(json.dumps(row, allow_nan=True) + "\n" for row in keep))
+    os.replace(tmp, path)  # the kept steps are never lost to a write cut short
 
 
 class StepLog(ProgressCallback):
@@ -61,8 +88,17 @@ class StepLog(ProgressCallback):
         step = int(state.global_step)
         numbers = {k: n for k, v in logs.items() if (n := _num(v)) is not None}
         if self.metrics_path is not None:
-            with open(self.metrics_path, "a", encoding="utf-8") as fh:
-                fh.write(json.dumps({"step": step, **numbers}, allow_nan=True) + "\n")
+            try:
+                with open(self.metrics_path, "a", encoding="utf-8") as fh:
+                    fh.write(json.dumps({"step": step, **numbers}, allow_nan=True) + "\n")
+            except OSError as exc:
+                from musique_rl.core.checkpoints import disk_full_error, is_disk_full
+
+                if not is_disk_full(exc, self.metrics_path):
+                    raise
+                raise disk_full_error(exc, self.metrics_path, f"appending step {step} to {self.metrics_path.name}",
+                                      "Free space and run the same command again: it resumes from the last "
+                                      "checkpoint (train.resume=auto); a torn last line is dropped then.") from exc
         if self.full:
             return super().on_log(args, state, control, logs=logs, **kwargs)
         self._write(self.line(step, int(state.max_steps), numbers))

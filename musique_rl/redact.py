@@ -92,3 +92,71 @@ def redact_tree(tree: Any, _key: str = "") -> Any:
     if tree is not None and is_secret_key(_key):
         return REDACTED
     return tree
+
+
+# ---------------------------------------------------------------- files and logs the job does not write itself
+_YAML_KEY = re.compile(r"^(?P<lead>\s*(?:-\s+)?)(?P<key>[\w.\-+~]+)(?P<sep>:\s+|=)(?P<value>.*)$")
+
+
+def redact_yaml_text(text: str) -> str:
+    """Hydra's saved configs (``.hydra/*.yaml``, ``multirun.yaml``) with every secret masked: a line
+    holding a credential-shaped value, or a key (``key: v`` or an override ``- key=v``) that names a
+    secret. Lines without a secret are kept byte for byte (their escapes and layout too), so the
+    verdict and the case study read the same configs."""
+    out = []
+    for line in text.splitlines(keepends=True):
+        body = line.rstrip("\r\n")
+        m = _YAML_KEY.match(body)
+        if m and is_secret_key(m["key"]) and m["value"].strip() not in ("", "null", "None", "''", '""'):
+            body = f"{m['lead']}{m['key']}{m['sep']}{REDACTED}"
+        else:
+            masked = redact(body)
+            if MASK in masked and MASK not in body:
+                body = masked
+        out.append(body + line[len(line.rstrip("\r\n")):])
+    return "".join(out)
+
+
+def redact_files(paths: Any) -> None:
+    """Rewrite each existing file of ``paths`` through ``redact_yaml_text`` (only when it held a secret)."""
+    from pathlib import Path
+
+    for path in paths:
+        p = Path(path)
+        if not p.is_file():
+            continue
+        text = p.read_text(encoding="utf-8")
+        clean = redact_yaml_text(text)
+        if clean != text:
+            tmp = p.with_name(p.name + ".tmp")
+            tmp.write_text(clean, encoding="utf-8")
+            os.replace(tmp, p)
+
+
+class RedactingFilter:
+    """A logging filter for handlers: the message and traceback of every record, redacted. On a
+    handler it sees the records of every logger (MLflow's, urllib3's, ours), which a logger's own
+    filter would not."""
+
+    def filter(self, record: Any) -> bool:
+        import logging
+
+        try:
+            message = record.getMessage()
+        except Exception:
+            return True
+        clean = redact(message)
+        if clean != message:
+            record.msg, record.args = clean, None
+        if record.exc_info and not record.exc_text:
+            record.exc_text = redact(logging.Formatter().formatException(record.exc_info))
+        return True
+
+
+def redact_logs() -> None:
+    """Put ``RedactingFilter`` on every handler of the root logger (Hydra's console and job file)."""
+    import logging
+
+    for handler in logging.getLogger().handlers:
+        if not any(isinstance(f, RedactingFilter) for f in handler.filters):
+            handler.addFilter(RedactingFilter())

@@ -319,6 +319,110 @@ class Config:
     sweep: SweepSettings = field(default_factory=SweepSettings)
 
 
+# ---------------------------------------------------------------- values that cannot work
+# The types above refuse a wrong type or name; these refuse a well-typed value no job can run with
+# (a group of 1 has no advantage, a zero temperature divides by zero, top_n=0 retrieves nothing),
+# which would otherwise train silently or fail after the model loads in TRL's or torch's words.
+def _positive(v: Any) -> bool:
+    return v > 0
+
+
+def _at_least(n: float) -> Any:
+    return lambda v: v >= n
+
+
+def _unit_open_closed(v: Any) -> bool:
+    return 0 < v <= 1
+
+
+def _unit_closed_open(v: Any) -> bool:
+    return 0 <= v < 1
+
+
+# (key, test, what the value must be); a null value passes (null means "off" or "default" wherever allowed)
+_RULES: list[tuple[str, Any, str]] = [
+    ("seed", _at_least(0), ">= 0"),
+    ("model.learning_rate", _positive, "> 0"),
+    ("model.tiny.sft_learning_rate", _positive, "> 0"),
+    ("model.tiny.sft_epochs", _positive, "> 0"),
+    ("lora.r", _at_least(1), ">= 1"),
+    ("lora.lora_alpha", _positive, "> 0"),
+    ("lora.lora_dropout", _unit_closed_open, "in [0, 1)"),
+    ("loss.learning_rate", _positive, "> 0"),
+    ("loss.adv_epsilon", _at_least(0), ">= 0"),
+    ("loss.beta", _at_least(0), ">= 0"),
+    ("loss.epsilon", _positive, "> 0"),
+    ("loss.epsilon_high", _positive, "> 0"),
+    ("loss.num_iterations", _at_least(1), ">= 1"),
+    ("loss.max_grad_norm", _positive, "> 0"),
+    ("loss.warmup_steps", _at_least(0), ">= 0"),
+    ("reward.normalizer", _positive, "> 0"),
+    ("env.top_n", _at_least(1), ">= 1"),
+    ("env.max_turns", _at_least(1), ">= 1"),
+    ("env.max_prompt_tokens", _at_least(1), ">= 1"),
+    ("env.max_tokens_per_turn", _at_least(1), ">= 1"),
+    ("env.max_completion_tokens", _at_least(1), ">= 1"),
+    ("env.noise_rate", lambda v: 0 <= v <= 1, "in [0, 1]"),
+    ("env.max_paragraphs", _at_least(1), ">= 1 or null"),
+    ("env.synthetic.num_train", _at_least(1), ">= 1"),
+    ("env.synthetic.num_eval", _at_least(0), ">= 0"),
+    ("env.synthetic.num_paragraphs", _at_least(1), ">= 1"),
+    ("env.arith.num_train", _at_least(1), ">= 1"),
+    ("env.arith.num_eval", _at_least(0), ">= 0"),
+    ("env.arith.max_operand", _at_least(1), ">= 1"),
+    ("train.max_steps", _at_least(1), ">= 1"),
+    ("train.prompts_per_step", _at_least(1), ">= 1"),
+    ("train.num_generations", _at_least(2), ">= 2 (GRPO's advantage compares the completions of one prompt)"),
+    ("train.temperature", _positive, "> 0"),
+    ("train.top_p", _unit_open_closed, "in (0, 1]"),
+    ("train.top_k", _at_least(0), ">= 0 (0 = off)"),
+    ("train.importance_sampling_clip_max", _positive, "> 0 or null"),
+    ("train.importance_sampling_clip_min", _at_least(0), ">= 0 or null"),
+    ("train.vllm_gpu_memory_utilization", _unit_open_closed, "in (0, 1]"),
+    ("train.vllm_server_port", lambda v: 0 < v < 65536, "a port (1-65535) or null"),
+    ("train.vllm_group_port", lambda v: 0 < v < 65536, "a port (1-65535) or null"),
+    ("train.micro_batch_size", _at_least(1), ">= 1 or null"),
+    ("train.logging_steps", _at_least(1), ">= 1"),
+    ("train.save_steps", _at_least(1), ">= 1"),
+    ("train.eval_episodes", _at_least(0), ">= 0"),
+    ("train.eval_temperature", _positive, "> 0 or null"),
+    ("diagnostics.near_zero_std", _at_least(0), ">= 0"),
+    ("diagnostics.parity_probe_every", _at_least(1), ">= 1"),
+    ("diagnostics.reward_audit_size", _at_least(0), ">= 0"),
+    ("diagnostics.trajectory_views", _at_least(0), ">= 0"),
+]
+
+
+class ConfigValueError(ValueError):
+    """A composed config holds a value no job can run with; the message names every such key."""
+
+
+def validate(cfg: Any) -> None:
+    """Refuse values that cannot work (``_RULES``, plus the few that relate two keys), naming each
+    key, before any data or model is loaded."""
+    problems = []
+
+    def get(key: str) -> Any:
+        return OmegaConf.select(cfg, key, default=None, throw_on_missing=False, throw_on_resolution_failure=False)
+
+    for key, ok, want in _RULES:
+        value = get(key)
+        if value is None or isinstance(value, bool) or not isinstance(value, int | float):
+            continue
+        if not ok(value):
+            problems.append(f"{key}={value}: must be {want}")
+    for key in ("env.hops", "env.synthetic.hops"):
+        hops = get(key)
+        if hops is not None and any(int(h) < 1 for h in hops):
+            problems.append(f"{key}={list(hops)}: every hop count must be >= 1")
+    lo, hi = get("train.importance_sampling_clip_min"), get("train.importance_sampling_clip_max")
+    if lo is not None and hi is not None and lo >= hi:
+        problems.append(f"train.importance_sampling_clip_min={lo} >= train.importance_sampling_clip_max={hi}: "
+                        "the kept ratios would be an empty range")
+    if problems:
+        raise ConfigValueError("config values that cannot work:\n  " + "\n  ".join(problems))
+
+
 def _arm(control: Any, treatment: Any, *, _root_: Any) -> Any:
     """``${arm:<control>,<treatment>}``: the value for the arm chosen by ``hypothesis.arm``.
 
@@ -351,6 +455,10 @@ def register() -> None:
         OmegaConf.register_new_resolver("arm", _arm)
     if not OmegaConf.has_resolver("first_set"):  # ${first_set:a,b}: a unless it is null or empty, else b
         OmegaConf.register_new_resolver("first_set", lambda *values: next((v for v in values if v not in (None, "")), None))
+    if not OmegaConf.has_resolver("launch_stamp"):  # the unique part of a run / sweep dir name; cached: one per launch
+        from musique_rl.launch import stamp
+
+        OmegaConf.register_new_resolver("launch_stamp", stamp, use_cache=True)
     if not OmegaConf.has_resolver("mul"):
         OmegaConf.register_new_resolver("mul", lambda a, b: a * b)
     # One root schema types every group: the option files merge into its typed nodes.

@@ -14,9 +14,11 @@ the process died), ``error`` (the exception's type and last line; None when it c
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
+
+from musique_rl.redact import redact
 
 JOBS_FILE = "jobs.json"
 BAD = ("FAILED", "DIED")
@@ -49,7 +51,9 @@ def write(sweep_dir: str | Path, rows: list[JobRow]) -> Path:
     if not rows:
         return path
     merged = {r.num: r for r in read(sweep_dir)}
-    merged.update({r.num: r for r in rows})
+    # a job's overrides and error as typed may hold a secret (a tracking URI's password): masked here
+    merged.update({r.num: replace(r, overrides=[redact(o) for o in r.overrides],
+                                  error=None if r.error is None else redact(r.error)) for r in rows})
     path.write_text(json.dumps([asdict(merged[k]) for k in sorted(merged)], indent=1) + "\n")
     return path
 

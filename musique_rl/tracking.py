@@ -13,7 +13,12 @@
 - `task_wrapper(task)`: runs a job inside its MLflow run; a failing job ends its run FAILED with
   the traceback as artifact `error/traceback.txt`, and in a multirun returns None instead of
   taking the sweep down (the pattern of lightning-hydra-template's `task_wrapper`). A requeued or
-  resumed job (same output dir) continues the same run (`mlflow_run_id` file in the job dir).
+  resumed job (same output dir) continues the same run (`mlflow_run_id` file in the job dir), only
+  when that run's `config_hash` tag is its own (musique_rl.launch.config_hash).
+- Tracking is a side service: an HTTP server that does not answer fails the job in seconds before
+  compute (`probe`, naming `tracking.enabled=false`); a failure once the job runs is said once and
+  costs nothing (`Tracker`); what the store missed is sent from metrics.jsonl when it answers again,
+  or by `python -m musique_rl.tracking --upload <run dir>`.
 - At the end of a train run: reward-curve plots (the doctor's `diagnosis.json` is logged by the job pipe).
 """
 
@@ -22,6 +27,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import functools
+import json
 import logging
 import math
 import os
@@ -253,13 +259,37 @@ def run_name(cfg: DictConfig) -> str:
 
 # ---------------------------------------------------------------- the job's run
 class Tracker:
-    """The MLflow run of one job. Obtain it inside a job with `tracking.active()`."""
+    """The MLflow run of one job. Obtain it inside a job with `tracking.active()`.
+
+    Tracking is a side service: its first failure (a server that went away, a full disk under the
+    sqlite store) is logged once, and every later call of this job is skipped instead of spending
+    MLflow's retries again; training goes on. Every metric is in the run dir's metrics.jsonl, and
+    ``upload_run_dir`` sends what the run lacks (at the job's end when the store answers again, or
+    ``python -m musique_rl.tracking --upload <run dir>``).
+    """
 
     def __init__(self, run_id: str, experiment_id: str, uri: str):
         from mlflow.tracking import MlflowClient
 
         self.run_id, self.experiment_id, self.uri = run_id, experiment_id, uri
         self.client = MlflowClient(uri)
+        self.failure: Exception | None = None  # the first tracking error of this job
+        self.unsent_from: int | None = None  # the first step whose metrics did not reach the store
+
+    def _call(self, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        if self.failure is not None:
+            return None
+        try:
+            return fn(*args, **kwargs)
+        except Exception as exc:
+            self.failure = exc
+            log.warning(
+                "MLflow tracking failed while %s (%s: %s); the job goes on without it. Every metric is in the run "
+                "directory's metrics.jsonl; what the run lacks is sent at the end if %s answers again, or later with "
+                "`python -m musique_rl.tracking --upload <run dir>`. To train without tracking: tracking.enabled=false",
+                what, type(exc).__name__, redact(str(exc).splitlines()[0] if str(exc) else ""), redact(self.uri),
+            )
+            return None
 
     def log_metrics(self, metrics: Mapping[str, Any], step: int) -> None:
         """Numeric entries of `metrics` at `step` in one batch (None, bools and strings skipped)."""
@@ -271,19 +301,22 @@ class Tracker:
             for k, v in metrics.items()
             if isinstance(v, int | float) and not isinstance(v, bool) and v is not None
         ]
-        self.client.log_batch(self.run_id, metrics=batch)  # MLflow splits it into per-request chunks
+        if self.failure is None:  # MLflow splits the batch into per-request chunks
+            self._call(f"logging step {step}'s metrics", self.client.log_batch, self.run_id, metrics=batch)
+        if self.failure is not None and self.unsent_from is None:
+            self.unsent_from = int(step)
 
     def log_text(self, text: str, artifact_file: str) -> None:
-        self.client.log_text(self.run_id, redact(text), artifact_file)
+        self._call(f"logging {artifact_file}", self.client.log_text, self.run_id, redact(text), artifact_file)
 
     def log_dict(self, data: Any, artifact_file: str) -> None:
-        self.client.log_dict(self.run_id, redact_tree(data), artifact_file)
+        self._call(f"logging {artifact_file}", self.client.log_dict, self.run_id, redact_tree(data), artifact_file)
 
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
-        self.client.log_artifact(self.run_id, str(path), artifact_path)
+        self._call(f"logging {Path(path).name}", self.client.log_artifact, self.run_id, str(path), artifact_path)
 
     def set_tag(self, key: str, value: Any) -> None:
-        self.client.set_tag(self.run_id, key, redact_value(key, value)[:_TAG_MAX])
+        self._call(f"setting tag {key}", self.client.set_tag, self.run_id, key, redact_value(key, value)[:_TAG_MAX])
 
     def callback(self) -> Any:
         """A transformers TrainerCallback that logs every `logs` dict (TRL's metrics and ours) at its step.
@@ -353,31 +386,98 @@ def _restore_fluent_uri(state: tuple[str | None, str | None]) -> None:
         os.environ["MLFLOW_TRACKING_URI"] = env
 
 
+class TrackingUnavailable(RuntimeError):
+    """The tracking store cannot be used at a job's start: said before any compute, with the way out."""
+
+
+# MLflow's HTTP client retries a failing request 7 times with exponential backoff and waits 120 s
+# for each answer: a dead server then costs minutes per call. A job's calls get a short budget
+# (a user's own MLFLOW_HTTP_REQUEST_* settings win), the start's reachability probe a shorter one.
+_JOB_HTTP = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_TIMEOUT": "20",
+             # MLflow prints "View run <url>" with the URI as typed (a password included): the job logs a redacted one
+             "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true"}
+_PROBE_HTTP = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "5"}
+
+
 @contextlib.contextmanager
-def job(cfg: DictConfig, output_dir: Path | None = None) -> Iterator[Tracker | None]:
-    """Start (or resume) this job's run; end it FINISHED, FAILED (traceback attached) or KILLED."""
-    if not OmegaConf.select(cfg, "tracking.enabled", default=True) or _rank() != 0:
-        yield None  # tracking off, or a non-zero data-parallel rank: rank 0 logs for all
-        return
+def _mlflow_settings(values: Mapping[str, str], force: bool = False) -> Iterator[None]:
+    """MLflow reads these environment variables at each request; set the ones the user did not set
+    (all of them with ``force``) for the block, then restore."""
+    before = {k: os.environ.get(k) for k in values}
+    for k, v in values.items():
+        if force or before[k] is None:
+            os.environ[k] = v
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _hint(uri: str) -> str:
+    return (f"fix tracking.tracking_uri / $MLFLOW_TRACKING_URI ({redact(uri)}), start the server, or run without "
+            "tracking: tracking.enabled=false (metrics.jsonl keeps every metric; `python -m musique_rl.tracking "
+            "--upload <run dir>` sends them later)")
+
+
+def probe(uri: str) -> None:
+    """Raise TrackingUnavailable within seconds when an HTTP tracking server does not answer."""
+    if not uri.startswith(("http://", "https://")):
+        return  # a local store: opening it (ensure_experiment) is the check
+    from mlflow.tracking import MlflowClient
+
+    t0 = time.time()
+    try:
+        with _mlflow_settings(_PROBE_HTTP, force=True):
+            MlflowClient(uri).search_experiments(max_results=1)
+    except Exception as exc:
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        raise TrackingUnavailable(
+            f"MLflow tracking server {redact(uri)} did not answer in {time.time() - t0:.1f} s "
+            f"({type(exc).__name__}: {redact(first)[:300]}); {_hint(uri)}"
+        ) from None
+
+
+def _adoptable(prev: Any, exp_id: str, digest: str, id_file: Path) -> bool:
+    """A requeued / resumed job continues its run only when that run is this job's: same experiment
+    and the same config identity (musique_rl.launch.config_hash), recorded on the run at creation."""
+    if prev.info.experiment_id != exp_id:
+        return False
+    theirs = prev.data.tags.get("config_hash")
+    if theirs == digest:
+        return True
+    log.warning(
+        "%s names MLflow run %s, which %s; this job starts a new run instead of mixing two runs' metrics",
+        id_file, prev.info.run_id,
+        "records no config identity" if theirs is None else f"belongs to another config (hash {theirs}, this job {digest})",
+    )
+    return False
+
+
+def _open_run(cfg: DictConfig, uri: str, id_file: Path | None) -> tuple[str, str]:
+    """(run id, experiment id): this job's own run, adopted from ``id_file`` or created."""
     import mlflow
 
-    uri = tracking_uri(cfg)
+    from musique_rl.launch import config_hash
+
     exp_id = ensure_experiment(uri, experiment_name(cfg))
-    hc = _hydra()
-    out = output_dir or (Path(hc.runtime.output_dir) if hc is not None else None)
-    id_file = out / RUN_ID_FILE if out is not None else None
     client = mlflow.tracking.MlflowClient(uri)
     tags = run_tags(cfg)
+    tags["config_hash"] = config_hash(cfg)
     parent = _parent_run_id()
     if parent:
         tags["mlflow.parentRunId"] = parent
     run_id, prev_tags = None, {}
     if id_file is not None and id_file.exists():
         old = id_file.read_text().strip()
+        prev = None
         with contextlib.suppress(Exception):
             prev = client.get_run(old)
-            if prev.info.experiment_id == exp_id:
-                run_id, prev_tags = old, prev.data.tags  # a requeued / resumed job continues its run
+        if prev is not None and _adoptable(prev, exp_id, tags["config_hash"], id_file):
+            run_id, prev_tags = old, prev.data.tags  # a requeued / resumed job continues its run
     if run_id is None:
         run_id = client.create_run(exp_id, tags=tags, run_name=tags["mlflow.runName"]).info.run_id
         if id_file is not None:
@@ -392,39 +492,166 @@ def job(cfg: DictConfig, output_dir: Path | None = None) -> Iterator[Tracker | N
             if stale in prev_tags:
                 client.delete_tag(run_id, stale)
         client.set_tag(run_id, "resumes", int(prev_tags.get("resumes", 0)) + 1)
-    tracker = Tracker(run_id, exp_id, uri)
-    prev_uri = _fluent_uri_state()
-    status = "FINISHED"
-    _ACTIVE.append(tracker)
-    try:
-        _log_config(tracker, cfg)
-        log.info("MLflow run %s (experiment %s) in %s", run_id, exp_id, redact(uri))
-        # the fluent API (mlflow.log_*) of code inside the job writes to this run too
-        mlflow.set_tracking_uri(uri)
-        mlflow.start_run(run_id=run_id)
-        yield tracker
-    except (KeyboardInterrupt, SystemExit) as exc:
-        # Ctrl-C, or submitit's exit after a preemption / timeout signal (it requeues the job,
-        # which resumes into this run): stopped from outside, not failed.
-        status = "KILLED"
-        with contextlib.suppress(Exception):
+    return run_id, exp_id
+
+
+@contextlib.contextmanager
+def job(cfg: DictConfig, output_dir: Path | None = None) -> Iterator[Tracker | None]:
+    """Start (or resume) this job's run; end it FINISHED, FAILED (traceback attached) or KILLED.
+
+    The store is checked before any compute (an unreachable server fails here in seconds, naming
+    ``tracking.enabled=false``); once the job runs, a tracking failure never ends it (``Tracker``),
+    and an error of the closing calls is logged, never raised over the job's own outcome."""
+    if not OmegaConf.select(cfg, "tracking.enabled", default=True) or _rank() != 0:
+        yield None  # tracking off, or a non-zero data-parallel rank: rank 0 logs for all
+        return
+    import mlflow
+
+    uri = tracking_uri(cfg)
+    hc = _hydra()
+    out = output_dir or (Path(hc.runtime.output_dir) if hc is not None else None)
+    id_file = out / RUN_ID_FILE if out is not None else None
+    with _mlflow_settings(_JOB_HTTP):
+        probe(uri)
+        try:
+            run_id, exp_id = _open_run(cfg, uri, id_file)
+        except Exception as exc:
+            first = str(exc).splitlines()[0] if str(exc) else ""
+            raise TrackingUnavailable(
+                f"MLflow store {redact(uri)} failed before the job started ({type(exc).__name__}: {redact(first)[:300]}); "
+                f"{_hint(uri)}") from None
+        tracker = Tracker(run_id, exp_id, uri)
+        prev_uri = _fluent_uri_state()
+        status = "FINISHED"
+        _ACTIVE.append(tracker)
+        try:
+            _log_config(tracker, cfg)
+            log.info("MLflow run %s (experiment %s) in %s", run_id, exp_id, redact(uri))
+            # the fluent API (mlflow.log_*) of code inside the job writes to this run too
+            mlflow.set_tracking_uri(uri)
+            tracker._call("starting the run", mlflow.start_run, run_id=run_id)
+            yield tracker
+        except (KeyboardInterrupt, SystemExit) as exc:
+            # Ctrl-C, SIGTERM (musique_rl.launch), or submitit's exit after a preemption / timeout signal
+            # (it requeues the job, which resumes into this run): stopped from outside, not failed.
+            status = "KILLED"
             tracker.set_tag("interrupted", f"{type(exc).__name__}: {exc}"[:500])
-        raise
-    except BaseException as exc:
-        status = "FAILED"
-        with contextlib.suppress(Exception):
+            raise
+        except BaseException as exc:
+            status = "FAILED"
             tracker.log_text(traceback.format_exc(), "error/traceback.txt")
             tracker.set_tag("error", f"{type(exc).__name__}: {exc}"[:500])
-        raise
-    finally:
-        _ACTIVE.pop()
-        if status == "FINISHED" and str(cfg.get("mode")) == "train":
+            raise
+        finally:
+            _ACTIVE.pop()
+            _close(tracker, cfg, status, out)
+            _restore_fluent_uri(prev_uri)
+
+
+def _close(tracker: Tracker, cfg: DictConfig, status: str, out: Path | None) -> None:
+    """End the run: what the store missed, plots and doctor, the status. Nothing here raises: the
+    job's own outcome (its result or its first error) is what the user sees."""
+    import mlflow
+
+    try:
+        if tracker.failure is not None and out is not None:
+            _catch_up(tracker, out)
+        if tracker.failure is None and status == "FINISHED" and str(cfg.get("mode")) == "train":
             finish_train_run(tracker, out)
-        if mlflow.active_run() is not None and mlflow.active_run().info.run_id == run_id:
-            mlflow.end_run(status=status)
-        else:
-            client.set_terminated(run_id, status)
-        _restore_fluent_uri(prev_uri)
+    except Exception as exc:
+        log.warning("MLflow run %s: closing steps failed (%s: %s)", tracker.run_id, type(exc).__name__, redact(str(exc))[:300])
+    down = tracker.failure is not None  # then one quick try, no retries: the warning was given already
+    try:
+        with _mlflow_settings(_PROBE_HTTP, force=True) if down else contextlib.nullcontext():
+            active_run = mlflow.active_run()
+            if active_run is not None and active_run.info.run_id == tracker.run_id:
+                mlflow.end_run(status=status)  # pops MLflow's active-run stack before it calls the store
+            else:
+                tracker.client.set_terminated(tracker.run_id, status)
+        log.info("MLflow run %s ended %s: %s", tracker.run_id, status, redact(run_url(tracker)))
+    except Exception as exc:
+        if not down:
+            log.warning("MLflow run %s not closed (%s: %s)", tracker.run_id, type(exc).__name__, redact(str(exc))[:300])
+
+
+def run_url(tracker: Tracker) -> str:
+    """Where a person opens the run: the server's page for an HTTP store, else the store URI and run id."""
+    if tracker.uri.startswith(("http://", "https://")):
+        return f"{tracker.uri.rstrip('/')}/#/experiments/{tracker.experiment_id}/runs/{tracker.run_id}"
+    return f"{tracker.uri} run {tracker.run_id}"
+
+
+def _catch_up(tracker: Tracker, out: Path) -> None:
+    """After a mid-job tracking failure: if the store answers again, send what it missed from
+    metrics.jsonl; else say how to send it later."""
+    try:
+        with _mlflow_settings(_PROBE_HTTP, force=True):
+            probe(tracker.uri)
+            tracker.client.get_run(tracker.run_id)
+    except Exception:
+        log.warning("MLflow %s still unavailable: run `python -m musique_rl.tracking --upload %s` once it is back "
+                    "(metrics.jsonl holds every step)", redact(tracker.uri), out)
+        return
+    sent = upload_run_dir(out, uri=tracker.uri, run_id=tracker.run_id)
+    tracker.failure = None  # the store is back: the closing calls go through again
+    log.info("MLflow %s answers again: sent %d step(s) from %s", redact(tracker.uri), sent, out / "metrics.jsonl")
+
+
+def upload_run_dir(run_dir: str | Path, uri: str | None = None, run_id: str | None = None,
+                   experiment: str | None = None) -> int:
+    """Send the metrics of ``run_dir/metrics.jsonl`` (and ``metrics.json``'s summary) that its MLflow
+    run lacks; returns the number of steps sent. The run is ``run_id``, else the run dir's
+    ``mlflow_run_id``, else a new run in ``experiment`` (its params from ``.hydra/config.yaml``)."""
+    from mlflow.entities import Metric
+    from mlflow.tracking import MlflowClient
+
+    from musique_rl.console import read_metrics
+
+    run_dir = Path(run_dir)
+    config_file = run_dir / ".hydra" / "config.yaml"
+    cfg = OmegaConf.load(config_file) if config_file.exists() else None
+    # the run's saved config has its URI redacted: a password comes from --uri or the environment
+    uri = uri or os.environ.get("MLFLOW_TRACKING_URI") or tracking_uri(cfg, base_dir=Path.cwd())
+    client = MlflowClient(uri)
+    id_file = run_dir / RUN_ID_FILE
+    run_id = run_id or (id_file.read_text().strip() if id_file.exists() else None)
+    if run_id is None:
+        name = experiment or (experiment_name(cfg) if cfg is not None else DEFAULT_EXPERIMENT)
+        exp_id = ensure_experiment(uri, name)
+        run_id = client.create_run(exp_id, run_name=run_dir.name, tags={"output_dir": str(run_dir.resolve())}).info.run_id
+        if cfg is not None:
+            from mlflow.entities import Param
+
+            with contextlib.suppress(Exception):
+                client.log_batch(run_id, params=[Param(k, v) for k, v in config_params(cfg).items()])
+        id_file.write_text(run_id)
+    have = client.get_run(run_id).data.metrics
+    # the last step the store holds, per key: only later steps are sent (a resent step would be a duplicate point)
+    last = {k: max((m.step for m in client.get_metric_history(run_id, k)), default=-1) for k in have}
+    now = int(time.time() * 1000)
+    batch, steps = [], set()
+    for row in read_metrics(run_dir / "metrics.jsonl"):
+        step = int(row.get("step", 0))
+        for k, v in row.items():
+            key = _metric_key(k)
+            if k != "step" and isinstance(v, int | float) and step > last.get(key, -1):
+                batch.append(Metric(key=key, value=float(v), timestamp=now, step=step))
+                steps.add(step)
+    summary = run_dir / "metrics.json"
+    if summary.exists():
+        data = json.loads(summary.read_text())
+        final = max(steps | {max(last.values(), default=0)})
+        for k, v in data.items():
+            key = _metric_key(k)
+            if isinstance(v, int | float) and not isinstance(v, bool) and key not in have:
+                batch.append(Metric(key=key, value=float(v), timestamp=now, step=final))
+    if batch:
+        client.log_batch(run_id, metrics=batch)
+    run = client.get_run(run_id)
+    if run.info.status == "RUNNING" and summary.exists():  # the job finished while the store was away
+        client.set_terminated(run_id, "FINISHED")
+    client.set_tag(run_id, "uploaded_from", str(run_dir.resolve()))
+    return len(steps)
 
 
 def _log_config(tracker: Tracker, cfg: DictConfig) -> None:
@@ -537,15 +764,22 @@ class SweepCallback(_HydraCallback):
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         if self._enabled(config):
-            with contextlib.suppress(Exception):  # the job reports store errors itself
-                ensure_experiment(tracking_uri(config, Path.cwd()), _safe_experiment_name(config))
+            # the job reports store errors itself, in seconds (tracking.probe): no MLflow retries here
+            with contextlib.suppress(Exception), _mlflow_settings(_PROBE_HTTP, force=True):
+                uri = tracking_uri(config, Path.cwd())
+                probe(uri)
+                ensure_experiment(uri, _safe_experiment_name(config))
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        from musique_rl.redact import redact_logs
+
+        redact_logs()  # the launching process's log lines (the sweep's overrides, MLflow's errors)
         if not self._enabled(config):
             return
         from mlflow.tracking import MlflowClient
 
         self.uri = tracking_uri(config, Path.cwd())
+        probe(self.uri)  # an unreachable server fails the sweep here, in seconds, before any job starts
         exp_id = ensure_experiment(self.uri, _safe_experiment_name(config))
         sweep_dir = Path(str(config.hydra.sweep.dir)).resolve()
         sweep = sweep_id_of(sweep_dir)
@@ -586,7 +820,9 @@ class SweepCallback(_HydraCallback):
         """Last of the multirun's callbacks (Hydra calls end hooks in reverse order: after the
         verdict): the job table, the parent run's outcome, and a non-zero exit when a job failed."""
         from musique_rl import sweep_jobs
+        from musique_rl.redact import redact_files
 
+        redact_files([Path(str(config.hydra.sweep.dir)) / "multirun.yaml"])  # saved as typed by Hydra's launcher
         rows = sweep_jobs.read(Path(str(config.hydra.sweep.dir)))
         if rows:
             print("\n" + sweep_jobs.table(rows), flush=True)
@@ -601,6 +837,15 @@ class SweepCallback(_HydraCallback):
         if self.parent_run_id is None or self.uri is None:
             return
         parent_run_id, self.parent_run_id = self.parent_run_id, None  # once, by the hook or at exit
+        try:
+            with _mlflow_settings(_JOB_HTTP):  # MLflow's "View run" line would print the URI as typed
+                self._close_run(parent_run_id, jobs, failed)
+        except Exception as exc:  # the jobs are done and recorded in jobs.json: the store's failure is only said
+            log.warning("MLflow parent run %s not closed (%s: %s)", parent_run_id, type(exc).__name__, redact(str(exc))[:300])
+        os.environ.pop(PARENT_ENV, None)
+        os.environ.pop(SWEEP_ENV, None)
+
+    def _close_run(self, parent_run_id: str, jobs: int, failed: int) -> None:
         from mlflow.tracking import MlflowClient
 
         client = MlflowClient(self.uri)
@@ -615,8 +860,6 @@ class SweepCallback(_HydraCallback):
         client.set_tag(parent_run_id, "jobs", str(max(jobs, len(children))))
         client.set_tag(parent_run_id, "failed_jobs", str(failed))
         client.set_terminated(parent_run_id, "FAILED" if failed else "FINISHED")
-        os.environ.pop(PARENT_ENV, None)
-        os.environ.pop(SWEEP_ENV, None)
 
 
 def _safe_experiment_name(config: DictConfig) -> str:
@@ -624,3 +867,29 @@ def _safe_experiment_name(config: DictConfig) -> str:
         return experiment_name(config)
     except Exception:  # an interpolation that only resolves per job
         return DEFAULT_EXPERIMENT
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m musique_rl.tracking --upload <run dir> [--uri URI]``: send a run directory's metrics
+    to its MLflow run (after a tracking outage, or a run made with tracking.enabled=false)."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m musique_rl.tracking", description=main.__doc__)
+    p.add_argument("--upload", metavar="RUN_DIR", nargs="+", required=True, help="run directories (with metrics.jsonl)")
+    p.add_argument("--uri", help="tracking URI (default: $MLFLOW_TRACKING_URI, else the run's tracking.tracking_uri, "
+                                 "else sqlite:///<cwd>/mlflow.db)")
+    p.add_argument("--experiment", help="experiment of a new run, for a run dir without mlflow_run_id")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    for run_dir in args.upload:
+        d = Path(run_dir)
+        if not (d / "metrics.jsonl").exists():
+            p.error(f"{d}: no metrics.jsonl (not a run directory)")
+        sent = upload_run_dir(d, uri=args.uri, experiment=args.experiment)
+        run_id = (d / RUN_ID_FILE).read_text().strip()
+        print(f"{d}: {sent} step(s) sent to MLflow run {run_id}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

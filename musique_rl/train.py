@@ -52,7 +52,9 @@ def run_directory(run_dir: str | Path | None = None) -> Path:
         if HydraConfig.initialized():
             path = Path(HydraConfig.get().runtime.output_dir)
         else:
-            path = Path("outputs") / time.strftime("%Y-%m-%d/%H-%M-%S")
+            from musique_rl.launch import stamp
+
+            path = Path("outputs") / time.strftime("%Y-%m-%d") / stamp()
     path.mkdir(parents=True, exist_ok=True)
     return path
 
@@ -201,6 +203,7 @@ def train(cfg: Any, run_dir: str | Path | None = None, callbacks: list | None = 
     from musique_rl.core.warm_start import ensure, provenance
     from musique_rl.env import data, rewards
     from musique_rl.env.retrieval import build_retriever
+    from musique_rl.redact import redact
 
     t0 = time.time()
     rewards.check_weights(cfg.reward)
@@ -290,7 +293,7 @@ def train(cfg: Any, run_dir: str | Path | None = None, callbacks: list | None = 
     summary["git/commit"] = sha + ("+dirty" if dirty else "")
     if tracker is not None:
         summary["mlflow/run_id"] = tracker.run_id
-        summary["mlflow/uri"] = tracker.uri
+        summary["mlflow/uri"] = redact(tracker.uri)  # a password in the URI stays out of files and the console
     if state.is_main_process:
         (out_dir / "metrics.json").write_text(json.dumps(summary, indent=1, sort_keys=True))
         if tracker is not None:

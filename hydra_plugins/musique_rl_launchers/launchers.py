@@ -36,6 +36,7 @@ from hydra_plugins.hydra_submitit_launcher.submitit_launcher import BaseSubmitit
 from omegaconf import OmegaConf
 
 from musique_rl import sweep_jobs
+from musique_rl.redact import redact
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +117,7 @@ class _IsolatingLauncher(BaseSubmititLauncher):
         for params in job_params:
             num, own = params[2], [o for o in params[0] if not o.startswith("sweep.resume=")]
             before = earlier.get(num)
-            if before is not None and sorted(before.overrides) != sorted(own):
+            if before is not None and sorted(map(redact, before.overrides)) != sorted(map(redact, own)):  # jobs.json is redacted
                 raise ValueError(f"sweep.resume={sweep_dir}: job {num} ran {' '.join(before.overrides)!r} but would now run "
                                  f"{' '.join(own)!r}: resume with the sweep's own command (same overrides and grid)")
             if (sweep_dir / str(num) / "metrics.json").exists():

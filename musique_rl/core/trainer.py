@@ -31,6 +31,8 @@ with full fine-tuning, TRL loads a reference copy.
 from __future__ import annotations
 
 import logging
+import os
+import shutil
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -38,7 +40,7 @@ from typing import Any
 import torch
 from trl import GRPOTrainer
 
-from musique_rl.core import faults
+from musique_rl.core import checkpoints, faults
 from musique_rl.core.generation import (
     HFGenerator,
     build_generator,
@@ -186,6 +188,38 @@ class MusiqueGRPOTrainer(GRPOTrainer):
             self.musique_generator = build_generator(cfg, tokenizer, trainer=self)  # read by RolloutEngine.rollout_func
         if instruments is not None:  # before any callback that reads its on_log additions (h08/grad_norm_before_clip)
             self.add_callback(instruments.callback(sink=lambda metrics: self.merge_metrics(metrics, "train")))
+
+    # ---- checkpoints written whole or not at all (musique_rl/core/checkpoints.py)
+    _staging_checkpoint = False
+
+    def _get_output_dir(self, trial):
+        base = super()._get_output_dir(trial)
+        return os.path.join(base, checkpoints.STAGING) if self._staging_checkpoint else base
+
+    def _save_checkpoint(self, model, trial):
+        """transformers' save, pointed at a staging directory (``_get_output_dir`` while it runs), then
+        renamed into ``checkpoint-N`` and rotated: a job stopped mid-save leaves no partial checkpoint."""
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
+
+        run_dir = Path(self._get_output_dir(trial=trial))
+        name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        staged, final = run_dir / checkpoints.STAGING / name, run_dir / name
+        if self.args.should_save:
+            shutil.rmtree(staged, ignore_errors=True)  # left by a job killed mid-save
+        self.accelerator.wait_for_everyone()
+        self._staging_checkpoint = True
+        try:
+            super()._save_checkpoint(model, trial)
+        except Exception as exc:
+            raise checkpoints.save_error(exc, staged, final) from exc
+        finally:
+            self._staging_checkpoint = False
+        self.accelerator.wait_for_everyone()  # every rank's files (RNG states, shards) are in `staged`
+        if self.args.should_save:
+            checkpoints.publish(staged, final)
+            rotate_checkpoints(output_dir=str(run_dir), save_total_limit=self.args.save_total_limit,
+                               best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
+        self.accelerator.wait_for_everyone()
 
     def merge_metrics(self, metrics: dict[str, float] | None, mode: str | None = None) -> None:
         """The one way our metrics join TRL's: appended to the per-step `_metrics[mode]`, which TRL
@@ -595,16 +629,21 @@ def prompt_dataset(cfg: Any, records: list[dict]) -> Any:
 
 
 def last_checkpoint(output_dir: str | Path, resume: str) -> str | None:
-    """``train.resume``: auto = the newest checkpoint in the run's checkpoint dir (None if none),
-    never = start fresh, anything else = that checkpoint path."""
-    from transformers.trainer_utils import get_last_checkpoint
-
+    """``train.resume``: auto = the newest whole checkpoint in the run's checkpoint dir (a damaged
+    newer one is moved aside with a warning naming the bad file; None if none is whole), never =
+    start fresh, anything else = that checkpoint path, refused naming the bad file if damaged."""
     if resume == "never":
         return None
     if resume == "auto":
-        return get_last_checkpoint(str(output_dir)) if Path(output_dir).is_dir() else None
+        found = checkpoints.newest_whole(output_dir)
+        if found is None and any(Path(output_dir).glob(checkpoints.DAMAGED_PREFIX + "checkpoint-*")):
+            log.warning("no whole checkpoint in %s: training starts from step 0", output_dir)
+        return found
     if not Path(resume).is_dir():
         raise FileNotFoundError(f"train.resume={resume!r}: no such checkpoint directory")
+    bad = checkpoints.problem(resume)
+    if bad:
+        raise ValueError(f"train.resume={resume!r}: the checkpoint is damaged: {bad}")
     return resume
 
 

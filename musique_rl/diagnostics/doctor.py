@@ -571,9 +571,16 @@ def write_diagnosis(run_id: str, diagnosis: list[dict[str, Any]], uri: str | Non
 
     client = MlflowClient(uri)
     client.log_text(run_id, json.dumps(diagnosis, indent=2), "diagnosis.json")
+    for key, value in diagnosis_tags(diagnosis).items():
+        client.set_tag(run_id, key, value)
+
+
+def diagnosis_tags(diagnosis: Sequence[Mapping[str, Any]]) -> dict[str, str]:
+    """The run tags a diagnosis sets: `diagnosis` (the top flagged hypothesis, or clean) and
+    `diagnosis_flagged` (every flagged hypothesis, in rank order, or none)."""
     flagged = [d for d in diagnosis if d["flagged"]]
-    client.set_tag(run_id, "diagnosis", flagged[0]["hypothesis"] if flagged else "clean")
-    client.set_tag(run_id, "diagnosis_flagged", ",".join(dict.fromkeys(d["hypothesis"] for d in flagged)) or "none")
+    return {"diagnosis": flagged[0]["hypothesis"] if flagged else "clean",
+            "diagnosis_flagged": ",".join(dict.fromkeys(d["hypothesis"] for d in flagged)) or "none"}
 
 
 def top_flagged(diagnosis: Sequence[Mapping[str, Any]]) -> str:

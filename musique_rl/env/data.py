@@ -80,14 +80,15 @@ def _slice(records: list[dict], split: str | None) -> list[dict]:
 
 
 # ---------------------------------------------------------------- loading
-def _read_local(path: str) -> list[dict]:
+def _read_local(path: str, skip_invalid: bool = False, counts: dict | None = None) -> list[dict]:
     """A local .json list or .jsonl file, as plain records.
 
     Why not ``datasets.load_dataset("json", data_files=...)``: it infers one Arrow schema over all
     records: a field whose type differs between records fails with an Arrow error about a column, not
     a record id, and a field missing from some records is filled with None in them; here each record
     reaches ``validate`` as written, which names the record id and field, and a bad line is named. The split slice still uses
-    the datasets library's own parser (``_slice``)."""
+    the datasets library's own parser (``_slice``). With ``skip_invalid`` a line that is not JSON is
+    skipped like an invalid record, and counted in ``counts["invalid"]``."""
     p = Path(path).expanduser()
     if not p.is_file():
         raise FileNotFoundError(f"env.data: local dataset file {str(p)!r} does not exist")
@@ -103,7 +104,12 @@ def _read_local(path: str) -> list[dict]:
             try:
                 records.append(json.loads(line))
             except json.JSONDecodeError as e:
-                raise ValueError(f"env.data: {p} line {lineno} is not valid JSON ({e})") from e
+                if not skip_invalid:
+                    raise ValueError(f"env.data: {p} line {lineno} is not valid JSON ({e})\n"
+                                     "(set env.skip_invalid=true to skip and count invalid records)") from e
+                if counts is not None:
+                    counts["invalid"] = counts.get("invalid", 0) + 1
+                log.warning("env.data: skipping %s line %d: not valid JSON (%s)", p, lineno, e)
     return records
 
 
@@ -232,9 +238,10 @@ def load_records(spec: str, env_cfg: Any, seed: int, stats: dict | None = None) 
     """
     _check_env(env_cfg)
     raw: list[tuple[dict, str]] = []
+    malformed = {"invalid": 0}  # lines of local files that are not JSON (skipped under env.skip_invalid)
     for part in parse_spec(spec):
         if part["kind"] == "local":
-            recs = _slice(_read_local(part["path"]), part["split"])
+            recs = _slice(_read_local(part["path"], bool(env_cfg.skip_invalid), malformed), part["split"])
             where = part["path"]
         elif part["kind"] == "hub":
             recs = _read_hub(part["path"], part["name"], part["split"])
@@ -244,7 +251,8 @@ def load_records(spec: str, env_cfg: Any, seed: int, stats: dict | None = None) 
             where = f"{part['kind']},{part['name']},{part['split']}"
         raw += [(r, f"{where} #{i}") for i, r in enumerate(recs)]
 
-    counts = {"loaded": len(raw), "invalid": 0, "unanswerable": 0, "wrong_hops": 0, "kept": 0}
+    counts = {"loaded": len(raw) + malformed["invalid"], "invalid": malformed["invalid"], "unanswerable": 0,
+              "wrong_hops": 0, "kept": 0}
     hops = set(env_cfg.hops) if env_cfg.hops else None
     documents = task_for(env_cfg).documents
     records = []
