@@ -104,7 +104,39 @@ def load_model(cfg: Any, warm_start: Any = None) -> tuple[Any, Any]:
             f"model.name_or_path={name!r} could not be loaded ({e}). Offline? Point it at a local directory, "
             "or use the embedded model: model=tiny"
         ) from e
+    prefix_preserving_template(tokenizer, name)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
     return model, tokenizer
+
+
+def prefix_preserving_template(tokenizer: Any, name: str) -> None:
+    """Swap in TRL's training variant of a chat template that is not prefix-preserving.
+
+    The rollout appends each tool turn as tokens, so a conversation must render as a prefix of
+    itself with a tool message appended. Qwen3's shipped template is not: it re-renders the last
+    assistant turn with an empty <think> block. TRL ships a prefix-preserving training twin for each
+    such template it knows (``trl.chat_template_utils.get_training_chat_template``, used by its own
+    tool loop); sampling and training both use the swapped template, so they agree token for token.
+    """
+    from trl.chat_template_utils import (
+        get_training_chat_template,
+        is_chat_template_prefix_preserving,
+        supports_tool_calling,
+    )
+
+    if not tokenizer.chat_template or not supports_tool_calling(tokenizer) or is_chat_template_prefix_preserving(tokenizer):
+        return
+    try:
+        patched = get_training_chat_template(tokenizer)
+    except ValueError as e:  # a template TRL has no training twin for
+        raise ValueError(
+            f"model.name_or_path={name!r}: its chat template is not prefix-preserving (a conversation renders "
+            "differently once a tool message follows), so tool turns cannot be appended as tokens, and TRL "
+            f"ships no prefix-preserving version of it ({e}). Save a tokenizer with a prefix-preserving "
+            "template and point model.name_or_path at it."
+        ) from e
+    tokenizer.chat_template = patched
+    log.info("model.name_or_path=%s: its chat template is not prefix-preserving; using TRL's training "
+             "version of it (get_training_chat_template), for sampling and training alike", name)
