@@ -66,8 +66,9 @@ from typing import Any
 # the process and port rules the trainer (RL core) applies too; here re-exported for the topology
 from musique_rl.core.devices import ROLE_ENV, free_port, resolve_vllm_mode, visible_gpus  # noqa: F401
 
-ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_ACCELERATE_CONFIG = ROOT / "launchers" / "accelerate" / "zero3.yaml"
+# Package data, so an installed wheel launches with them too (launchers/accelerate in the checkout links here).
+ACCELERATE_DIR = Path(__file__).resolve().parent / "launchers" / "accelerate"
+DEFAULT_ACCELERATE_CONFIG = ACCELERATE_DIR / "zero3.yaml"
 
 
 class TopologyError(RuntimeError):
@@ -487,14 +488,14 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     from hydra import compose, initialize_config_dir
 
-    import musique_rl.schema  # noqa: F401  (schema and resolvers)
+    from musique_rl.schema import CONF_DIR  # registers the schema and resolvers too
 
     overrides = list(args.overrides)
     if not any(o.startswith("train.backend=") for o in overrides):
         overrides.append("train.backend=vllm")
     if args.mode is not None:
         overrides = [o for o in overrides if not o.startswith("train.vllm_mode=")] + [f"train.vllm_mode={args.mode}"]
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("train", overrides=overrides)
     gpus = [str(i) for i in range(args.gpus)]
     try:

@@ -336,7 +336,10 @@ def _arm(control: Any, treatment: Any, *, _root_: Any) -> Any:
     return treatment if str(arm) == "treatment" else control
 
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+# The one place every config lookup starts from (entrypoint, tools, tests): the configs are package
+# data, so a wheel installed anywhere finds them. A user's own configs go on top with Hydra's
+# `--config-dir DIR` (searched first), never by editing this tree.
+CONF_DIR = Path(__file__).resolve().parent / "conf"
 
 
 def register_sweeps(conf_dir: Path = CONF_DIR) -> list[str]:

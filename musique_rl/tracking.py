@@ -154,7 +154,7 @@ def config_params(cfg: DictConfig) -> dict[str, str]:
 
 # What a job runs: a change here makes the checkout "dirty". Docs are left out: a sweep's verdict
 # rewrites README.md, which must not mark the next sweep's runs as unrecoverable code.
-CODE_PATHS = ("musique_rl", "conf", "sweeps", "hydra_plugins", "launchers", "pyproject.toml")
+CODE_PATHS = ("musique_rl", "hydra_plugins", "launchers", "pyproject.toml")  # configs live in musique_rl/conf
 
 
 def git_commit(repo: Path | None = None) -> tuple[str, bool]:

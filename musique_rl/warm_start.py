@@ -28,10 +28,9 @@ SHIPPED_CONFIGS: dict[str, list[str]] = {"default": [], "arith": ["env=arith", "
 def compose_config(overrides: list[str]) -> Any:
     from hydra import compose, initialize_config_dir
 
-    import musique_rl.schema  # noqa: F401  (registers the schema)
+    from musique_rl.schema import CONF_DIR  # registers the schema too
 
-    conf = Path(__file__).resolve().parent.parent / "conf"
-    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return compose("train", overrides=["tracking.enabled=false", *overrides])
 
 

@@ -12,15 +12,15 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-import musique_rl.schema  # noqa: F401
 from musique_rl import gpu_job
+from musique_rl.schema import CONF_DIR  # importing it registers the schema and resolvers
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
 def cfg7b():
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return compose("train", overrides=["model=qwen2.5-7b-instruct", "lora=r16", "train.backend=vllm",
                                            "+hypothesis=h02", "hypothesis.arm=control", "seed=2"])
 

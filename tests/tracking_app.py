@@ -14,11 +14,11 @@ import hydra
 from omegaconf import DictConfig
 
 from musique_rl import (
-    schema,  # noqa: F401  (typed schema and the ${arm:..} resolver)
+    schema,  # the configs' directory; importing it registers the schema and the ${arm:..} resolver
     tracking,
 )
 
-CONF = str(Path(__file__).resolve().parent.parent / "conf")
+CONF = str(schema.CONF_DIR)
 
 
 def task(cfg: DictConfig) -> float:
