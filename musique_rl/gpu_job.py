@@ -34,7 +34,7 @@ or a plain run on a GPU workstation) does not train in its own process. ``app.ru
    also when submitit's preemption handler exits the job.
 
 Settings that depend on the cluster, from the environment:
-``MUSIQUE_RL_ACCELERATE_CONFIG`` (default launchers/accelerate/zero3.yaml: DeepSpeed ZeRO-3),
+``MUSIQUE_RL_ACCELERATE_CONFIG`` (default musique_rl/launchers/accelerate/zero3.yaml: DeepSpeed ZeRO-3),
 ``MUSIQUE_RL_VLLM_GPU_MEMORY_UTILIZATION`` (0.9), ``MUSIQUE_RL_VLLM_MAX_MODEL_LEN`` (default the
 env's prompt + completion + one turn; a smaller value is refused), ``MUSIQUE_RL_VLLM_HEALTH_TIMEOUT_S``
 (900). Ports: the server's (``train.vllm_server_port``), TRL's
@@ -182,7 +182,7 @@ def layout(cfg: Any, gpus: int, mode: str, *, card_gib: float | None, accelerate
     arch = memory.architecture(str(cfg.model.name_or_path))
     if arch is None:
         out.notes.append(f"memory and positions not checked: no architecture known for model.name_or_path="
-                         f"{cfg.model.name_or_path} (a conf/model hub id or a local directory with config.json)")
+                         f"{cfg.model.name_or_path} (a musique_rl/conf/model hub id or a local directory with config.json)")
         return out
     if arch.get("max_positions") and context > int(arch["max_positions"]):
         raise TopologyError(f"the longest request ({budgets} = {context} tokens) exceeds the model's "

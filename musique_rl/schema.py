@@ -343,9 +343,9 @@ CONF_DIR = Path(__file__).resolve().parent / "conf"
 
 
 def register_sweeps(conf_dir: Path = CONF_DIR) -> list[str]:
-    """A named sweep for every hypothesis: ``+sweep=<id>`` is conf/sweep/_base.yaml (both arms x
-    seeds, then the verdict) over conf/hypothesis/<id>.yaml. A hypothesis that needs another grid
-    writes its own conf/sweep/<id>.yaml, which this leaves alone. So a new hypothesis is one file."""
+    """A named sweep for every hypothesis: ``+sweep=<id>`` is musique_rl/conf/sweep/_base.yaml (both arms x
+    seeds, then the verdict) over musique_rl/conf/hypothesis/<id>.yaml. A hypothesis that needs another grid
+    writes its own musique_rl/conf/sweep/<id>.yaml, which this leaves alone. So a new hypothesis is one file."""
     store, added = ConfigStore.instance(), []
     for path in sorted((conf_dir / "hypothesis").glob("*.yaml")):
         if not (conf_dir / "sweep" / path.name).exists():

@@ -28,7 +28,7 @@ def test_every_hypothesis_has_a_named_sweep_on_the_search_path():
 
 
 def test_a_new_hypothesis_is_one_file_and_its_sweep_comes_with_it(tmp_path):
-    """The recipe of docs/architecture.md, done: copy conf/, add conf/hypothesis/h99.yaml, and
+    """The recipe of docs/architecture.md, done: copy musique_rl/conf/, add musique_rl/conf/hypothesis/h99.yaml, and
     `+sweep=h99` composes the paired grid; a hypothesis with its own sweeps file keeps it."""
     import shutil
 

@@ -89,6 +89,15 @@ def test_the_installed_command_composes_and_trains_outside_the_checkout(installe
     search = _run([str(python), "-m", "musique_rl", "--info", "searchpath"], cwd=outside, env=env, timeout=120)
     assert str(site / "musique_rl" / "conf") in search.stdout and str(ROOT) not in search.stdout, search.stdout
 
+    # a user's own option in their own config dir, next to the shipped groups (README, Configuration)
+    mine = outside / "my_conf" / "reward"
+    mine.mkdir(parents=True)
+    shipped = (site / "musique_rl" / "conf" / "reward" / "combined.yaml").read_text()
+    (mine / "mine.yaml").write_text(shipped.replace("name: combined", "name: mine").replace("normalizer: 4.0", "normalizer: 7.0"))
+    own = _run([str(python), "-m", "musique_rl", "--config-dir", "my_conf", "reward=mine", "loss=grpo", "--cfg", "job"],
+               cwd=outside, env=env, timeout=120)
+    assert "normalizer: 7.0" in own.stdout and "loss_type: grpo" in own.stdout, own.stdout
+
     run_dir = outside / "run"
     _run([str(python), "-m", "musique_rl", "train.max_steps=2", "train.prompts_per_step=2", "train.num_generations=4",
           "train.eval_episodes=4", "tracking.enabled=false", f"hydra.run.dir={run_dir}"],

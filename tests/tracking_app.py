@@ -1,4 +1,4 @@
-"""Stand-in job for the tracking tests: the real conf/ tree, launchers and MLflow tracking, no training.
+"""Stand-in job for the tracking tests: the real musique_rl/conf/ tree, launchers and MLflow tracking, no training.
 
 It logs a few steps of instrument-shaped metrics into its MLflow run through `tracking.task_wrapper`
 and into the run directory's metrics.jsonl, then runs the doctor as `app.run` does after training

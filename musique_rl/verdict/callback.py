@@ -1,7 +1,7 @@
 """``VerdictCallback``: a Hydra multirun of a hypothesis over both arms judges itself at its end.
 
-conf/train.yaml registers it for every multirun (``hydra.callbacks.verdict``, README table off);
-sweeps/_base.yaml turns the README table on for named sweeps. It judges only a multirun of a
+musique_rl/conf/train.yaml registers it for every multirun (``hydra.callbacks.verdict``, README table off);
+musique_rl/conf/sweep/_base.yaml turns the README table on for named sweeps. It judges only a multirun of a
 hypothesis that sweeps ``hypothesis.arm`` over both arms.
 """
 
