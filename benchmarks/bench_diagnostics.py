@@ -60,9 +60,9 @@ def instrument_timers(trainer_cls: type) -> None:
 def run_once(diagnostics: bool, steps: int, seed: int, store: Path, extra: list[str]) -> dict:
     from hydra import compose, initialize_config_dir
 
-    import musique_rl.schema  # noqa: F401
     from musique_rl import tracking
     from musique_rl.core import trainer as trainer_mod
+    from musique_rl.schema import CONF_DIR  # importing it registers the schema and resolvers
     from musique_rl.train import train
 
     captured = {}
@@ -92,7 +92,7 @@ def run_once(diagnostics: bool, steps: int, seed: int, store: Path, extra: list[
     overrides = [f"train.max_steps={steps}", f"seed={seed}", "env.eval_data=null", "train.save_steps=100000",
                  f"diagnostics.enabled={str(diagnostics).lower()}",
                  f"tracking.tracking_uri=sqlite:///{store / 'mlflow.db'}", *extra]
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose(config_name="train", overrides=overrides)
     TIMED.clear()
     run_dir = Path(tempfile.mkdtemp(dir=store))

@@ -34,7 +34,7 @@ or a plain run on a GPU workstation) does not train in its own process. ``app.ru
    also when submitit's preemption handler exits the job.
 
 Settings that depend on the cluster, from the environment:
-``MUSIQUE_RL_ACCELERATE_CONFIG`` (default launchers/accelerate/zero3.yaml: DeepSpeed ZeRO-3),
+``MUSIQUE_RL_ACCELERATE_CONFIG`` (default musique_rl/launchers/accelerate/zero3.yaml: DeepSpeed ZeRO-3),
 ``MUSIQUE_RL_VLLM_GPU_MEMORY_UTILIZATION`` (0.9), ``MUSIQUE_RL_VLLM_MAX_MODEL_LEN`` (default the
 env's prompt + completion + one turn; a smaller value is refused), ``MUSIQUE_RL_VLLM_HEALTH_TIMEOUT_S``
 (900). Ports: the server's (``train.vllm_server_port``), TRL's
@@ -66,8 +66,9 @@ from typing import Any
 # the process and port rules the trainer (RL core) applies too; here re-exported for the topology
 from musique_rl.core.devices import ROLE_ENV, free_port, resolve_vllm_mode, visible_gpus  # noqa: F401
 
-ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_ACCELERATE_CONFIG = ROOT / "launchers" / "accelerate" / "zero3.yaml"
+# Package data, so an installed wheel launches with them too (launchers/accelerate in the checkout links here).
+ACCELERATE_DIR = Path(__file__).resolve().parent / "launchers" / "accelerate"
+DEFAULT_ACCELERATE_CONFIG = ACCELERATE_DIR / "zero3.yaml"
 
 
 class TopologyError(RuntimeError):
@@ -181,7 +182,7 @@ def layout(cfg: Any, gpus: int, mode: str, *, card_gib: float | None, accelerate
     arch = memory.architecture(str(cfg.model.name_or_path))
     if arch is None:
         out.notes.append(f"memory and positions not checked: no architecture known for model.name_or_path="
-                         f"{cfg.model.name_or_path} (a conf/model hub id or a local directory with config.json)")
+                         f"{cfg.model.name_or_path} (a musique_rl/conf/model hub id or a local directory with config.json)")
         return out
     if arch.get("max_positions") and context > int(arch["max_positions"]):
         raise TopologyError(f"the longest request ({budgets} = {context} tokens) exceeds the model's "
@@ -487,14 +488,14 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     from hydra import compose, initialize_config_dir
 
-    import musique_rl.schema  # noqa: F401  (schema and resolvers)
+    from musique_rl.schema import CONF_DIR  # registers the schema and resolvers too
 
     overrides = list(args.overrides)
     if not any(o.startswith("train.backend=") for o in overrides):
         overrides.append("train.backend=vllm")
     if args.mode is not None:
         overrides = [o for o in overrides if not o.startswith("train.vllm_mode=")] + [f"train.vllm_mode={args.mode}"]
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("train", overrides=overrides)
     gpus = [str(i) for i in range(args.gpus)]
     try:

@@ -434,13 +434,16 @@ def _arm(control: Any, treatment: Any, *, _root_: Any) -> Any:
     return treatment if str(arm) == "treatment" else control
 
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+# The one place every config lookup starts from (entrypoint, tools, tests): the configs are package
+# data, so a wheel installed anywhere finds them. A user's own configs go on top with Hydra's
+# `--config-dir DIR` (searched first), never by editing this tree.
+CONF_DIR = Path(__file__).resolve().parent / "conf"
 
 
 def register_sweeps(conf_dir: Path = CONF_DIR) -> list[str]:
-    """A named sweep for every hypothesis: ``+sweep=<id>`` is conf/sweep/_base.yaml (both arms x
-    seeds, then the verdict) over conf/hypothesis/<id>.yaml. A hypothesis that needs another grid
-    writes its own conf/sweep/<id>.yaml, which this leaves alone. So a new hypothesis is one file."""
+    """A named sweep for every hypothesis: ``+sweep=<id>`` is musique_rl/conf/sweep/_base.yaml (both arms x
+    seeds, then the verdict) over musique_rl/conf/hypothesis/<id>.yaml. A hypothesis that needs another grid
+    writes its own musique_rl/conf/sweep/<id>.yaml, which this leaves alone. So a new hypothesis is one file."""
     store, added = ConfigStore.instance(), []
     for path in sorted((conf_dir / "hypothesis").glob("*.yaml")):
         if not (conf_dir / "sweep" / path.name).exists():

@@ -6,7 +6,7 @@
 - Params: the flattened resolved config. Tags: hypothesis, arm, seed, fault, git commit, the
   override string, sweep id, and Hydra's group choices (model, loss, reward, env, lora).
   Every param, tag and text artifact goes through `musique_rl.redact` first.
-- Multirun: `SweepCallback` (a Hydra callback, conf/train.yaml `hydra.callbacks`) creates the
+- Multirun: `SweepCallback` (a Hydra callback, musique_rl/conf/train.yaml `hydra.callbacks`) creates the
   store and the experiment ONCE before fan-out (parallel jobs racing to create a fresh sqlite file
   fail) and a parent run; jobs find its id in `$MUSIQUE_RL_PARENT_RUN_ID` or the sweep dir and
   nest under it.
@@ -160,7 +160,7 @@ def config_params(cfg: DictConfig) -> dict[str, str]:
 
 # What a job runs: a change here makes the checkout "dirty". Docs are left out: a sweep's verdict
 # rewrites README.md, which must not mark the next sweep's runs as unrecoverable code.
-CODE_PATHS = ("musique_rl", "conf", "sweeps", "hydra_plugins", "launchers", "pyproject.toml")
+CODE_PATHS = ("musique_rl", "hydra_plugins", "launchers", "pyproject.toml")  # configs live in musique_rl/conf
 
 
 def git_commit(repo: Path | None = None) -> tuple[str, bool]:
@@ -749,7 +749,7 @@ except ImportError:  # pragma: no cover - hydra is a hard dependency
 class SweepCallback(_HydraCallback):
     """Hydra callback: prepare the MLflow store once, and hold a multirun's parent run.
 
-    Registered in conf/train.yaml under `hydra.callbacks.mlflow`. Runs in the launching process:
+    Registered in musique_rl/conf/train.yaml under `hydra.callbacks.mlflow`. Runs in the launching process:
     `on_multirun_start` fires before any job is launched, so the sqlite schema and the experiment
     exist before parallel jobs (local processes, SLURM array tasks) touch the store.
     """

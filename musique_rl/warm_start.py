@@ -19,7 +19,7 @@ from musique_rl.core import tiny_model
 from musique_rl.core.warm_start import WarmStartGateError, _build_into, ensure
 
 # The warm starts committed to musique_rl/warm_starts/ (`make warm-start`), each as overrides of
-# conf/train.yaml: the default's and the arith control task's (env=arith; its key follows
+# musique_rl/conf/train.yaml: the default's and the arith control task's (env=arith; its key follows
 # its task's warm_start_env, env/tasks/arith.py, not the multi-hop one). A single-step warm start for h07's treatment
 # does not pass its gate on this model (docs/warm_start.md), and a start that fails is never shipped.
 SHIPPED_CONFIGS: dict[str, list[str]] = {"default": [], "arith": ["env=arith", "reward=answer_em"]}
@@ -28,10 +28,9 @@ SHIPPED_CONFIGS: dict[str, list[str]] = {"default": [], "arith": ["env=arith", "
 def compose_config(overrides: list[str]) -> Any:
     from hydra import compose, initialize_config_dir
 
-    import musique_rl.schema  # noqa: F401  (registers the schema)
+    from musique_rl.schema import CONF_DIR  # registers the schema too
 
-    conf = Path(__file__).resolve().parent.parent / "conf"
-    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return compose("train", overrides=["tracking.enabled=false", *overrides])
 
 

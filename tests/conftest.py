@@ -48,12 +48,12 @@ ROOT_DIR = Path(__file__).resolve().parents[1]
 
 
 def compose_cfg(overrides: list[str] | None = None):
-    """The composed main config (conf/train.yaml) with ``overrides``, outside any Hydra run."""
+    """The composed main config (musique_rl/conf/train.yaml) with ``overrides``, outside any Hydra run."""
     from hydra import compose, initialize_config_dir
 
-    import musique_rl.schema  # noqa: F401  (registers the schema)
+    from musique_rl.schema import CONF_DIR  # importing it registers the schema and resolvers
 
-    with initialize_config_dir(config_dir=str(ROOT_DIR / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return compose(config_name="train", overrides=list(overrides or []))
 
 

@@ -57,10 +57,9 @@ class Scripted:
 
 
 def run_in_copy(tmp_path: Path, new_module: str, source: str, script: str) -> subprocess.CompletedProcess:
-    """Copy musique_rl/ and conf/ into ``tmp_path``, write ``source`` to ``musique_rl/<new_module>``
+    """Copy musique_rl/ (its configs included) into ``tmp_path``, write ``source`` to ``musique_rl/<new_module>``
     (the only new or changed file), and run ``script`` with that copy first on the path."""
     shutil.copytree(ROOT / "musique_rl", tmp_path / "musique_rl", ignore=shutil.ignore_patterns("warm_starts", "__pycache__"))
-    shutil.copytree(ROOT / "conf", tmp_path / "conf")
     target = tmp_path / "musique_rl" / new_module
     assert not target.exists(), target
     target.write_text(source)

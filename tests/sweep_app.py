@@ -1,4 +1,4 @@
-"""Stand-in job for launcher tests: the real conf/ tree and launchers, a task that takes seconds.
+"""Stand-in job for launcher tests: the real musique_rl/conf/ tree and launchers, a task that takes seconds.
 
 It writes what a training job writes for the verdict (metrics.json with the hypothesis' metric)
 and misbehaves on request, so failure isolation and requeue/resume can be tested without
@@ -20,9 +20,9 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from musique_rl import schema, tracking  # noqa: F401  typed schema and the ${arm:..} resolver
+from musique_rl import schema, tracking  # schema: the configs' directory, the typed schema and ${arm:..}
 
-CONF = str(Path(__file__).resolve().parent.parent / "conf")
+CONF = str(schema.CONF_DIR)
 
 # Effect the stand-in "treatment" has on the metric, per hypothesis direction (> min_effect 0.02).
 EFFECT = 0.10

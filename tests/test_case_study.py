@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from musique_rl import case_study as cs
+from musique_rl.schema import CONF_DIR
 
 SEEDS = (1, 2, 3)
 STEPS = 12
@@ -106,7 +107,7 @@ def test_arms_run_apart_are_read_as_one_study(tmp_path):
 
 
 def test_every_arm_is_a_config_and_no_config_is_left_out():
-    conf = Path(cs.ROOT) / "conf" / "case"
+    conf = CONF_DIR / "case"
     assert sorted(p.stem for p in conf.glob("*.yaml")) == sorted(cs.ARM_NAMES)
     arms_in_comparisons = {a for c in cs.COMPARISONS for a in (c.control, c.treatment)}
     assert arms_in_comparisons <= set(cs.ARM_NAMES)

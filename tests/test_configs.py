@@ -1,6 +1,6 @@
 """Every config composes: each option of each group alone and with every hypothesis and fault.
 
-Composition goes through Hydra's compose API on the real conf/ tree, with full resolution, so a
+Composition goes through Hydra's compose API on the real musique_rl/conf/ tree, with full resolution, so a
 broken interpolation, a key missing from the typed schema or a wrong enum value fails here.
 """
 
@@ -14,15 +14,14 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-import musique_rl.schema  # noqa: F401  (registers the schema and resolvers)
+from musique_rl.schema import CONF_DIR  # importing it registers the schema and resolvers
 
 ROOT = Path(__file__).resolve().parent.parent
-CONF = ROOT / "conf"
 GROUPS = ["model", "lora", "loss", "reward", "env"]
 
 
 def options(group: str) -> list[str]:
-    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
 
 
 HYPOTHESES = options("hypothesis")
@@ -32,7 +31,7 @@ FAULTS = options("fault")
 @pytest.fixture(scope="module", autouse=True)
 def hydra_conf():
     # One Hydra initialisation for the module: re-initialising per composition costs ~0.2 s each.
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         yield
 
 
@@ -79,7 +78,7 @@ def test_hypothesis_treatment_differs_from_control(hyp):
 
 @pytest.mark.parametrize("hyp", HYPOTHESES)
 def test_hypothesis_header_states_everything(hyp):
-    text = (CONF / "hypothesis" / f"{hyp}.yaml").read_text()
+    text = (CONF_DIR / "hypothesis" / f"{hyp}.yaml").read_text()
     header = "\n".join(line for line in text.splitlines() if line.startswith("#"))
     for word in ("Claim:", "Arms:", "Predicts:", "Criterion:", "priority", "Run:"):
         assert word in header, f"{hyp} header lacks {word!r}"

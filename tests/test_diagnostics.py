@@ -308,13 +308,12 @@ def test_instruments_disabled_costs_nothing():
 
 
 def test_instruments_from_config_reads_the_schema():
-    from pathlib import Path
 
     from hydra import compose, initialize_config_dir
 
-    import musique_rl.schema  # noqa: F401  (registers the schema)
+    from musique_rl.schema import CONF_DIR  # importing it registers the schema and resolvers
 
-    conf = Path(__file__).resolve().parent.parent / "conf"
+    conf = CONF_DIR
     with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
         cfg = compose(config_name="train", overrides=["train.num_generations=4"])
     ins = Instruments.from_config(cfg)

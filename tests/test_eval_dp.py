@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from musique_rl.gpu_job import ACCELERATE_DIR
+
 ROOT = Path(__file__).resolve().parents[1]
 APP = ROOT / "tests" / "dp_eval_app.py"
 sys.path.insert(0, str(ROOT / "tests"))
@@ -26,7 +28,7 @@ def _launch(out: Path, *extra: str, processes: int = 2) -> subprocess.CompletedP
         cmd = [sys.executable, str(APP), str(out), *extra]
     else:
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-               str(ROOT / "launchers" / "accelerate" / "cpu_2proc.yaml"), "--main_process_port", "29533",
+               str(ACCELERATE_DIR / "cpu_2proc.yaml"), "--main_process_port", "29533",
                str(APP), str(out), *extra]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 

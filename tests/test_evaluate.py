@@ -8,15 +8,15 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-import musique_rl.schema  # noqa: F401  (registers the schema)
 from musique_rl.evaluate import evaluate
+from musique_rl.schema import CONF_DIR  # importing it registers the schema and resolvers
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLE = ROOT.parent / "shared" / "data" / "musique" / "train_sample_60.jsonl"
 
 
 def cfg_for(*overrides):
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return compose(config_name="train", overrides=["mode=eval", "tracking.enabled=false", *overrides])
 
 

@@ -12,15 +12,15 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-import musique_rl.schema  # noqa: F401
 from musique_rl import gpu_job
+from musique_rl.schema import CONF_DIR  # importing it registers the schema and resolvers
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
 def cfg7b():
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return compose("train", overrides=["model=qwen2.5-7b-instruct", "lora=r16", "train.backend=vllm",
                                            "+hypothesis=h02", "hypothesis.arm=control", "seed=2"])
 
@@ -220,7 +220,7 @@ def test_every_readme_topology_has_a_layout_that_divides_the_batch(gpus, mode):
     lay = _layout(_cfg(), gpus, mode)
     assert (lay.trainer_processes, lay.vllm_gpus, lay.episodes_per_process, lay.accumulation) == EXPECTED[gpus, mode]
     assert lay.trainer_processes * lay.episodes_per_process == 64 and lay.micro_batch == 4
-    assert lay.zero3 == (lay.trainer_processes > 1)  # launchers/accelerate/zero3.yaml
+    assert lay.zero3 == (lay.trainer_processes > 1)  # musique_rl/launchers/accelerate/zero3.yaml
     assert lay.max_model_len == 8192 + 8192 + 1024  # prompt + completion + one turn
     assert any("GiB" in m for m in lay.memory)  # the memory plan was made, not skipped
 

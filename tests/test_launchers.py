@@ -11,7 +11,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-import musique_rl.schema  # noqa: F401
+from musique_rl.schema import CONF_DIR  # importing it registers the schema and resolvers
 
 ROOT = Path(__file__).resolve().parent.parent
 CLUSTER_ENV = ["MUSIQUE_RL_SLURM_" + k for k in
@@ -43,7 +43,7 @@ def no_cluster_here(monkeypatch):
 def sbatch_script(tmp_path: Path, overrides: list[str], n_jobs: int = 6) -> str:
     from hydra_plugins.musique_rl_launchers.launchers import SlurmLauncher
 
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("train", overrides=["+sweep=h02", "hydra/launcher=slurm", f"hydra.sweep.dir={tmp_path}", *overrides],
                       return_hydra_config=True)
     params = OmegaConf.to_container(cfg.hydra.launcher, resolve=True)
@@ -91,7 +91,7 @@ def test_command_line_beats_the_environment(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("launcher", ["local", "slurm"])
 def test_launcher_max_num_timeout_reaches_the_executor(tmp_path, launcher):
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("train", overrides=[f"hydra/launcher={launcher}", f"hydra.sweep.dir={tmp_path}"], return_hydra_config=True)
     params = OmegaConf.to_container(cfg.hydra.launcher, resolve=True)
     if launcher == "local":

@@ -25,6 +25,7 @@ import pytest
 from conftest import TEST_OVERRIDES, compose_cfg
 
 from musique_rl import launch, schema, tracking
+from musique_rl.schema import CONF_DIR
 
 ROOT = Path(__file__).resolve().parent.parent
 PASSWORD = "s3cret-planted-pw"
@@ -461,7 +462,7 @@ def test_impossible_values_are_refused_naming_the_key(override, key):
 
 def test_every_shipped_config_passes_the_value_checks():
     schema.validate(compose_cfg([]))
-    for h in sorted(p.stem for p in (ROOT / "conf" / "hypothesis").glob("*.yaml")):
+    for h in sorted(p.stem for p in (CONF_DIR / "hypothesis").glob("*.yaml")):
         schema.validate(compose_cfg([f"+hypothesis={h}", "hypothesis.arm=control"]))
 
 

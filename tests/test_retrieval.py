@@ -124,7 +124,6 @@ def test_a_new_retriever_is_one_class(tmp_path):
 
     root = Path(__file__).resolve().parent.parent
     shutil.copytree(root / "musique_rl", tmp_path / "musique_rl", ignore=shutil.ignore_patterns("warm_starts", "__pycache__"))
-    shutil.copytree(root / "conf", tmp_path / "conf")
     with open(tmp_path / "musique_rl" / "env" / "retrieval.py", "a") as f:
         f.write(
             "\n\nclass FirstDocRetriever(Retriever):\n"

@@ -147,13 +147,12 @@ def test_unknown_weight_names_the_key():
 
 
 def compose_reward(name):
-    from pathlib import Path
 
     from hydra import compose, initialize_config_dir
 
-    import musique_rl.schema  # noqa: F401  (registers the schema)
+    from musique_rl.schema import CONF_DIR  # importing it registers the schema and resolvers
 
-    with initialize_config_dir(config_dir=str(Path(__file__).parents[1] / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return compose(config_name="train", overrides=[f"reward={name}"]).reward
 
 

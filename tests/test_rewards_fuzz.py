@@ -5,21 +5,22 @@ import functools
 import json
 import random
 import time
-from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-import musique_rl.schema  # noqa: F401  (registers the schema)
 from musique_rl.env.parsing import parse_final
 from musique_rl.env.retrieval import build_retriever
 from musique_rl.env.rewards import COMPONENTS, RewardFunction, as_spec, max_total, n_hops, total
 from musique_rl.env.tools import execute, parse_tool_calls
-from musique_rl.schema import EnvConfig
+from musique_rl.schema import (
+    CONF_DIR,  # importing it registers the schema and resolvers
+    EnvConfig,
+)
 
 N = 10_000
-PRESETS = sorted(p.stem for p in (Path(__file__).parents[1] / "conf" / "reward").glob("*.yaml"))
+PRESETS = sorted(p.stem for p in (CONF_DIR / "reward").glob("*.yaml"))
 
 FRAGMENTS = [
     "<think>", "</think>", "<cite>", "</cite>", "<answer>", "</answer>", "<tool_call>", "</tool_call>",
@@ -67,7 +68,7 @@ def random_messages(rng: random.Random) -> object:
 
 @functools.cache
 def preset(name):
-    with initialize_config_dir(config_dir=str(Path(__file__).parents[1] / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return compose(config_name="train", overrides=[f"reward={name}"]).reward
 
 

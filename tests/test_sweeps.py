@@ -13,28 +13,29 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf, open_dict
 
-import musique_rl.schema  # noqa: F401  (schema and the ${arm:..} resolver)
+from musique_rl.schema import CONF_DIR  # importing it registers the schema and resolvers
 
 ROOT = Path(__file__).resolve().parent.parent
-SWEEPS = sorted(p.stem for p in (ROOT / "conf" / "hypothesis").glob("h*.yaml"))  # one named sweep each
+SWEEPS = sorted(p.stem for p in (CONF_DIR / "hypothesis").glob("h*.yaml"))  # one named sweep each
 
 
 def test_every_hypothesis_has_a_named_sweep_on_the_search_path():
     assert len(SWEEPS) >= 8
-    assert (ROOT / "conf" / "sweep").resolve() == (ROOT / "sweeps").resolve()
+    # real files, not a link: a wheel drops symlinks, and the installed package must keep its sweeps
+    assert not (CONF_DIR / "sweep").is_symlink() and (CONF_DIR / "sweep" / "_base.yaml").is_file()
     # the generic grid serves every hypothesis: no per-hypothesis copies of it
-    assert not sorted((ROOT / "sweeps").glob("h*.yaml"))
+    assert not sorted((CONF_DIR / "sweep").glob("h*.yaml"))
 
 
 def test_a_new_hypothesis_is_one_file_and_its_sweep_comes_with_it(tmp_path):
-    """The recipe of docs/architecture.md, done: copy conf/, add conf/hypothesis/h99.yaml, and
+    """The recipe of docs/architecture.md, done: copy musique_rl/conf/, add musique_rl/conf/hypothesis/h99.yaml, and
     `+sweep=h99` composes the paired grid; a hypothesis with its own sweeps file keeps it."""
     import shutil
 
     from musique_rl.schema import register_sweeps
 
     conf = tmp_path / "conf"
-    shutil.copytree(ROOT / "conf", conf, symlinks=False)
+    shutil.copytree(CONF_DIR, conf, symlinks=False)
     text = (conf / "hypothesis" / "h02.yaml").read_text().replace("id: h02", "id: h99")
     (conf / "hypothesis" / "h99.yaml").write_text(text)
     (conf / "sweep" / "h98.yaml").write_text("# @package _global_\ndefaults:\n  - _base\n  - _self_\n")
@@ -49,7 +50,7 @@ def test_a_new_hypothesis_is_one_file_and_its_sweep_comes_with_it(tmp_path):
 
 @pytest.fixture(scope="module")
 def hydra_conf():
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         yield
 
 

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-import musique_rl.schema  # noqa: F401  (registers the schema and resolvers)
 from musique_rl import tracking
 from musique_rl.redact import is_secret_key, redact, redact_tree, redact_value
+from musique_rl.schema import CONF_DIR  # importing it registers the schema and resolvers
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKEN = "hf_PlantedSecretToken0123456789"
@@ -58,7 +58,7 @@ def test_redact_keeps_innocent_values():
 
 def test_flatten_and_run_name():
     assert tracking.flatten({"a": {"b": 1, "c": {"d": [1, 2]}}, "e": {}}) == {"a.b": 1, "a.c.d": [1, 2], "e": {}}
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose(config_name="train", overrides=["+hypothesis=h01", "hypothesis.arm=control", "seed=2"])
         assert tracking.run_name(cfg) == "h01-control-s2"
         assert tracking.experiment_name(cfg) == "h01"
@@ -75,7 +75,7 @@ def test_tracking_uri_precedence(monkeypatch, tmp_path):
 
 
 def _compose(overrides):
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return compose(config_name="train", overrides=overrides)
 
 

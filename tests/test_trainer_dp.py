@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from musique_rl.gpu_job import ACCELERATE_DIR
+
 ROOT = Path(__file__).resolve().parents[1]
 APP = ROOT / "tests" / "dp_advantages_app.py"
 
@@ -30,7 +32,7 @@ def test_two_cpu_processes_give_the_single_process_advantages(tmp_path):
     one = subprocess.run([sys.executable, str(APP), str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True)
     assert one.returncode == 0, one.stderr[-3000:]
     launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                str(ROOT / "launchers" / "accelerate" / "cpu_2proc.yaml"), "--main_process_port", "29531"]
+                str(ACCELERATE_DIR / "cpu_2proc.yaml"), "--main_process_port", "29531"]
     two = subprocess.run([*launcher, str(APP), str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True)
     # the first error lines, not only the tail: torchrun's summary of a killed rank hides the cause
     errors = [ln for ln in two.stderr.splitlines() if "Error" in ln or "error" in ln or "abort" in ln.lower()]

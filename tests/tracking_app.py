@@ -1,4 +1,4 @@
-"""Stand-in job for the tracking tests: the real conf/ tree, launchers and MLflow tracking, no training.
+"""Stand-in job for the tracking tests: the real musique_rl/conf/ tree, launchers and MLflow tracking, no training.
 
 It logs a few steps of instrument-shaped metrics into its MLflow run through `tracking.task_wrapper`
 and into the run directory's metrics.jsonl, then runs the doctor as `app.run` does after training
@@ -14,11 +14,11 @@ import hydra
 from omegaconf import DictConfig
 
 from musique_rl import (
-    schema,  # noqa: F401  (typed schema and the ${arm:..} resolver)
+    schema,  # the configs' directory; importing it registers the schema and the ${arm:..} resolver
     tracking,
 )
 
-CONF = str(Path(__file__).resolve().parent.parent / "conf")
+CONF = str(schema.CONF_DIR)
 
 
 def task(cfg: DictConfig) -> float:

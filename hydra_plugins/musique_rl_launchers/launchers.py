@@ -14,7 +14,7 @@
    (it would raise at the first failure and skip ``on_multirun_end``, so the verdict would not
    run); ``tracking.SweepCallback`` prints the table and exits non-zero when any job failed.
 
-Configs: conf/hydra/launcher/{local,slurm}.yaml. Upstream's ``launch`` is mirrored in
+Configs: musique_rl/conf/hydra/launcher/{local,slurm}.yaml. Upstream's ``launch`` is mirrored in
 ``_executor`` (pinned: hydra-submitit-launcher==1.2.0; tests/test_launchers.py checks the version).
 """
 

@@ -28,7 +28,7 @@ from musique_rl.env.registry import Registry
 
 # The one registration of each fault (name -> what it plants); the schema's `fault` values come
 # from here. Its behaviour lives in the code path that asks `is_on(cfg, name)` (table above); a
-# conf/fault/<name>.yaml exists for `+fault=<name>` and sets the config values a fault needs.
+# musique_rl/conf/fault/<name>.yaml exists for `+fault=<name>` and sets the config values a fault needs.
 FAULTS = Registry("fault")
 for _name, _what in {
     "none": "a clean run",

@@ -455,7 +455,7 @@ def batch_layout(cfg: Any, world: int) -> tuple[int, int]:
             f"{world}). Nearest valid: {'; '.join(nearest_batch_settings(cfg, world))}"
         )
     local = P * G // world
-    # At most micro_batch_size episodes per pass: a model config's default (conf/model) may exceed a
+    # At most micro_batch_size episodes per pass: a model config's default (musique_rl/conf/model) may exceed a
     # small batch, which then runs in one pass.
     micro = local if t.micro_batch_size is None else min(int(t.micro_batch_size), local)
     if micro < 1 or local % micro:

@@ -1,7 +1,7 @@
 """``VerdictCallback``: a Hydra multirun of a hypothesis over both arms judges itself at its end.
 
-conf/train.yaml registers it for every multirun (``hydra.callbacks.verdict``, README table off);
-sweeps/_base.yaml turns the README table on for named sweeps. It judges only a multirun of a
+musique_rl/conf/train.yaml registers it for every multirun (``hydra.callbacks.verdict``, README table off);
+musique_rl/conf/sweep/_base.yaml turns the README table on for named sweeps. It judges only a multirun of a
 hypothesis that sweeps ``hypothesis.arm`` over both arms.
 """
 
@@ -64,8 +64,14 @@ class VerdictCallback(Callback):
 
         try:
             v = run_verdict(self._sweep_dir, tracking_uri=self._tracking_uri, level=self.level,
-                            readme=README if self.readme else None, sweep_ended=True)
+                            readme=README if self.readme and _in_checkout() else None, sweep_ended=True)
             print("\n" + report(v) + f"\n  written: {v['written']}", flush=True)
         except Exception as exc:  # a verdict problem must not turn a finished sweep into an error
             log.error("verdict for %s failed: %s", self._sweep_dir, exc)
             print(f"verdict for {self._sweep_dir} failed: {exc}", file=sys.stderr, flush=True)
+
+
+def _in_checkout() -> bool:
+    """The README table belongs to a source checkout; an installed wheel has no README.md beside the
+    package, and a sweep must not write one into site-packages (verdict.json and status.md remain)."""
+    return README.exists()

@@ -1,6 +1,6 @@
 """Writing a verdict: verdict.json and status.md (sweep dir), README's status table, MLflow.
 
-The README table lists every hypothesis in conf/hypothesis/ ("Not run" until judged) between
+The README table lists every hypothesis in musique_rl/conf/hypothesis/ ("Not run" until judged) between
 ``<!-- verdicts:start -->`` and ``<!-- verdicts:end -->``; a verdict rewrites its own row and keeps
 the others. Each row's notes carry what the figure depends on besides the config: the warm-start
 hash, the machine and the commit, so a row read on another machine says where it was measured.
@@ -113,7 +113,7 @@ def render_table(rows: dict[str, dict[str, str]]) -> str:
 
 
 def _all_hypotheses() -> dict[str, dict[str, str]]:
-    """A "not run" row for every hypothesis in conf/hypothesis/, so the table lists them all."""
+    """A "not run" row for every hypothesis in musique_rl/conf/hypothesis/, so the table lists them all."""
     rows = {}
     for path in sorted(HYPOTHESIS_DIR.glob("h*.yaml")):
         try:

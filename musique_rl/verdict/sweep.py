@@ -10,9 +10,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from musique_rl.schema import CONF_DIR
+
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
-HYPOTHESIS_DIR = ROOT / "conf" / "hypothesis"
+HYPOTHESIS_DIR = CONF_DIR / "hypothesis"
 ARMS = ("control", "treatment")
 UNKNOWN = "unknown"  # a run that does not record its warm start or machine (older code)
 
