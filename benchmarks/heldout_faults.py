@@ -25,6 +25,8 @@ sees only what the instruments measure. The kinds of bug real RL codebases ship:
 | sampler_temperature        | h06        | the sampler samples at 0.7 x train.temperature (a generation    |
 |                            |            | config default), the trainer scores at train.temperature        |
 | sampler_top_p              | h06        | the sampler applies top_p 0.9 the trainer does not know about   |
+| sampler_temperature_slight | h06        | the sampler samples at 0.98 x train.temperature: a gap below the|
+|                            |            | old fixed 0.01 threshold (added with the calibrated floor)      |
 
 The runner starts each (fault, seed) job as its own process (at most --parallel at once), reads the
 MLflow run id from the job's result line, and prints the fault x seed table of the doctor's top
@@ -154,6 +156,21 @@ def sampler_temperature() -> None:
     generation.sampling_settings = sampling_settings
 
 
+def sampler_temperature_slight() -> None:
+    """A sampler 2% cooler than the trainer (a rounded or defaulted temperature): a gap below the old
+    fixed 0.01 threshold on this model, far above the float32 floor."""
+    from musique_rl.core import generation
+
+    original = generation.sampling_settings
+
+    def sampling_settings(cfg, tokenizer):
+        s = original(cfg, tokenizer)
+        s.temperature = 0.98 * s.temperature
+        return s
+
+    generation.sampling_settings = sampling_settings
+
+
 def sampler_top_p() -> None:
     from musique_rl.core import generation
 
@@ -176,6 +193,7 @@ FAULTS: dict[str, tuple[str, Callable[[], None]]] = {
     "reward_cached": ("h05", reward_cached),
     "sampler_temperature": ("h06", sampler_temperature),
     "sampler_top_p": ("h06", sampler_top_p),
+    "sampler_temperature_slight": ("h06", sampler_temperature_slight),
 }
 
 
