@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
 import sys
@@ -29,6 +28,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+# Rules registered in their own modules (@rule): imported for their registration.
+from musique_rl.diagnostics import alarms, invariants  # noqa: F401
 from musique_rl.diagnostics.findings import (
     RULES,
     Finding,
@@ -38,6 +39,13 @@ from musique_rl.diagnostics.findings import (
     num,
     rule,
     values,
+)
+from musique_rl.diagnostics.reward_power import (  # noqa: F401
+    FLAT_MIN_POINTS,
+    FLAT_P,
+    NEXT_SWEEPS,
+    flat_finding,
+    reward_trend,
 )
 
 # ---------------------------------------------------------------- thresholds (and why)
@@ -82,10 +90,6 @@ FIT_EXPLAINS_RATIO = 0.2
 REWARD_AUDIT_MAX = 0.05
 # H04: share of tool results that differ from their source (same reasoning as the reward audit)
 TOOL_ALTERED_MAX = 0.05
-# Flat reward: the reward "rises" when the least-squares slope over the run is positive at one-sided
-# p < 0.05 (scipy.stats.linregress); below FLAT_MIN_POINTS logged steps nothing is said.
-FLAT_P = 0.05
-FLAT_MIN_POINTS = 8
 # H02: sampled assistant tokens left out of the loss; beyond a fifth, the loss ignores what was sampled
 ASSISTANT_UNTRAINED_MAX = 0.2
 # H03: share of KL-masked tokens with a negative penalty. k3 >= 0 for every token, so only a sign
@@ -448,46 +452,6 @@ def _preflight(m: Mapping[str, History], params: Mapping[str, str]) -> list[Find
                     f"Pre-flight: {s:.0%} of groups forecast to carry signal.", ev)]
 
 
-def reward_trend(m: Mapping[str, History]) -> dict[str, float] | None:
-    """Least-squares slope of the logged reward over steps, its one-sided p (slope > 0) and gain."""
-    pts = [(s, v) for s, v in (m.get("reward") or []) if v is not None and not math.isnan(v)]
-    if len(pts) < FLAT_MIN_POINTS:
-        return None
-    from scipy.stats import linregress
-
-    xs, ys = [float(s) for s, _ in pts], [v for _, v in pts]
-    if len(set(ys)) == 1:
-        return {"slope": 0.0, "p_rise": 1.0, "first": ys[0], "last": ys[-1], "points": float(len(ys))}
-    fit = linregress(xs, ys)
-    p_rise = fit.pvalue / 2 if fit.slope > 0 else 1 - fit.pvalue / 2
-    q = max(2, len(ys) // 4)
-    return {"slope": float(fit.slope), "p_rise": float(p_rise), "first": statistics.fmean(ys[:q]),
-            "last": statistics.fmean(ys[-q:]), "points": float(len(ys))}
-
-
-# What a flat run with nothing flagged should try next: the sweeps that test the remaining causes.
-NEXT_SWEEPS = "make sweep SWEEP=h08 (update size), SWEEP=h01 (advantage scaling), SWEEP=h05 (reward signal)"
-
-
-def _flat(findings: Sequence[Finding], m: Mapping[str, History]) -> list[Finding]:
-    """No silent 'clean' on a flat run: the reward does not rise and no instrument is out of bounds."""
-    if any(f.flagged for f in findings):
-        return []
-    t = reward_trend(m)
-    if t is None or t["p_rise"] < FLAT_P:
-        return []
-    ruled_out = sorted({f.hypothesis for f in findings if f.check != "no_data"})
-    ev = {"reward slope per step": t["slope"], "p (reward rises)": t["p_rise"],
-          "reward (first quarter mean)": t["first"], "reward (last quarter mean)": t["last"]}
-    return [Finding("unexplained", "flat_reward_cause_not_found", True, 0.5,
-                    f"Flat reward, cause not found: the reward does not rise over {t['points']:.0f} logged steps "
-                    f"({t['first']:.3f} -> {t['last']:.3f}, slope {t['slope']:.2g}/step, p = {t['p_rise']:.2f} for a "
-                    f"rise) and no instrument is out of bounds. Ruled out: {', '.join(ruled_out) or 'nothing'} "
-                    f"(their checks passed). Not ruled out: a run too short or a policy whose pass@G is near its "
-                    f"pass@1 (see preflight), and defects no instrument measures. Next: train longer, then "
-                    f"{NEXT_SWEEPS}.", ev)]
-
-
 HYPOTHESES = ("h01", "h02", "h03", "h04", "h05", "h06", "h07", "h08")
 
 
@@ -521,7 +485,7 @@ def diagnose_metrics(metrics: Mapping[str, History], params: Mapping[str, str] |
     for check in RULES:
         findings.extend(check(metrics, params))
     _consequences(findings)
-    findings.extend(_flat(findings, metrics))
+    findings.extend(flat_finding(findings, metrics))
     seen = {f.hypothesis for f in findings}
     for h in HYPOTHESES:
         if h not in seen:
@@ -539,7 +503,7 @@ def diagnose_metrics(metrics: Mapping[str, History], params: Mapping[str, str] |
 
 # ---------------------------------------------------------------- MLflow I/O
 _PREFIXES = ("h0", "preflight/")
-_ALSO = ("grad_norm", "reward", "reward_std", "entropy", "learning_rate", IS_WEIGHT_KEY)  # TRL / Trainer metrics some rules read
+_ALSO = ("grad_norm", "reward", "reward_std", "entropy", "kl", "learning_rate", IS_WEIGHT_KEY)  # TRL / Trainer metrics some rules read
 
 
 def read_run_metrics(run_id: str, uri: str | None = None) -> tuple[dict[str, History], dict[str, str], Any]:

@@ -162,22 +162,25 @@ def sampling_fit(logits: torch.Tensor, targets: torch.Tensor, sampler_logps: tor
     # The grid's steps are 10-25% apart; a sampler off by 1-2% (a rounded temperature, a default
     # that differs slightly) falls between them. Refine the best temperature factor continuously
     # (golden-section search on the gap, which is unimodal in the temperature near its minimum).
-    lo, hi = best[1] * FIT_REFINE_SPAN[0], best[1] * FIT_REFINE_SPAN[1]
+    # Refined at the best truncation and without truncation (a pure temperature change is the most
+    # common slight mismatch, and a truncation can fit it almost as well at a grid temperature).
     inv_phi = (5**0.5 - 1) / 2
-    a, b = hi - inv_phi * (hi - lo), lo + inv_phi * (hi - lo)
-    ga, gb = gap_at(a, best[2], best[3]), gap_at(b, best[2], best[3])
-    for _ in range(FIT_REFINE_STEPS):
-        if ga < gb:
-            hi, b, gb = b, a, ga
-            a = hi - inv_phi * (hi - lo)
-            ga = gap_at(a, best[2], best[3])
-        else:
-            lo, a, ga = a, b, gb
-            b = lo + inv_phi * (hi - lo)
-            gb = gap_at(b, best[2], best[3])
-    f_ref, g_ref = (a, ga) if ga < gb else (b, gb)
-    if g_ref < best[0]:
-        best = (g_ref, f_ref, best[2], best[3])
+    for p, k in dict.fromkeys([(best[2], best[3]), (1.0, 0)]):
+        lo, hi = best[1] * FIT_REFINE_SPAN[0], best[1] * FIT_REFINE_SPAN[1]
+        a, b = hi - inv_phi * (hi - lo), lo + inv_phi * (hi - lo)
+        ga, gb = gap_at(a, p, k), gap_at(b, p, k)
+        for _ in range(FIT_REFINE_STEPS):
+            if ga < gb:
+                hi, b, gb = b, a, ga
+                a = hi - inv_phi * (hi - lo)
+                ga = gap_at(a, p, k)
+            else:
+                lo, a, ga = a, b, gb
+                b = lo + inv_phi * (hi - lo)
+                gb = gap_at(b, p, k)
+        f_ref, g_ref = (a, ga) if ga < gb else (b, gb)
+        if g_ref < 0.5 * best[0]:  # a real improvement, not round-off around a grid point
+            best = (g_ref, f_ref, p, k)
     return {"h06/fit_gap_trainer": base, "h06/fit_gap_best": best[0], "h06/fit_temperature_factor": best[1],
             "h06/fit_top_p": best[2], "h06/fit_top_k": float(best[3])}
 

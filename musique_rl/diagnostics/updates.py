@@ -37,9 +37,9 @@ class UpdateMeter:
             return {}
         upd = sum(float((p.detach().float() - b).double().pow(2).sum()) for p, b in zip(self.params, self._before, strict=True))
         w = sum(float(b.double().pow(2).sum()) for b in self._before)
-        self._before_sizes, self._before = self._before, None
-        out = {"update_norm": upd**0.5, "weight_norm": w**0.5,
-               "trainable_elements": float(sum(b.numel() for b in self._before_sizes))}
+        elements = sum(b.numel() for b in self._before)
+        self._before = None
+        out = {"update_norm": upd**0.5, "weight_norm": w**0.5, "trainable_elements": float(elements)}
         if self._grad_norm is not None:
             out["grad_norm_after_clip"] = self._grad_norm
         return out
