@@ -226,6 +226,19 @@ def launch(name: str, seed: str, steps: int, out: Path, uri: str, extra: list[st
     return {"fault": name, "seed": seed, "rc": proc.returncode, "run_id": run_id}
 
 
+def logged(root: Path, name: str, seed: str) -> dict | None:
+    """The newest logged job of (fault, seed) under root (a launch's `<fault>-s<seed>.log`), or None."""
+    logs = sorted(root.glob(f"*/{name}-s{seed}.log"))
+    if not logs:
+        return None
+    run_id = None
+    for line in reversed(logs[-1].read_text().splitlines()):
+        if line.startswith("{") and "mlflow/run_id" in line:
+            run_id = json.loads(line)["mlflow/run_id"]
+            break
+    return {"fault": name, "seed": seed, "rc": 0 if run_id else 1, "run_id": run_id}
+
+
 def cell(uri: str, run_id: str | None) -> tuple[str, str]:
     if run_id is None:
         return "<failed>", ""
@@ -257,6 +270,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--parallel", type=int, default=2, help="jobs at once (each uses one thread)")
     ap.add_argument("--tracking-uri", default=f"sqlite:///{ROOT / 'mlflow.db'}")
     ap.add_argument("--out", type=Path, default=ROOT / "multirun" / "heldout_faults")
+    ap.add_argument("--read-only", action="store_true",
+                    help="run nothing: the table of the jobs logged under --out (every run directory in it)")
     ap.add_argument("extra", nargs="*", help="more Hydra overrides for every job")
     args = ap.parse_args(argv)
     faults = [f for f in args.faults.split(",") if f]
@@ -268,9 +283,18 @@ def main(argv: list[str] | None = None) -> int:
     jobs = [(f, s) for f in faults for s in seeds]
     from mlflow.tracking import MlflowClient
 
-    MlflowClient(args.tracking_uri).search_experiments()  # create the store once: parallel jobs racing to create it fail
-    with ThreadPoolExecutor(max_workers=max(1, args.parallel)) as pool:
-        results = list(pool.map(lambda fs: launch(fs[0], fs[1], args.steps, out, args.tracking_uri, args.extra), jobs))
+    if args.read_only:
+        results = [r for f, s in jobs if (r := logged(args.out, f, s)) is not None]
+        jobs = [(r["fault"], r["seed"]) for r in results]
+        faults = list(dict.fromkeys(f for f, _ in jobs))
+        seeds = list(dict.fromkeys(s for _, s in jobs))
+        if not jobs:
+            ap.error(f"--read-only: no job logs under {args.out}")
+    else:
+        MlflowClient(args.tracking_uri).search_experiments()  # create the store once: parallel jobs racing to create it fail
+        with ThreadPoolExecutor(max_workers=max(1, args.parallel)) as pool:
+            results = list(pool.map(lambda fs: launch(fs[0], fs[1], args.steps, out, args.tracking_uri, args.extra),
+                                    jobs))
     os.environ["MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"] = "false"
     by = {(r["fault"], r["seed"]): cell(args.tracking_uri, r["run_id"]) for r in results}
     width = max(len(f) for f in faults) + 2
@@ -279,12 +303,15 @@ def main(argv: list[str] | None = None) -> int:
     for f in faults:
         line = f"{f:<{width}}{FAULTS[f][0]:<10}"
         for s in seeds:
+            if (f, s) not in by:
+                line += f"{'':<14}"
+                continue
             top = by[(f, s)][0]
             hit = top == FAULTS[f][0]
             ok += hit
             line += f"{top + (' ok' if hit else ' X'):<14}"
         print(line)
-    per_seed = {s: sum(by[(f, s)][0] == FAULTS[f][0] for f in faults) for s in seeds}
+    per_seed = {s: sum(by.get((f, s), ("",))[0] == FAULTS[f][0] for f in faults) for s in seeds}
     print(f"\n{ok}/{len(jobs)} cells diagnosed as expected; per seed: "
           + ", ".join(f"seed {s} {n}/{len(faults)}" for s, n in per_seed.items())
           + f" (tracking store {args.tracking_uri}, logs in {out})")
