@@ -112,10 +112,14 @@ def _updates_apply(m: Mapping[str, History], params: Mapping[str, str]) -> list[
     if ratio:
         ev["h08/adam_step_ratio (median)"] = statistics.median(ratio)
     if idle:
+        low = str(params.get("model.dtype", "")) in ("bfloat16", "float16")
+        why = ("each step is below the precision of the bf16/fp16 weights, so rounding discards it (train with "
+               "float32 master weights, or a larger learning rate), or the optimizer does not hold the parameters"
+               if low else "the optimizer does not hold the parameters the loss differentiates (a copy, a "
+               "re-wrapped model, parameters added after it was built)")
         return [Finding("h08", "step_changed_nothing", True, 3 + magnitude(1 + len(idle)),
                         f"{len(idle)} optimizer step(s) with a non-zero learning rate and gradient left every trained "
-                        f"weight unchanged (first at step {min(idle)}): the optimizer does not hold the parameters the "
-                        "loss differentiates (a copy, a re-wrapped model, parameters added after it was built).", ev)]
+                        f"weight unchanged (first at step {min(idle)}): {why}.", ev)]
     return judged("h08", "step_larger_than_adam", big > ADAM_STEP_MAX, 3 + magnitude(big / ADAM_STEP_MAX), ev,
                   f"An optimizer step moved the weights {big:.3g}x as far as Adam at the logged learning rate can "
                   f"(at most ~3): the weights change outside the optimizer, or the learning rate applied is not "
