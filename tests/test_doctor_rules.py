@@ -194,3 +194,11 @@ def test_a_short_run_that_rises_short_of_significance_is_too_short_to_judge_not_
     flat = diagnose_metrics(with_({"reward": [(s, 0.5 - 0.001 * s + noise[s]) for s in range(STEPS)]}))
     assert top_flagged(flat) == "unexplained" and flat[0]["check"] == "flat_reward_cause_not_found"
     assert "would have been detected" in flat[0]["verdict"]
+
+
+def test_the_live_console_bounds_the_gap_by_the_same_floor_as_the_doctor():
+    from musique_rl.diagnostics.bounds import out_of_bounds
+
+    assert out_of_bounds({"h06/logp_gap_mean": 0.012}) == ["h06/logp_gap_mean=0.012"]
+    assert out_of_bounds({"h06/logp_gap_mean": 0.012}, floor=2e-3) == []
+    assert out_of_bounds({"h06/logp_gap_mean": 2.5e-3}, floor=2e-7) == ["h06/logp_gap_mean=0.0025"]
