@@ -107,7 +107,9 @@ def mismatch_floor(model: torch.nn.Module, input_ids: torch.Tensor, attention_ma
             out["h06/logp_gap_floor_paths"] = paths
         dtype = next(model.parameters()).dtype
         size = sum(p.numel() for p in model.parameters()) * 4
-        if dtype != torch.float32 and size <= MAX_FLOAT32_COPY_BYTES:
+        # ZeRO-3 shards parameters (ds_id, numel 0 locally): a copy would hold no weights
+        sharded = any(hasattr(p, "ds_id") for p in model.parameters())
+        if dtype != torch.float32 and size <= MAX_FLOAT32_COPY_BYTES and not sharded:
             wide = copy.deepcopy(model).float()
             d = _mean_abs(full, _full_forward(wide, input_ids, attention_mask, logits_to_keep, temperature, plain=True), mask)
             del wide
