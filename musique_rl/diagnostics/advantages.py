@@ -15,6 +15,7 @@ from musique_rl.diagnostics.batch import BATCH_INSTRUMENTS, Batch
 # Centred rewards below this are float round-off, not a reward difference (fp32 rewards in [0, ~2]
 # carry ~1e-7 relative precision); their ratio to the advantage is not an amplification.
 _ROUNDOFF = 1e-12
+_SIGN_MIN = 1e-5
 
 
 def group_std(rewards: torch.Tensor, num_generations: int) -> torch.Tensor:
@@ -70,7 +71,10 @@ def advantage_stats(
     finite = ~torch.isnan(adv_g).any(dim=1) & ~torch.isnan(r.view(-1, g)).any(dim=1)
     if finite.any():
         out["h01/adv_group_sum_rel_max"] = (adv_g.sum(dim=1).abs() / scale)[finite].max() / g
-        signed = moved & finite.unsqueeze(1) & (adv_g.abs() > 1e-9)
+        # signs are compared only where the reward stands clear of its group mean: float32 rewards
+        # in [0, ~2] round at ~1e-7, so a centred reward below _SIGN_MIN may flip sign between
+        # TRL's float32 mean and this float64 one without any defect
+        signed = (centred.abs() > _SIGN_MIN) & finite.unsqueeze(1) & (adv_g.abs() > 1e-9)
         wrong = signed & (torch.sign(adv_g) != torch.sign(centred))
         out["h01/adv_sign_mismatch_share"] = wrong.double().sum() / signed.double().sum().clamp(min=1.0)
     if moved.any():
