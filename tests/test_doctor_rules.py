@@ -202,3 +202,15 @@ def test_the_live_console_bounds_the_gap_by_the_same_floor_as_the_doctor():
     assert out_of_bounds({"h06/logp_gap_mean": 0.012}) == ["h06/logp_gap_mean=0.012"]
     assert out_of_bounds({"h06/logp_gap_mean": 0.012}, floor=2e-3) == []
     assert out_of_bounds({"h06/logp_gap_mean": 2.5e-3}, floor=2e-7) == ["h06/logp_gap_mean=0.0025"]
+
+
+def test_amplified_near_ties_are_not_mistaken_for_advantages_from_other_groups():
+    # float32 rewards tied up to 1e-6 noise, scaled by std + 1e-8: the advantages are amplified
+    # noise (h01 amplification), and their float32 sums are not 0, but the groups are the right ones
+    g = torch.Generator().manual_seed(0)
+    rewards = (torch.ones(16) + 1e-6 * torch.randn(16, generator=g)).float()
+    grouped = rewards.view(-1, 8)
+    adv = ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-8)).flatten()
+    out = advantage_stats(rewards, adv, 8, 0.05)
+    assert out["h01/amplification_max"] > 1e4
+    assert out.get("h01/adv_group_sum_rel_max", 0.0) < 1e-3 and out.get("h01/adv_sign_mismatch_share", 0.0) == 0
