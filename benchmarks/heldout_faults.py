@@ -25,6 +25,8 @@ sees only what the instruments measure. The kinds of bug real RL codebases ship:
 | sampler_temperature        | h06        | the sampler samples at 0.7 x train.temperature (a generation    |
 |                            |            | config default), the trainer scores at train.temperature        |
 | sampler_top_p              | h06        | the sampler applies top_p 0.9 the trainer does not know about   |
+| sampler_temperature_slight | h06        | the sampler samples at 0.98 x train.temperature: a gap below the|
+|                            |            | old fixed 0.01 threshold (added with the calibrated floor)      |
 
 The runner starts each (fault, seed) job as its own process (at most --parallel at once), reads the
 MLflow run id from the job's result line, and prints the fault x seed table of the doctor's top
@@ -154,6 +156,21 @@ def sampler_temperature() -> None:
     generation.sampling_settings = sampling_settings
 
 
+def sampler_temperature_slight() -> None:
+    """A sampler 2% cooler than the trainer (a rounded or defaulted temperature): a gap below the old
+    fixed 0.01 threshold on this model, far above the float32 floor."""
+    from musique_rl.core import generation
+
+    original = generation.sampling_settings
+
+    def sampling_settings(cfg, tokenizer):
+        s = original(cfg, tokenizer)
+        s.temperature = 0.98 * s.temperature
+        return s
+
+    generation.sampling_settings = sampling_settings
+
+
 def sampler_top_p() -> None:
     from musique_rl.core import generation
 
@@ -176,6 +193,7 @@ FAULTS: dict[str, tuple[str, Callable[[], None]]] = {
     "reward_cached": ("h05", reward_cached),
     "sampler_temperature": ("h06", sampler_temperature),
     "sampler_top_p": ("h06", sampler_top_p),
+    "sampler_temperature_slight": ("h06", sampler_temperature_slight),
 }
 
 
@@ -206,6 +224,19 @@ def launch(name: str, seed: str, steps: int, out: Path, uri: str, extra: list[st
             break
     print(f"{name} seed {seed}: rc={proc.returncode} run={run_id} {time.time() - t0:.0f} s", flush=True)
     return {"fault": name, "seed": seed, "rc": proc.returncode, "run_id": run_id}
+
+
+def logged(root: Path, name: str, seed: str) -> dict | None:
+    """The newest logged job of (fault, seed) under root (a launch's `<fault>-s<seed>.log`), or None."""
+    logs = sorted(root.glob(f"*/{name}-s{seed}.log"))
+    if not logs:
+        return None
+    run_id = None
+    for line in reversed(logs[-1].read_text().splitlines()):
+        if line.startswith("{") and "mlflow/run_id" in line:
+            run_id = json.loads(line)["mlflow/run_id"]
+            break
+    return {"fault": name, "seed": seed, "rc": 0 if run_id else 1, "run_id": run_id}
 
 
 def cell(uri: str, run_id: str | None) -> tuple[str, str]:
@@ -239,6 +270,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--parallel", type=int, default=2, help="jobs at once (each uses one thread)")
     ap.add_argument("--tracking-uri", default=f"sqlite:///{ROOT / 'mlflow.db'}")
     ap.add_argument("--out", type=Path, default=ROOT / "multirun" / "heldout_faults")
+    ap.add_argument("--read-only", action="store_true",
+                    help="run nothing: the table of the jobs logged under --out (every run directory in it)")
     ap.add_argument("extra", nargs="*", help="more Hydra overrides for every job")
     args = ap.parse_args(argv)
     faults = [f for f in args.faults.split(",") if f]
@@ -250,9 +283,18 @@ def main(argv: list[str] | None = None) -> int:
     jobs = [(f, s) for f in faults for s in seeds]
     from mlflow.tracking import MlflowClient
 
-    MlflowClient(args.tracking_uri).search_experiments()  # create the store once: parallel jobs racing to create it fail
-    with ThreadPoolExecutor(max_workers=max(1, args.parallel)) as pool:
-        results = list(pool.map(lambda fs: launch(fs[0], fs[1], args.steps, out, args.tracking_uri, args.extra), jobs))
+    if args.read_only:
+        results = [r for f, s in jobs if (r := logged(args.out, f, s)) is not None]
+        jobs = [(r["fault"], r["seed"]) for r in results]
+        faults = list(dict.fromkeys(f for f, _ in jobs))
+        seeds = list(dict.fromkeys(s for _, s in jobs))
+        if not jobs:
+            ap.error(f"--read-only: no job logs under {args.out}")
+    else:
+        MlflowClient(args.tracking_uri).search_experiments()  # create the store once: parallel jobs racing to create it fail
+        with ThreadPoolExecutor(max_workers=max(1, args.parallel)) as pool:
+            results = list(pool.map(lambda fs: launch(fs[0], fs[1], args.steps, out, args.tracking_uri, args.extra),
+                                    jobs))
     os.environ["MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"] = "false"
     by = {(r["fault"], r["seed"]): cell(args.tracking_uri, r["run_id"]) for r in results}
     width = max(len(f) for f in faults) + 2
@@ -261,12 +303,15 @@ def main(argv: list[str] | None = None) -> int:
     for f in faults:
         line = f"{f:<{width}}{FAULTS[f][0]:<10}"
         for s in seeds:
+            if (f, s) not in by:
+                line += f"{'':<14}"
+                continue
             top = by[(f, s)][0]
             hit = top == FAULTS[f][0]
             ok += hit
             line += f"{top + (' ok' if hit else ' X'):<14}"
         print(line)
-    per_seed = {s: sum(by[(f, s)][0] == FAULTS[f][0] for f in faults) for s in seeds}
+    per_seed = {s: sum(by.get((f, s), ("",))[0] == FAULTS[f][0] for f in faults) for s in seeds}
     print(f"\n{ok}/{len(jobs)} cells diagnosed as expected; per seed: "
           + ", ".join(f"seed {s} {n}/{len(faults)}" for s, n in per_seed.items())
           + f" (tracking store {args.tracking_uri}, logs in {out})")

@@ -77,6 +77,7 @@ class StepLog(ProgressCallback):
         self.warmup_steps = int(warmup_steps)
         self.rewards: list[float] = []
         self._last: tuple[float, int] | None = None  # (time, step) of the previous log
+        self.gap_floor: float | None = None  # the run's h06/logp_gap_floor, once logged
 
     def on_train_begin(self, args, state, control, **kwargs):
         super().on_train_begin(args, state, control, **kwargs)
@@ -118,7 +119,10 @@ class StepLog(ProgressCallback):
         if self._last is not None and step > self._last[1]:
             parts.append(f"{(now - self._last[0]) / (step - self._last[1]):.2f} s/step")
         self._last = (now, step)
-        bad = out_of_bounds(logs, skip=("h08/",) if step <= self.warmup_steps else ())
+        if "h06/logp_gap_floor" in logs:  # measured once, at the first probe: the run's own floor
+            self.gap_floor = logs["h06/logp_gap_floor"]
+        bad = out_of_bounds(logs, skip=("h08/",) if step <= self.warmup_steps else (),
+                            floor=self.gap_floor)
         parts.append("out of bounds: " + ", ".join(bad) if bad else "instruments in bounds")
         return " | ".join(parts)
 

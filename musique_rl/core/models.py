@@ -33,13 +33,20 @@ def bf16_supported() -> bool:
 
 
 def resolve_dtype(model_cfg: Any) -> torch.dtype:
-    """``model.dtype`` as a torch dtype; 'auto' = bf16 where supported, else float32."""
+    """``model.dtype`` as a torch dtype; 'auto' = bf16 where supported, else float32.
+
+    An explicit bfloat16 runs on a CPU too (torch has bf16 CPU kernels): that is how the doctor's
+    precision-dependent thresholds are tested where CI runs. 'auto' still picks float32 on a CPU
+    (bf16 there is slower and only worth it to test bf16). float16 needs a GPU: torch's CPU fp16
+    kernels are incomplete, and fp16 training needs the loss scaling only CUDA AMP provides.
+    A CUDA GPU without bf16 (pre-Ampere) is refused: it would silently emulate it.
+    """
     name = str(model_cfg.dtype)
     if name == "auto":
         return torch.bfloat16 if bf16_supported() else torch.float32
-    if name == "bfloat16" and not bf16_supported():
+    if name == "bfloat16" and torch.cuda.is_available() and not bf16_supported():
         raise ValueError(
-            "model.dtype=bfloat16 needs a GPU with bf16 support; this machine has none (use model.dtype=auto or float32)"
+            "model.dtype=bfloat16: this GPU has no bf16 support (use model.dtype=auto, float16 or float32)"
         )
     if name == "float16" and not torch.cuda.is_available():
         raise ValueError("model.dtype=float16 needs a GPU (use model.dtype=auto or float32)")
@@ -89,7 +96,8 @@ def load_model(cfg: Any, warm_start: Any = None) -> tuple[Any, Any]:
                 f"in {tiny_model.SHIPPED_DIR} nor in {tiny_model.cache_root(cfg)}). Build it with "
                 "`python -m musique_rl.warm_start` (training and eval jobs build it themselves)"
             )
-        return tiny_model.load_tiny(path)
+        model, tokenizer = tiny_model.load_tiny(path)
+        return model.to(resolve_dtype(cfg.model)), tokenizer
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dtype = resolve_dtype(cfg.model)

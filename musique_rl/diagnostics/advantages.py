@@ -15,6 +15,7 @@ from musique_rl.diagnostics.batch import BATCH_INSTRUMENTS, Batch
 # Centred rewards below this are float round-off, not a reward difference (fp32 rewards in [0, ~2]
 # carry ~1e-7 relative precision); their ratio to the advantage is not an amplification.
 _ROUNDOFF = 1e-12
+_SIGN_MIN = 1e-5
 
 
 def group_std(rewards: torch.Tensor, num_generations: int) -> torch.Tensor:
@@ -61,6 +62,24 @@ def advantage_stats(
         "h01/near_tie_adv_share": adv_abs[near_tie].sum() / total_mass,
         "h01/near_tie_adv_abs_max": adv_abs[near_tie].max() if near_tie.any() else torch.tensor(0.0),
     }
+    # Invariants of TRL's group-relative advantages, whatever the scaling: (reward - group mean) / s
+    # with s > 0 sums to 0 inside each group and has the sign of reward - group mean. A group whose
+    # advantages do not sum to 0, or whose signs disagree with its rewards, was not formed from
+    # these rewards (rewards re-ordered after grouping, groups misaligned across processes).
+    # Checked on groups whose spread stands clear of round-off (std >= near_zero_std): in a
+    # near-tie group float32 centring leaves errors of the size of the spread itself, which std
+    # scaling then amplifies (that defect is h01 amplification, measured above).
+    adv_g = adv.view(-1, g)
+    scale = adv_g.abs().mean(dim=1).clamp(min=1e-12)
+    finite = ~torch.isnan(adv_g).any(dim=1) & ~torch.isnan(r.view(-1, g)).any(dim=1) & ~near
+    if finite.any():
+        out["h01/adv_group_sum_rel_max"] = (adv_g.sum(dim=1).abs() / scale)[finite].max() / g
+        # and signs only where the reward stands clear of its group mean: float32 rewards in
+        # [0, ~2] round at ~1e-7, so a centred reward below _SIGN_MIN may flip sign between TRL's
+        # float32 mean and this float64 one without any defect
+        signed = (centred.abs() > _SIGN_MIN) & finite.unsqueeze(1) & (adv_g.abs() > 1e-9)
+        wrong = signed & (torch.sign(adv_g) != torch.sign(centred))
+        out["h01/adv_sign_mismatch_share"] = wrong.double().sum() / signed.double().sum().clamp(min=1.0)
     if moved.any():
         f = factor[moved]
         # amplification = how many times std scaling multiplied the centred reward (1 = no scaling)

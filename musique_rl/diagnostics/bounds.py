@@ -19,6 +19,7 @@ from musique_rl.diagnostics.doctor import (
     LOGP_GAP_MAX,
     TOOL_FAILURE_MAX,
     UPDATE_RATIO_MIN,
+    gap_threshold,
 )
 
 # metric -> (comparison that means "out of bounds", threshold)
@@ -41,11 +42,16 @@ BOUNDS: dict[str, tuple[str, float]] = {
 _OPS = {">": operator.gt, "<": operator.lt}
 
 
-def out_of_bounds(metrics: Mapping[str, float], skip: tuple[str, ...] = ()) -> list[str]:
+def out_of_bounds(metrics: Mapping[str, float], skip: tuple[str, ...] = (),
+                  floor: float | None = None) -> list[str]:
     """``name=value`` of each bounded metric of one step that is past its bound (``skip``: prefixes
-    not judged now, e.g. h08 during the learning-rate warmup, when updates are small by design)."""
+    not judged now, e.g. h08 during the learning-rate warmup, when updates are small by design).
+    floor: the run's measured ``h06/logp_gap_floor`` (or None): the sampler/trainer gap is then
+    bounded as the doctor bounds it (``doctor.gap_threshold``), not by the fixed fallback."""
     out = []
     for name, (op, limit) in BOUNDS.items():
+        if name == "h06/logp_gap_mean" and floor is not None:
+            limit = gap_threshold({"h06/logp_gap_floor": [(0, floor)]})[0]
         v = metrics.get(name)
         if v is None or (isinstance(v, float) and math.isnan(v)) or name.startswith(skip):
             continue

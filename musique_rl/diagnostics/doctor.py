@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import re
 import statistics
@@ -37,7 +36,9 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from musique_rl.diagnostics import trl_rules  # noqa: F401  (registers the rules over TRL's metric names)
+# Rules registered in their own modules (@rule): imported for their registration (trl_rules: over
+# TRL's own metric names, which also serve another framework's logs).
+from musique_rl.diagnostics import alarms, invariants, trl_rules  # noqa: F401
 from musique_rl.diagnostics.findings import (
     RULES,
     Finding,
@@ -48,15 +49,46 @@ from musique_rl.diagnostics.findings import (
     rule,
     values,
 )
+from musique_rl.diagnostics.reward_power import (  # noqa: F401
+    FLAT_MIN_POINTS,
+    FLAT_P,
+    NEXT_SWEEPS,
+    flat_finding,
+    reward_trend,
+)
 
 # ---------------------------------------------------------------- thresholds (and why)
 # H01: TRL's epsilon 1e-4 caps std scaling at 1e4x; a larger factor means an epsilon below TRL's
 # floor meets a std below any meaningful reward difference: float noise becomes full-size advantages.
 AMPLIFICATION_MAX = 1e4
-# H02/H06: mean |sampler - trainer| log-prob (nats/token). Identical fp32 weights agree to ~3e-6
-# (docs/failure_modes.md); at 0.01 a 100-token sequence's importance ratio reaches e^1 = 2.7, near TRL's 3.0
-# clip where the sequence correction starts masking whole sequences (docs/failure_modes.md defect 5).
+# H02/H06: mean |sampler - trainer| log-prob (nats/token), judged against the run's own floor
+# (`h06/logp_gap_floor`, diagnostics/floor.py: two correct code paths / float32 vs the run's dtype,
+# same weights, measured at the first probe). A gap is a defect past FLOOR_MULTIPLE x the floor: the
+# floor is a mean over ~8 probe sequences and healthy step gaps scatter around it by a few times
+# (measured: bf16 CPU step-0 gap 5.5e-5 vs paths floor 6.4e-6, dtype floor 1.9e-3), so one order of
+# magnitude above it is no longer numerics.
+FLOOR_MULTIPLE = 10.0
+# ... but never below GAP_ABS_MIN: float32 floors reach ~2e-7, while healthy float32 step gaps
+# reach ~3e-6 (batched left-padded generate vs a fresh forward, docs/failure_modes.md); 1e-4 is 30x
+# that, and a per-token gap of 1e-4 moves the log importance ratio of a 1,000-token sequence by at
+# most 0.1, inside TRL's clip range, so nothing below it can bias the loss.
+GAP_ABS_MIN = 1e-4
+# Runs without a measured floor (logs of plain TRL, older runs): at 0.01 a 100-token sequence's
+# importance ratio reaches e^1 = 2.7, near TRL's 3.0 clip where the sequence correction starts
+# masking whole sequences (docs/failure_modes.md defect 5).
 LOGP_GAP_MAX = 0.01
+
+
+def gap_threshold(m: Mapping[str, History]) -> tuple[float, str]:
+    """(the largest healthy sampler/trainer gap for this run, the words that say where it comes from)."""
+    floor = values(m.get("h06/logp_gap_floor"))
+    if not floor:
+        return LOGP_GAP_MAX, f"no measured floor in this run: fixed {LOGP_GAP_MAX:g}"
+    f = floor[0]
+    thr = max(FLOOR_MULTIPLE * f, GAP_ABS_MIN)
+    why = (f"{FLOOR_MULTIPLE:g}x this stack's floor {f:.2g}" if thr > GAP_ABS_MIN
+           else f"the absolute minimum {GAP_ABS_MIN:g} (this stack's floor {f:.2g} x {FLOOR_MULTIPLE:g} is below it)")
+    return thr, why
 # H06 vs H02: the sampling-settings fit (sync.sampling_fit) "explains" a step-0 gap when the best
 # setting brings it below LOGP_GAP_MAX and to at most a fifth of the trainer's own gap: a change of
 # temperature/top-p/top-k, not of context, made the sampler's distribution.
@@ -67,10 +99,6 @@ FIT_EXPLAINS_RATIO = 0.2
 REWARD_AUDIT_MAX = 0.05
 # H04: share of tool results that differ from their source (same reasoning as the reward audit)
 TOOL_ALTERED_MAX = 0.05
-# Flat reward: the reward "rises" when the least-squares slope over the run is positive at one-sided
-# p < 0.05 (scipy.stats.linregress); below FLAT_MIN_POINTS logged steps nothing is said.
-FLAT_P = 0.05
-FLAT_MIN_POINTS = 8
 # H02: sampled assistant tokens left out of the loss; beyond a fifth, the loss ignores what was sampled
 ASSISTANT_UNTRAINED_MAX = 0.2
 # H03: share of KL-masked tokens with a negative penalty. k3 >= 0 for every token, so only a sign
@@ -143,9 +171,12 @@ def _h02(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
                                "No tool or template token carries loss.", ev))
     gap = m.get("h06/logp_gap_mean") or []
     cov = values(m.get("h02/attention_coverage"))
+    thr, why = gap_threshold(m)
     if gap:
         step0 = gap[0][1]
-        ev = {"h06/logp_gap_mean (first step)": step0, "first step": float(gap[0][0])}
+        ev = {"h06/logp_gap_mean (first step)": step0, "first step": float(gap[0][0]), "gap threshold": thr}
+        if values(m.get("h06/logp_gap_floor")):
+            ev["h06/logp_gap_floor"] = values(m.get("h06/logp_gap_floor"))[0]
         if cov:
             ev["h02/attention_coverage (min)"] = min(cov)
         fit_t, fit_b = values(m.get("h06/fit_gap_trainer")), values(m.get("h06/fit_gap_best"))
@@ -154,35 +185,37 @@ def _h02(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
             ev["h06/logp_gap_pre_tool (first)"] = pre[0]
         if post:
             ev["h06/logp_gap_post_tool (first)"] = post[0]
-        explained = bool(fit_t and fit_b and fit_t[0] > LOGP_GAP_MAX and fit_b[0] <= LOGP_GAP_MAX
+        explained = bool(fit_t and fit_b and fit_t[0] > thr and fit_b[0] <= thr
                          and fit_b[0] <= FIT_EXPLAINS_RATIO * fit_t[0] and not (cov and min(cov) < 1))
-        if step0 > LOGP_GAP_MAX and explained:
+        if step0 > thr and explained:
             setting = {k: values(m.get(f"h06/fit_{k}"))[0] for k in ("temperature_factor", "top_p", "top_k")
                        if values(m.get(f"h06/fit_{k}"))}
             ev.update({"h06/fit_gap_trainer": fit_t[0], "h06/fit_gap_best": fit_b[0],
                        **{f"h06/fit_{k}": v for k, v in setting.items()}})
-            out.append(Finding("h06", "sampling_settings_differ", True, 2 + magnitude(step0 / LOGP_GAP_MAX),
-                               f"Before any update the sampler and the trainer disagree by {step0:.3g} nats/token, "
+            out.append(Finding("h06", "sampling_settings_differ", True, 2 + magnitude(step0 / thr),
+                               f"Before any update the sampler and the trainer disagree by {step0:.3g} nats/token "
+                               f"(healthy up to {thr:.2g}: {why}), "
                                f"everywhere, and the trainer's own logits reproduce the sampler's log-probs to "
                                f"{fit_b[0]:.2g} under other sampling settings (temperature x"
                                f"{setting.get('temperature_factor', 1):g}, top_p {setting.get('top_p', 1):g}, top_k "
                                f"{setting.get('top_k', 0):g}): the sampler samples with different temperature/top-p/"
                                "top-k than the trainer scores with (set them explicitly on both).", ev))
-        elif step0 > LOGP_GAP_MAX:
+        elif step0 > thr:
             extra = (f" The forward pass attends to only {min(cov):.0%} of the context." if cov and min(cov) < 1 else "")
             where = (f" The gap sits after the tool results ({post[0]:.3g} vs {pre[0]:.2g} before)."
-                     if pre and post and pre[0] <= LOGP_GAP_MAX < post[0] else "")
+                     if pre and post and pre[0] <= thr < post[0] else "")
             if fit_t and fit_b:
                 where += f" No sampling setting explains it (best fit {fit_b[0]:.3g})."
-            out.append(Finding("h02", "trainer_sampler_mismatch_at_start", True, 2 + magnitude(step0 / LOGP_GAP_MAX),
+            out.append(Finding("h02", "trainer_sampler_mismatch_at_start", True, 2 + magnitude(step0 / thr),
                                f"Before any update the trainer and the sampler disagree on the sampled tokens by "
-                               f"{step0:.3g} nats/token (identical weights agree to ~1e-5): the trainer does not score "
+                               f"{step0:.3g} nats/token (healthy up to {thr:.2g}: {why}): the trainer does not score "
                                "the context the sampler saw (attention mask = loss mask, template drift, or "
                                f"re-tokenised text).{extra}{where}", ev))
         else:
             out.append(Finding("h02", "trainer_sampler_mismatch_at_start", False, 0.0,
-                               f"Trainer and sampler agree at the first step ({step0:.2g} nats/token).", ev))
-    if cov and min(cov) < 1 and not (gap and gap[0][1] > LOGP_GAP_MAX):
+                               f"Trainer and sampler agree at the first step ({step0:.2g} nats/token; healthy up to "
+                               f"{thr:.2g}: {why}).", ev))
+    if cov and min(cov) < 1 and not (gap and gap[0][1] > thr):
         out.append(Finding("h02", "context_hidden_from_trainer", True, 3 + magnitude(1 / max(min(cov), 1e-3)),
                            f"The trainer's forward pass attends to only {min(cov):.0%} of the context tokens: prompt or "
                            "tool tokens are invisible when it scores the assistant's tokens.",
@@ -331,14 +364,17 @@ def _h06(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
                            f"{len(stale)} probes). Rollouts come from stale weights, so updates never reach the "
                            "episodes the policy learns from: fix the weight sync.", ev_p))
     gap = m.get("h06/logp_gap_mean") or []
-    if len(gap) >= 4 and gap[0][1] <= LOGP_GAP_MAX:
+    thr, why = gap_threshold(m)
+    if len(gap) >= 4 and gap[0][1] <= thr:
         tail = [v for _, v in gap[-max(2, len(gap) // 4):]]
         late = statistics.fmean(tail)
-        if late > LOGP_GAP_MAX:
-            ev = {"h06/logp_gap_mean (first)": gap[0][1], "h06/logp_gap_mean (last quarter)": late, **ev_p}
-            out.append(Finding("h06", "gap_grows", True, 2 + magnitude(late / LOGP_GAP_MAX),
+        if late > thr:
+            ev = {"h06/logp_gap_mean (first)": gap[0][1], "h06/logp_gap_mean (last quarter)": late,
+                  "gap threshold": thr, **ev_p}
+            out.append(Finding("h06", "gap_grows", True, 2 + magnitude(late / thr),
                                f"The sampler/trainer log-prob gap grows from {gap[0][1]:.2g} at the first step to "
-                               f"{late:.3g} nats/token: the sampler lags the trainer (weights not synced).", ev))
+                               f"{late:.3g} nats/token (healthy up to {thr:.2g}: {why}): the sampler lags the trainer "
+                               "(weights not synced).", ev))
     drift = values(m.get("h06/base_checksum_drift"))
     if drift and max(drift) > CHECKSUM_DRIFT_MAX:
         out.append(Finding("h06", "base_drift", True, 3 + magnitude(max(drift) / CHECKSUM_DRIFT_MAX),
@@ -450,46 +486,6 @@ def _preflight(m: Mapping[str, History], params: Mapping[str, str]) -> list[Find
                     f"Pre-flight: {s:.0%} of groups forecast to carry signal.", ev)]
 
 
-def reward_trend(m: Mapping[str, History]) -> dict[str, float] | None:
-    """Least-squares slope of the logged reward over steps, its one-sided p (slope > 0) and gain."""
-    pts = [(s, v) for s, v in (m.get("reward") or []) if v is not None and not math.isnan(v)]
-    if len(pts) < FLAT_MIN_POINTS:
-        return None
-    from scipy.stats import linregress
-
-    xs, ys = [float(s) for s, _ in pts], [v for _, v in pts]
-    if len(set(ys)) == 1:
-        return {"slope": 0.0, "p_rise": 1.0, "first": ys[0], "last": ys[-1], "points": float(len(ys))}
-    fit = linregress(xs, ys)
-    p_rise = fit.pvalue / 2 if fit.slope > 0 else 1 - fit.pvalue / 2
-    q = max(2, len(ys) // 4)
-    return {"slope": float(fit.slope), "p_rise": float(p_rise), "first": statistics.fmean(ys[:q]),
-            "last": statistics.fmean(ys[-q:]), "points": float(len(ys))}
-
-
-# What a flat run with nothing flagged should try next: the sweeps that test the remaining causes.
-NEXT_SWEEPS = "make sweep SWEEP=h08 (update size), SWEEP=h01 (advantage scaling), SWEEP=h05 (reward signal)"
-
-
-def _flat(findings: Sequence[Finding], m: Mapping[str, History]) -> list[Finding]:
-    """No silent 'clean' on a flat run: the reward does not rise and no instrument is out of bounds."""
-    if any(f.flagged for f in findings):
-        return []
-    t = reward_trend(m)
-    if t is None or t["p_rise"] < FLAT_P:
-        return []
-    ruled_out = sorted({f.hypothesis for f in findings if f.check != "no_data"})
-    ev = {"reward slope per step": t["slope"], "p (reward rises)": t["p_rise"],
-          "reward (first quarter mean)": t["first"], "reward (last quarter mean)": t["last"]}
-    return [Finding("unexplained", "flat_reward_cause_not_found", True, 0.5,
-                    f"Flat reward, cause not found: the reward does not rise over {t['points']:.0f} logged steps "
-                    f"({t['first']:.3f} -> {t['last']:.3f}, slope {t['slope']:.2g}/step, p = {t['p_rise']:.2f} for a "
-                    f"rise) and no instrument is out of bounds. Ruled out: {', '.join(ruled_out) or 'nothing'} "
-                    f"(their checks passed). Not ruled out: a run too short or a policy whose pass@G is near its "
-                    f"pass@1 (see preflight), and defects no instrument measures. Next: train longer, then "
-                    f"{NEXT_SWEEPS}.", ev)]
-
-
 HYPOTHESES = ("h01", "h02", "h03", "h04", "h05", "h06", "h07", "h08")
 
 
@@ -523,7 +519,7 @@ def diagnose_metrics(metrics: Mapping[str, History], params: Mapping[str, str] |
     for check in RULES:
         findings.extend(check(metrics, params))
     _consequences(findings)
-    findings.extend(_flat(findings, metrics))
+    findings.extend(flat_finding(findings, metrics))
     seen = {f.hypothesis for f in findings}
     for h in HYPOTHESES:
         if h not in seen:
@@ -542,7 +538,7 @@ def diagnose_metrics(metrics: Mapping[str, History], params: Mapping[str, str] |
 
 # ---------------------------------------------------------------- MLflow I/O
 _PREFIXES = ("h0", "preflight/")
-_ALSO = ("grad_norm", "reward", IS_WEIGHT_KEY, *trl_rules.TRL_KEYS)  # TRL / Trainer metrics rules read
+_ALSO = ("grad_norm", "reward", "reward_std", "entropy", "kl", "learning_rate", IS_WEIGHT_KEY, *trl_rules.TRL_KEYS)  # TRL / Trainer metrics rules read
 
 
 def read_run_metrics(run_id: str, uri: str | None = None) -> tuple[dict[str, History], dict[str, str], Any]:

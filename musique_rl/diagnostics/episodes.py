@@ -21,6 +21,10 @@ def episode_shape(episodes: Sequence[dict[str, Any]]) -> dict[str, float]:
         "h07/tool_calls_mean": sum(calls) / n,
         "h07/no_tool_call_share": sum(c == 0 for c in calls) / n,
         "h07/tool_failure_rate": sum(errors) / max(sum(calls), 1),
+        # A void turn is an assistant turn with neither a tool call nor an answer: the rollout ends
+        # the episode there (stop_reason "no_tool_call"), whatever the tool-call format.
+        "h07/void_turn_share": sum(e.get("stop_reason") == "no_tool_call" for e in episodes) / max(sum(turns), 1),
+        "h07/void_episode_share": sum(e.get("stop_reason") == "no_tool_call" for e in episodes) / n,
     }
 
 

@@ -58,6 +58,20 @@ def reward_component_stats(
     grouped = mat.view(-1, num_generations, len(names))
     spread = torch.nan_to_num(grouped.amax(dim=1) - grouped.amin(dim=1), nan=0.0)  # (groups, K)
     constant = (spread < _EQ).double().mean(dim=0)
+    # Components whose definitions overlap must agree: an exact match is a perfect token F1, and an
+    # F1 lies between its precision and recall (a harmonic mean). A violation is a parsing or
+    # bookkeeping defect in one of the two, not a policy property.
+    col_of = {k: mat[:, j] for j, k in enumerate(names)}
+    checks = []
+    if "answer_em" in col_of and "answer_f1" in col_of:
+        checks.append(col_of["answer_em"] > col_of["answer_f1"] + _EQ)
+    for kind in ("citation", "retrieval"):
+        f1, p, r = (col_of.get(f"{kind}_{x}") for x in ("f1", "precision", "recall"))
+        if f1 is not None and p is not None and r is not None:
+            checks.append((f1 > torch.maximum(p, r) + _EQ) | (f1 < torch.minimum(p, r) - _EQ))
+    if checks:
+        bad = torch.stack(checks).any(dim=0)
+        out["h05/component_disagreement_share"] = float(bad.double().mean())
     for j, name in enumerate(names):
         col = mat[:, j]
         out[f"h05/{name}/mean"] = float(torch.nanmean(col))

@@ -37,8 +37,9 @@ class UpdateMeter:
             return {}
         upd = sum(float((p.detach().float() - b).double().pow(2).sum()) for p, b in zip(self.params, self._before, strict=True))
         w = sum(float(b.double().pow(2).sum()) for b in self._before)
+        elements = sum(b.numel() for b in self._before)
         self._before = None
-        out = {"update_norm": upd**0.5, "weight_norm": w**0.5}
+        out = {"update_norm": upd**0.5, "weight_norm": w**0.5, "trainable_elements": float(elements)}
         if self._grad_norm is not None:
             out["grad_norm_after_clip"] = self._grad_norm
         return out
@@ -51,9 +52,17 @@ def update_metrics(
     grad_norm_after_clip: float | None = None,
     grad_norm_before_clip: float | None = None,
     learning_rate: float | None = None,
+    trainable_elements: float | None = None,
 ) -> dict[str, float]:
-    """h08/* from the numbers of one optimizer step (any may be None: it is then not reported)."""
+    """h08/* from the numbers of one optimizer step (any may be None: it is then not reported).
+
+    h08/adam_step_ratio = update_norm / (learning_rate x sqrt(trainable_elements)): the step in
+    units of what Adam can take. Adam moves each element by lr x m/sqrt(v), |m/sqrt(v)| <= ~3 for the
+    default betas (typically 0.1-1), so the ratio is ~0.1-1 and never far above 3 for Adam without
+    weight decay; 0 with a non-zero gradient means the step changed nothing."""
     out: dict[str, float] = {}
+    if update_norm is not None and learning_rate and trainable_elements:
+        out["h08/adam_step_ratio"] = update_norm / (learning_rate * trainable_elements**0.5)
     if update_norm is not None and weight_norm:
         out["h08/update_weight_ratio"] = update_norm / weight_norm
     if update_norm is not None:
