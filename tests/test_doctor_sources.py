@@ -77,13 +77,12 @@ def test_frozen_lora_shows_in_the_log_as_a_zero_gradient():
     assert min(v for _, v in sources.read_trainer_state(FIX / "healthy_seed1").histories["grad_norm"]) > 0
 
 
-# The rule that reads grad_norm == 0 is the field alarm "grad-norm spikes/zero" (diagnostics/doctor.py,
-# issue 21 item 5), written beside this one; until both are merged this run is missed. Its reward
-# even "rises" at p = 0.044 by chance, so the flat-reward rule does not fire either.
-@pytest.mark.xfail(reason="needs the doctor's grad-norm-zero rule (issue 21 item 5)", strict=False)
+# The rule that reads grad_norm == 0 is the field alarm `gradient_zero` (diagnostics/alarms.py). Its reward
+# even "rises" at p = 0.044 by chance, so the flat-reward rule cannot be what names it.
 def test_frozen_lora_is_flagged():
     diag = diagnosis("frozen_lora")
     assert flagged(diag), "a policy that never moves must not be called clean"
+    assert flagged(diag)[0]["check"] == "gradient_zero"
 
 
 def test_the_three_readers_give_the_same_histories():
