@@ -82,7 +82,7 @@ def test_frozen_lora_shows_in_the_log_as_a_zero_gradient():
 def test_frozen_lora_is_flagged():
     diag = diagnosis("frozen_lora")
     assert flagged(diag), "a policy that never moves must not be called clean"
-    assert flagged(diag)[0]["check"] == "gradient_zero"
+    assert flagged(diag)[0] == ("h01", "gradient_zero")
 
 
 def test_the_three_readers_give_the_same_histories():

@@ -28,6 +28,9 @@ GRAD_SPIKE_HISTORY = 5  # steps of history before a spike can be judged
 # non-zero learning rate or without one): the loss does not depend on the weights (every group
 # tied, a detached graph, an all-zero loss mask).
 GRAD_ZERO_SHARE = 0.5
+# gradient_zero is the tied groups' consequence when at least this share of its zero-gradient steps had
+# every group tied (advantages all 0); below it something else zeroes the gradient
+TIED_EXPLAINS_SHARE = 0.9
 # Within-group spread falling before the mean rises: h01/reward_std_mean (mean over groups of the
 # reward std inside a group) in the last quarter below half its first-quarter level while the
 # reward has not risen: the policy converges to one answer per prompt before it gets better, so the
@@ -69,12 +72,26 @@ def _grad_norm(m: Mapping[str, History], params: Mapping[str, str]) -> list[Find
         return []
     norms = [v for _, v in pts]
     out: list[Finding] = []
-    zero = sum(v == 0 for v in norms) / len(norms)
+    zero_steps = [s for s, v in pts if v == 0]
+    zero = len(zero_steps) / len(norms)
     if zero > GRAD_ZERO_SHARE:
-        out.append(Finding("h01", "gradient_zero", True, 1 + magnitude(zero / GRAD_ZERO_SHARE * 10),
-                           f"The gradient norm is exactly 0 on {zero:.0%} of the steps: the loss does not depend on "
-                           "the weights (every group tied, an all-zero loss mask, or a detached graph).",
-                           {"grad_norm zero share": zero}))
+        # On a step where every group tied (TRL's frac_reward_zero_std, or our h01/zero_std_share, = 1)
+        # every advantage is 0, so a zero gradient there is the ties' consequence, not a broken graph:
+        # ranked below the tied-groups finding (and its own cause), saying so.
+        tied = {s for key in ("frac_reward_zero_std", "h01/zero_std_share")
+                for s, v in (m.get(key) or []) if v is not None and v >= 1 - 1e-9}
+        explained = sum(s in tied for s in zero_steps) / len(zero_steps)
+        ev = {"grad_norm zero share": zero, "zero-gradient steps with every group tied (share)": explained}
+        if explained >= TIED_EXPLAINS_SHARE:
+            out.append(Finding("h01", "gradient_zero", True, 0.9,
+                               f"The gradient norm is exactly 0 on {zero:.0%} of the steps. A consequence of tied "
+                               f"groups: on {explained:.0%} of those steps every group's rewards were equal, so every "
+                               "advantage was 0 (see the tied-groups finding and its cause).", ev))
+        else:
+            out.append(Finding("h01", "gradient_zero", True, 1 + magnitude(zero / GRAD_ZERO_SHARE * 10),
+                               f"The gradient norm is exactly 0 on {zero:.0%} of the steps while groups still differ "
+                               "in reward: the loss does not depend on the trained weights (a frozen or unscaled "
+                               "adapter, an all-zero loss mask, or a detached graph).", ev))
         return out
     spikes = []
     for i in range(GRAD_SPIKE_HISTORY, len(pts)):
