@@ -44,6 +44,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # this checkout's musique_rl, not whichever one the venv's editable install points at
@@ -143,45 +144,34 @@ def reward_cached() -> None:
     rewards.RewardFunction.__call__ = __call__
 
 
-def sampler_temperature() -> None:
+def _patch_sampler(adjust: Callable[[Any], None]) -> None:
+    """Rebind ``generation.sampling_settings`` so the sampler's settings are ``adjust``-ed copies of
+    what the trainer scores with (every argument passed through: callers also hand it the model's
+    generation_config)."""
     from musique_rl.core import generation
 
     original = generation.sampling_settings
 
-    def sampling_settings(cfg, tokenizer):
-        s = original(cfg, tokenizer)
-        s.temperature = 0.7 * s.temperature
+    def sampling_settings(*args: Any, **kwargs: Any) -> Any:
+        s = original(*args, **kwargs)
+        adjust(s)
         return s
 
     generation.sampling_settings = sampling_settings
+
+
+def sampler_temperature() -> None:
+    _patch_sampler(lambda s: setattr(s, "temperature", 0.7 * s.temperature))
 
 
 def sampler_temperature_slight() -> None:
     """A sampler 2% cooler than the trainer (a rounded or defaulted temperature): a gap below the old
     fixed 0.01 threshold on this model, far above the float32 floor."""
-    from musique_rl.core import generation
-
-    original = generation.sampling_settings
-
-    def sampling_settings(cfg, tokenizer):
-        s = original(cfg, tokenizer)
-        s.temperature = 0.98 * s.temperature
-        return s
-
-    generation.sampling_settings = sampling_settings
+    _patch_sampler(lambda s: setattr(s, "temperature", 0.98 * s.temperature))
 
 
 def sampler_top_p() -> None:
-    from musique_rl.core import generation
-
-    original = generation.sampling_settings
-
-    def sampling_settings(cfg, tokenizer):
-        s = original(cfg, tokenizer)
-        s.top_p = 0.9
-        return s
-
-    generation.sampling_settings = sampling_settings
+    _patch_sampler(lambda s: setattr(s, "top_p", 0.9))
 
 
 FAULTS: dict[str, tuple[str, Callable[[], None]]] = {

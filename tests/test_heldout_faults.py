@@ -21,9 +21,10 @@ from tests.conftest import compose_cfg
 
 out = {"hypotheses": sorted({hyp for hyp, _ in h.FAULTS.values()}), "n": len(h.FAULTS)}
 cfg = compose_cfg([])
-before = generation.sampling_settings(cfg, type("T", (), {"eos_token_id": 1, "pad_token_id": None})())
+tok = type("T", (), {"eos_token_id": 1, "pad_token_id": None})()
+before = generation.sampling_settings(cfg, tok, None)
 h.sampler_temperature()
-after = generation.sampling_settings(cfg, type("T", (), {"eos_token_id": 1, "pad_token_id": None})())
+after = generation.sampling_settings(cfg, tok, None)  # as build_generator calls it: with the model's generation_config
 out["temperature"] = [before.temperature, after.temperature]
 h.doc_truncated()
 out["doc"] = tools.format_documents([{"id": "3", "title": "T", "text": "x" * 100}])
