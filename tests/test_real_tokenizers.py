@@ -9,7 +9,6 @@ every healthy tool result altered (the doctor's h04 false alarm), a Llama-3.1 to
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
 
@@ -17,7 +16,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from musique_rl.core.generation import HFGenerator, Sample, SamplingSettings, sampling_settings, stop_ids
+from musique_rl.core.generation import HFGenerator, SamplingSettings, sampling_settings, stop_ids
 from musique_rl.core.rollout import ChatTokens, RolloutEngine
 from musique_rl.diagnostics.audit import RewardAudit, environment_integrity
 from musique_rl.diagnostics.doctor import diagnose_metrics
@@ -26,6 +25,7 @@ from musique_rl.env import policies, prompts, rewards
 from musique_rl.env.retrieval import build_retriever
 from tests import tokenizer_fixtures as tf
 from tests.conftest import TEST_OVERRIDES, compose_cfg
+from tests.scripted import ScriptedGenerator
 
 ROLLOUT_SPECS = [tf.QWEN25, tf.LLAMA31]
 
@@ -84,32 +84,6 @@ def test_standins_have_the_real_vocabulary_ids_and_generation_config(standins, s
 
 
 # ---------------------------------------------------------------- scripted episodes through the real templates
-class Scripted:
-    """'Samples' each record's oracle turns as the tokenizer encodes them; a tool-call turn ends on
-    ``call_stop`` (Llama-3.1: <|eom_id|>, as the model ends an ipython call), a final turn on eos."""
-
-    collective = False
-
-    def __init__(self, tok, scripts, call_stop):
-        self.tok, self.scripts, self.call_stop, self.turn = tok, scripts, call_stop, {}
-
-    @contextlib.contextmanager
-    def session(self):
-        yield self
-
-    def generate(self, contexts, max_new_tokens, greedy=False):
-        out = []
-        for ctx, limit in zip(contexts, max_new_tokens, strict=True):
-            key = next(k for k in self.scripts if tuple(ctx[: len(k)]) == k)
-            k = self.turn.get(key, 0)
-            self.turn[key] = k + 1
-            text = self.scripts[key][k]
-            end = self.tok.eos_token_id if "<answer>" in text else self.call_stop
-            ids = self.tok.encode(text, add_special_tokens=False) + [end]
-            out.append(Sample(ids[:limit], [-0.5] * min(limit, len(ids)), len(ids) <= limit))
-        return out
-
-
 def _scripted_episodes(spec, tok, call_stop, n=8, opening=""):
     from musique_rl.env.data import load_records
 
@@ -123,7 +97,7 @@ def _scripted_episodes(spec, tok, call_stop, n=8, opening=""):
         oracle = policies.oracle_episode(r, cfg.env, retriever, spec.tool_call_format)
         scripts[tuple(chat.prompt_ids(prompts.build_messages(r, cfg.env)))] = [
             opening + m["content"] for m in oracle["messages"] if m["role"] == "assistant"]
-    return cfg, records, engine.run(records, Scripted(tok, scripts, call_stop))
+    return cfg, records, engine.run(records, ScriptedGenerator(tok, scripts, call_stop))
 
 
 def _rendered(spec, content):
@@ -349,7 +323,7 @@ def _scripted_model_dir(spec, tok) -> object:
     scripts = {tuple(chat.prompt_ids(prompts.build_messages(r, cfg.env))): [call, final] for r in records}
     stop = tok.convert_tokens_to_ids("<|eom_id|>") if spec is tf.LLAMA31 else tok.eos_token_id
     engine = RolloutEngine(cfg, tok, build_retriever(cfg.env, records), {r["id"]: r for r in records})
-    episodes = engine.run(records, Scripted(tok, scripts, stop))
+    episodes = engine.run(records, ScriptedGenerator(tok, scripts, stop))
     sequences = [(e.prompt_ids + e.completion_ids, [0] * len(e.prompt_ids) + e.env_mask) for e in episodes]
     base = tf.save_tiny_model(spec, out.with_name(out.name + ".base"), layers=2)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)

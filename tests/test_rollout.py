@@ -2,43 +2,17 @@
 
 from __future__ import annotations
 
-import contextlib
 import copy
 
 import pytest
 import torch
 from omegaconf import OmegaConf
 
-from musique_rl.core.generation import Sample, build_generator
+from musique_rl.core.generation import build_generator
 from musique_rl.core.rollout import ChatTokens, RolloutEngine
 from musique_rl.env import prompts
 from musique_rl.env.retrieval import build_retriever
-
-
-class ScriptedGenerator:
-    """A generation backend that 'samples' a scripted episode's assistant turns, token by token
-    as the tokenizer encodes them, so tool turns are guaranteed whatever a model would do."""
-
-    collective = False
-
-    def __init__(self, tokenizer, scripts: dict[tuple, list[str]]):
-        self.tokenizer, self.scripts, self.turn = tokenizer, scripts, {}
-
-    @contextlib.contextmanager
-    def session(self):
-        yield self
-
-    def generate(self, contexts, max_new_tokens, greedy=False):
-        out = []
-        for ctx, limit in zip(contexts, max_new_tokens, strict=True):
-            key = next(k for k in self.scripts if tuple(ctx[: len(k)]) == k)
-            k = self.turn.get(key, 0)
-            self.turn[key] = k + 1
-            ids = self.tokenizer.encode(self.scripts[key][k], add_special_tokens=False) + [self.tokenizer.eos_token_id]
-            stopped = len(ids) <= limit
-            ids = ids[:limit]
-            out.append(Sample(ids, [-0.5] * len(ids), stopped))
-        return out
+from tests.scripted import ScriptedGenerator
 
 
 def _cfg(tiny_cfg, **env):
