@@ -4,6 +4,7 @@ tokenizer encodes them, so tool turns are guaranteed whatever a model would do."
 from __future__ import annotations
 
 import contextlib
+import itertools
 
 from musique_rl.core.generation import Sample
 
@@ -34,3 +35,14 @@ class ScriptedGenerator:
                 self.tokenizer.eos_token_id if answer else self.call_stop]
             out.append(Sample(ids[:limit], [-0.5] * min(limit, len(ids)), len(ids) <= limit))
         return out
+
+
+def sampled_runs(env_mask: list[int]) -> list[tuple[int, int]]:
+    """[start, end) of each run of env_mask = 1: one per assistant turn in a token-exact episode."""
+    runs, i = [], 0
+    for sampled, group in itertools.groupby(env_mask):
+        n = len(list(group))
+        if sampled:
+            runs.append((i, i + n))
+        i += n
+    return runs

@@ -25,7 +25,7 @@ from musique_rl.env import policies, prompts, rewards
 from musique_rl.env.retrieval import build_retriever
 from tests import tokenizer_fixtures as tf
 from tests.conftest import TEST_OVERRIDES, compose_cfg
-from tests.scripted import ScriptedGenerator
+from tests.scripted import ScriptedGenerator, sampled_runs
 
 ROLLOUT_SPECS = [tf.QWEN25, tf.LLAMA31]
 
@@ -123,13 +123,7 @@ def test_rollouts_are_token_exact_and_every_tool_result_is_labelled_tool(standin
         assert full[: len(ids)] == ids
         assert tok.decode(full[len(ids):]).strip() == ""
         # env_mask marks exactly the sampled ids: one run per assistant turn, each its content + stop id
-        runs, start = [], None
-        for i, m in enumerate([*ep.env_mask, 0]):
-            if m and start is None:
-                start = i
-            if not m and start is not None:
-                runs.append((start, i))
-                start = None
+        runs = sampled_runs(ep.env_mask)
         turns = [m["content"] for m in ep.messages if m["role"] == "assistant"]
         assert len(runs) == len(turns) == ep.num_turns
         for (a, b), content in zip(runs, turns, strict=True):

@@ -12,7 +12,7 @@ from musique_rl.core.generation import build_generator
 from musique_rl.core.rollout import ChatTokens, RolloutEngine
 from musique_rl.env import prompts
 from musique_rl.env.retrieval import build_retriever
-from tests.scripted import ScriptedGenerator
+from tests.scripted import ScriptedGenerator, sampled_runs
 
 
 def _cfg(tiny_cfg, **env):
@@ -48,13 +48,7 @@ def _check_token_exact(ep, tok, tools):
     cut = ep.stop_reason in ("turn_budget", "episode_budget") and ep.completion_ids[-1] != tok.eos_token_id
     assert tok.decode(full[len(ids) :]).strip() == (tok.eos_token if cut else "")
     assert len(ep.env_mask) == len(ep.completion_ids) == len(ep.logprobs) == len(ep.sources)
-    runs, start = [], None
-    for i, m in enumerate([*ep.env_mask, 0]):
-        if m and start is None:
-            start = i
-        if not m and start is not None:
-            runs.append((start, i))
-            start = None
+    runs = sampled_runs(ep.env_mask)
     turns = [m["content"] for m in ep.messages if m["role"] == "assistant"]
     assert len(runs) == len(turns) == ep.num_turns
     header = tok.encode("<|im_start|>assistant\n", add_special_tokens=False)
