@@ -21,11 +21,12 @@ from typing import Any
 from transformers.trainer_callback import ProgressCallback
 
 from musique_rl.diagnostics.bounds import out_of_bounds
+from musique_rl.diagnostics.sources import RUN_METRICS
 
 log = logging.getLogger(__name__)
 
 TREND_WINDOW = 5  # logged steps averaged at each end for the reward trend
-METRICS_FILE = "metrics.jsonl"
+METRICS_FILE = RUN_METRICS  # the file every training run writes (and the doctor reads: diagnostics/sources.py)
 
 
 def _num(v: Any) -> float | None:

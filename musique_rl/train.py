@@ -276,12 +276,12 @@ def train(cfg: Any, run_dir: str | Path | None = None, callbacks: list | None = 
         print(f"resuming from {resume}", flush=True)
     from transformers.trainer_callback import ProgressCallback
 
-    from musique_rl.console import StepLog, start_metrics_file
+    from musique_rl.console import METRICS_FILE, StepLog, start_metrics_file
 
     if state.is_main_process:  # metrics.jsonl: the steps up to the checkpoint kept on resume, the rest dropped
-        start_metrics_file(out_dir / "metrics.jsonl", resume)
+        start_metrics_file(out_dir / METRICS_FILE, resume)
     trainer.pop_callback(ProgressCallback)  # TRL's dict per step; StepLog keeps the bar, writes one line
-    trainer.add_callback(StepLog(out_dir / "metrics.jsonl", full=str(cfg.train.console) == "full",
+    trainer.add_callback(StepLog(out_dir / METRICS_FILE, full=str(cfg.train.console) == "full",
                                  warmup_steps=int(cfg.loss.warmup_steps)))
     trainer.train(resume_from_checkpoint=resume)
     after, after_g = evaluate("after", trainer_model_source(trainer))  # every rank gathers ZeRO-3 shards
