@@ -57,7 +57,7 @@ def machine() -> str:
                 cpu = line.split(":", 1)[1].strip()
                 break
     device = f"cuda ({torch.cuda.get_device_name(0)})" if torch.cuda.is_available() else "cpu"
-    return f"{cpu}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads, {device}"
+    return f"{cpu}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads in the benchmark's process, {device}"
 
 
 def shipped_warm_start(shape: str = "tool") -> str:
@@ -117,7 +117,9 @@ def run(main: Callable[[], int | None], *, title: str, dtype: str = "float32",
         tokenizer: str = "the tiny model's own byte-level BPE (built locally)",
         warm_start: str | None = None, argv: list[str] | None = None) -> int:
     """Run a benchmark's ``main`` (which reads its arguments from ``sys.argv``); with ``--record PATH``
-    write its output and provenance to PATH. Returns main's exit status (None counts as 0).
+    write its output and provenance to PATH. Returns main's exit status (None counts as 0); a status
+    main returns is a result and is recorded, an exception or a non-zero ``SystemExit`` (a usage
+    error) writes nothing and propagates.
 
     ``warm_start`` defaults to the default job's shipped warm start. The commit is read before main
     runs (the code that produced the figures), the machine after (the threads main chose)."""
@@ -135,8 +137,12 @@ def run(main: Callable[[], int | None], *, title: str, dtype: str = "float32",
     try:
         with contextlib.redirect_stdout(tee):
             status = _status(main())
-    except SystemExit as stop:  # argparse errors and explicit exits still leave a record of what ran
-        status = _status(stop.code if isinstance(stop.code, int) or stop.code is None else 1)
+    except SystemExit as stop:
+        # A usage error or an early exit measured nothing: keep the record that is there.
+        if stop.code:
+            print(f"record: {known.record} left as it was (the benchmark exited with {stop.code!r})", file=sys.stderr)
+            raise
+        status = 0
     finally:
         sys.argv = saved
     fields["machine"] = machine()  # after main: the torch threads the benchmark set for itself

@@ -95,3 +95,16 @@ def test_without_record_a_benchmark_writes_nothing(tmp_path, monkeypatch):
 def test_the_records_name_the_shipped_warm_start_the_jobs_load(shape):
     name = _record_module().shipped_warm_start(shape)
     assert name.startswith("tiny-") and "(weights " in name, name
+
+
+def test_a_benchmark_that_stops_on_bad_usage_keeps_the_record_that_is_there(tmp_path):
+    record = _record_module()
+    out = tmp_path / "bench.md"
+    out.write_text("the last good record\n")
+
+    def main():
+        raise SystemExit(2)  # what argparse does on a bad argument
+
+    with pytest.raises(SystemExit):
+        record.run(main, title="A bench", argv=["bench_x.py", "--bogus", "--record", str(out)])
+    assert out.read_text() == "the last good record\n"
