@@ -108,3 +108,17 @@ def test_a_benchmark_that_stops_on_bad_usage_keeps_the_record_that_is_there(tmp_
     with pytest.raises(SystemExit):
         record.run(main, title="A bench", argv=["bench_x.py", "--bogus", "--record", str(out)])
     assert out.read_text() == "the last good record\n"
+
+
+# "the seeds'" meant the original researcher's setup and read like the `seed` parameter; "issue N"
+# dates a comment instead of explaining it. Neither helps the next reader of the package.
+UNCLEAR = re.compile(r"(?<![\w\[])seeds' [a-z]|\bissue \d+")
+
+
+def test_package_comments_say_why_without_issue_numbers_or_the_seeds_wording():
+    hits = [f"{p.relative_to(ROOT)}:{n}: {line.strip()}"
+            for p in sorted([*(ROOT / "musique_rl").rglob("*.py"), *(ROOT / "musique_rl").rglob("*.yaml")])
+            for n, line in enumerate(p.read_text().splitlines(), 1) if UNCLEAR.search(line)]
+    assert not hits, "say 'the original researcher's ...' and why, not the issue:\n" + "\n".join(hits)
+    assert UNCLEAR.search("as the seeds' vf_musique") and UNCLEAR.search("(issue 12)")
+    assert not UNCLEAR.search("f\"{v['n_seeds']} seed pairs\"")
