@@ -40,7 +40,7 @@ sweep: $(STAMP) ## Run a named hypothesis sweep and its verdict: make sweep SWEE
 	$(BIN)/python -m musique_rl -m +sweep=$(SWEEP) $(ARGS)
 
 SEEDS ?= 1,2,3
-case-study: $(STAMP) ## The seeds' flat reward replayed and fixed (30 min on 2 cores, seeds 1-3): docs/case_study/case_study.md
+case-study: $(STAMP) ## The original researcher's flat reward replayed and fixed (30 min on 2 cores, seeds 1-3): docs/case_study/case_study.md
 	$(BIN)/python -m musique_rl.case_study --run --publish --seeds $(SEEDS) $(ARGS)
 
 slurm-up: ## Start a single-node SLURM cluster on localhost (installs slurm-wlm, munge, MariaDB; root)

@@ -138,4 +138,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    import record  # benchmarks/record.py: --record PATH also writes the table with its provenance
+
+    raise SystemExit(record.run(main, title="The doctor against the planted faults (bench_faults.py)"))

@@ -189,4 +189,11 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    import record  # benchmarks/record.py: --record PATH also writes the table with its provenance
+
+    shape_7b = any(a in ("7b", "--shape=7b") for a in sys.argv)  # the 7b shape's dtype and prompts differ (the output's first line names them)
+    raise SystemExit(record.run(
+        main, title="Sampled tokens/s of the generation backends (bench_generation.py)",
+        dtype="bfloat16 on cuda, float32 on cpu (7b shape, random init)" if shape_7b else "float32",
+        tokenizer="none (random token ids)" if shape_7b else "the tiny model's own byte-level BPE (built locally)",
+        warm_start="none (random init)" if shape_7b else None))

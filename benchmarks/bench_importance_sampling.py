@@ -1,13 +1,13 @@
 """How many sequences TRL's importance-sampling modes drop when the sampler's per-token log-probs
 differ from the trainer's by ordinary bf16 noise, at the project's episode lengths and at the
-seeds' budgets of thousands of tokens. The measurement behind ``train.importance_sampling=auto``.
+original researcher's budgets of thousands of tokens. The measurement behind ``train.importance_sampling=auto``.
 
     python benchmarks/bench_importance_sampling.py               # 48 tiny-model episodes, 2000 sequences per length
     python benchmarks/bench_importance_sampling.py --episodes 96 --sequences 5000
 
 Two noise sources, both on the loss tokens only (the assistant's; tool results are not weighted):
   - ``tiny bf16``: the shipped tiny warm start samples episodes in float32 (the sampler's log-probs);
-    the same model cast to bf16 scores them (the trainer's). At the seeds' lengths the per-token
+    the same model cast to bf16 scores them (the trainer's). At the original researcher's lengths the per-token
     differences are drawn from these measured ones (bootstrap).
   - ``H100 7B``: Gaussian per-token differences of standard deviation 0.045 nats, whose mean
     absolute value is the 0.036 nats/token the 7B shape's sampler/trainer gap measured in bf16 on an
@@ -26,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-LENGTHS = (256, 1024, 2048, 4096, 8192)  # loss tokens per episode (the seeds: up to 4096-8192 completion tokens)
+LENGTHS = (256, 1024, 2048, 4096, 8192)  # loss tokens per episode (the original runs: up to 4096-8192 completion tokens)
 
 
 def tiny_differences(episodes: int, seed: int) -> tuple[list, object]:

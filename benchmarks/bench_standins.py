@@ -88,7 +88,16 @@ def generation_config_leak() -> None:
           f"|sampler - trainer| log-prob mean {sum(gaps) / len(gaps):.2e}, max {max(gaps):.2e} nats")
 
 
-if __name__ == "__main__":
+def main() -> None:
     torch.set_num_threads(1)
     labelling()
     generation_config_leak()
+
+
+if __name__ == "__main__":
+    import record  # benchmarks/record.py: --record PATH also writes the figures with their provenance
+
+    raise SystemExit(record.run(
+        main, title="Real-tokenizer stand-ins through rollout, ledger and audit (bench_standins.py)",
+        tokenizer="stand-ins of Qwen2.5-Instruct and Llama-3.1-Instruct (tests/tokenizer_fixtures.py); "
+                  "the leak figure: the tiny model's own"))

@@ -312,4 +312,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    import record  # benchmarks/record.py: --record PATH also writes the table with its provenance
+
+    raise SystemExit(record.run(main, title="The doctor against held-out code-path faults (heldout_faults.py)"))

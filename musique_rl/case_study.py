@@ -1,4 +1,4 @@
-"""The case study (docs/case_study/case_study.md): the seeds' investigation replayed end to end, and solved.
+"""The case study (docs/case_study/case_study.md): the original researcher's investigation replayed end to end, and solved.
 
     make case-study                # = python -m musique_rl.case_study --run --publish (seeds 1-3)
     python -m musique_rl.case_study multirun/case_study/<time>   # the report again, from a sweep dir
@@ -10,7 +10,7 @@ MLflow parent run. Every number in the report is computed here from the jobs' ``
 ``metrics.jsonl`` and the doctor; nothing is typed.
 
 What it shows, as the issue's claims (``CLAIMS``), each judged from the runs:
-  2a  with the context defect on, multi-turn reward stays flat, whatever knob the seeds turned
+  2a  with the context defect on, multi-turn reward stays flat, whatever knob the original researcher turned
       (each knob's paired verdict is Invalidated or Inconclusive);
   2b  with the same defect, the single-turn control task (env=arith) still learns;
   2c  the doctor, run on the flat runs alone, names h02 (trainer blind to context) first;
@@ -38,16 +38,16 @@ DOCS = ROOT / "docs" / "case_study"
 
 # The judged metric: the held-out reward gain (evaluations before and after training draw the same
 # random numbers, train.held_out_eval), so a policy that does not move scores ~0 and the noise of
-# two independent draws does not hide a flat run. The training reward gain (the seeds' own curve)
+# two independent draws does not hide a flat run. The training reward gain (the original researcher's own curve)
 # is reported beside it.
 METRIC = "eval/gain/reward"
 TRAIN_METRIC = "train/reward_gain"
 BASELINE = "train/reward_first10"  # the reward the training curve starts at (first 10 steps)
 
-FLAT = 0.03  # |gain| at most this: "flat" (issue 12, 2a)
+FLAT = 0.03  # |gain| at most this: "flat" (claim 2a)
 LEARNS = 0.20  # gain at least this: "learns" (2b, 2d)
 SHUFFLED_MAX = 0.05  # the shuffled-reward control gains at most this
-BASELINE_RANGE = (0.5, 0.7)  # the seeds' baseline, as a share of the reward's maximum (1.0)
+BASELINE_RANGE = (0.5, 0.7)  # the original runs' baseline, as a share of the reward's maximum (1.0)
 CAUSE = "h02"  # what the doctor must name: trainer blind to context
 # The paired verdicts' minimum effects follow from the per-arm bars: an arm that learns (>= LEARNS)
 # against one that stays flat (|gain| <= FLAT) or a shuffled control (<= SHUFFLED_MAX) differs by
@@ -101,7 +101,7 @@ COMPARISONS = (
     Comparison("2d", "cure", "context defect on -> off", "defect", "cure", "increase", CURE_MIN_EFFECT, "Validated"),
 )
 
-# The seeds' experiment categories (their hypotheses' markdown) -> what replays each here.
+# The original researcher's experiment categories (their hypotheses' markdown) -> what replays each here.
 SEED_CATEGORIES = (
     ("LoRA ranks (8 / 16 / 64)", "lora_rank", "defect_r8, defect_r64"),
     ("full fine-tuning", "full_finetuning", "defect (full fine-tuning) vs defect_r8"),
@@ -109,7 +109,7 @@ SEED_CATEGORIES = (
     ("KL beta 0 vs 0.04", "kl_beta", "defect_kl vs defect"),
     ("advantage scaling (scale_rewards on/off)", "scale_rewards", "defect_noscale vs defect"),
     ("single-turn GSM8K learns with the same trainer", "control_task", "arith_defect vs arith_shuffled"),
-    ("(not run by the seeds) the context defect switched off", "cure", "cure vs defect"),
+    ("(never run by the original researcher) the context defect switched off", "cure", "cure vs defect"),
 )
 
 
@@ -281,7 +281,7 @@ def claims(summaries: dict[str, dict], verdicts: dict[str, dict], doctor: list[d
 
     base = summaries.get("defect", {}).get("baseline", {})
     lo, hi = BASELINE_RANGE
-    add("2a", f"the defect arm starts from a baseline like the seeds' ({lo:.1f}-{hi:.1f} of the reward's maximum 1.0)",
+    add("2a", f"the defect arm starts from a baseline like the original runs' ({lo:.1f}-{hi:.1f} of the reward's maximum 1.0)",
         complete("defect") and base.get("mean") is not None and lo <= base["mean"] <= hi,
         f"training reward over the first 10 steps: mean {_f(base.get('mean'))} over seeds "
         f"({', '.join(_f(v) for v in summaries.get('defect', {}).get('baseline_per_seed', {}).values())})")
@@ -376,11 +376,11 @@ def render(result: dict[str, Any]) -> str:
         "",
         f"**{held} of {len(result['claims'])} claims hold.** Judged metric: `{METRIC}` (held-out reward, "
         "before vs after training, both evaluations drawing the same random numbers); the training-reward "
-        f"gain (`{TRAIN_METRIC}`, the seeds' own curve) is shown beside it.",
+        f"gain (`{TRAIN_METRIC}`, the original researcher's own curve) is shown beside it.",
         "",
         "## The symptom, the finding, the fix",
         "",
-        "The seeds trained multi-turn MuSiQue with TRL's GRPOTrainer and a vLLM sampler; reward sat at its "
+        "The original researcher trained multi-turn MuSiQue with TRL's GRPOTrainer and a vLLM sampler; reward sat at its "
         "baseline whatever they changed, while single-turn GSM8K learned with the same trainer. The arms "
         "below replay that on the tiny model: `defect` is their setting, with the trainer blind to the "
         "context the sampler saw (docs/failure_modes.md 1) and TRL's importance-sampling correction on "
@@ -422,8 +422,8 @@ def render(result: dict[str, Any]) -> str:
     lines += ["", "## Claims", "", "| claim | holds | evidence |", "|---|---|---|"]
     for c in result["claims"]:
         lines.append(f"| {c['claim']}: {c['text']} | {'yes' if c['holds'] else '**NO**'} | {c['evidence']} |")
-    lines += ["", "## The seeds' experiments, replayed", "",
-              "| the seeds tried | replayed by | verdict here | what it shows |", "|---|---|---|---|"]
+    lines += ["", "## The original researcher's experiments, replayed", "",
+              "| the original researcher tried | replayed by | verdict here | what it shows |", "|---|---|---|---|"]
     for category, key, arms_text in SEED_CATEGORIES:
         ver = v.get(key)
         status = f"{ver['status']} ({_f(ver['effect'], '+.3f')} {_cell_ci(ver['ci'])})" if ver else "not run"
@@ -505,7 +505,7 @@ def _shows(key: str, ver: dict | None) -> str:
                 if ver["as_expected"] else "this knob DID move reward under the defect: the story does not hold here")
     if key == "control_task":
         return ("the library learns a single-turn task with the same trainer: 'the library works, MuSiQue is the problem' "
-                "is the wrong conclusion the seeds drew" if ver["as_expected"] else "the control task did not learn")
+                "is the wrong conclusion the original researcher drew" if ver["as_expected"] else "the control task did not learn")
     return "switching the defect off is the fix" if ver["as_expected"] else "the cure did not validate"
 
 

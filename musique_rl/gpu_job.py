@@ -255,7 +255,7 @@ class Topology:
     layout: Layout | None = None
 
     def shell(self) -> str:
-        """The same topology as shell lines (what the README's GPU section shows)."""
+        """The same topology as shell lines (what docs/howto/gpu.md's topology table shows)."""
 
         def line(env: dict[str, str], cmd: list[str]) -> str:
             return " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()) + " " + shlex.join(cmd)

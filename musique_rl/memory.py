@@ -1,4 +1,4 @@
-"""GPU memory of the GRPO loss at the seeds' budgets: measured on random-init models, and estimated.
+"""GPU memory of the GRPO loss at the original researcher's budgets: measured on random-init models, and estimated.
 
     python -m musique_rl.memory                       # every large model config, micro-batches 1, 2, 4, 8
     python -m musique_rl.memory --models qwen2.5-7b-instruct --micro-batches 2,4 --prompt-tokens 8192 --completion-tokens 4096
@@ -8,7 +8,7 @@ Nothing is downloaded: each model is built from its architecture (``ARCHITECTURE
 of the model's own ``config.json`` on the hub, real vocabulary included, so the weights take what
 the real ones take) with random weights, in bf16, directly on the GPU. The trainer is the job's
 own (``trainer.build_trainer``: LoRA from ``lora=r16``, TRL's fused LM head, gradient checkpointing
-as configured), and one micro-batch of the seeds' worst case goes through ``compute_loss``,
+as configured), and one micro-batch of the original researcher's worst case goes through ``compute_loss``,
 ``backward`` and one AdamW step: every episode a full prompt of ``--prompt-tokens`` and a full
 completion of ``--completion-tokens``. The peak is ``torch.cuda.max_memory_allocated``; what the
 caching allocator keeps on top (``reserved``) is printed beside it.

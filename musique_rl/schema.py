@@ -69,7 +69,7 @@ class ImportanceSampling(StrEnum):  # TRL 1.16 GRPOConfig.vllm_importance_sampli
 
 
 class RetrievalScope(StrEnum):
-    question = "question"  # the record's own paragraphs (as the seeds' vf_musique)
+    question = "question"  # the record's own paragraphs (as the original researcher's vf_musique)
     corpus = "corpus"  # every paragraph of the corpus file / dataset
 
 
@@ -174,7 +174,7 @@ class RewardConfig:
     name: str = MISSING  # preset name, logged as a tag
     weights: Dict[str, float] = MISSING  # component -> weight
     normalizer: float = 1.0  # the sum of weighted components is divided by this
-    hop_scale: bool = False  # multiply by n_hops/2 (the seeds' combined reward)
+    hop_scale: bool = False  # multiply by n_hops/2 (the original researcher's combined reward)
     shuffle_within_batch: bool = False  # negative control: permute rewards inside each batch
 
 
@@ -213,7 +213,7 @@ class EnvConfig:
     retriever: Retriever = Retriever["bm25"]
     scope: RetrievalScope = RetrievalScope.question
     corpus: Optional[str] = None  # corpus json for scope=corpus; None = all records' paragraphs
-    top_n: int = 1  # documents per retrieve_documents call (the seeds: 1)
+    top_n: int = 1  # documents per retrieve_documents call (the original runs: 1)
     get_document_tool: bool = False
     max_turns: int = 10
     max_prompt_tokens: int = 8192
@@ -253,7 +253,7 @@ class TrainSettings:
     # bounds. auto = on with vLLM as token_truncate (clip_max 3), not TRL's sequence_mask, which drops
     # about a third of 4096-token sequences under ordinary bf16 noise (core/trainer.py
     # AUTO_IMPORTANCE_SAMPLING); off with the HF sampler, which is the trained model itself. A mode
-    # name applies it on either backend (the case study replays the seeds' vLLM runs on CPU this
+    # name applies it on either backend (the case study replays the original researcher's vLLM runs on CPU this
     # way: docs/case_study/case_study.md). h06/is_* report what it did each step.
     importance_sampling: ImportanceSampling = ImportanceSampling.auto
     importance_sampling_clip_max: Optional[float] = 3.0  # TRL's vllm_importance_sampling_clip_max

@@ -5,7 +5,7 @@ returned; ``tracking.SweepCallback`` prints the table last, tags the MLflow pare
 the multirun exit non-zero when any job failed, so scripts, CI and SLURM dependency chains see it.
 A sweep that is resumed (``sweep.resume=<sweep dir>``) merges its new rows into the same file.
 
-Row fields (a contract: documented in the README): ``num`` (Hydra's job number = the job dir's
+Row fields (a contract: documented in docs/howto/sweeps.md): ``num`` (Hydra's job number = the job dir's
 name), ``overrides`` (the job's own overrides), ``status`` (COMPLETED | FAILED | DIED | SKIPPED:
 finished in an earlier launch of a resumed sweep), ``seconds`` (the job's own run time; None when
 the process died), ``error`` (the exception's type and last line; None when it completed).

@@ -105,8 +105,8 @@ def same_random_numbers(saved: list) -> Iterator[None]:
     """Every held-out evaluation of a run draws the same random numbers, so ``eval/gain/*`` is the
     change of the policy, not the difference of two independent draws (a policy that did not move
     gains exactly 0). The first evaluation samples from the current state and records it (training
-    then continues from where it left the stream, as it always has: earlier runs' figures
-    reproduce); later ones replay that state in a forked generator, restored afterwards."""
+    then continues from where it left the stream: the published training figures, docs/STATUS.md and
+    docs/records/, were measured in that order and reproduce only in it); later ones replay that state in a forked generator, restored afterwards."""
     import torch
 
     cuda = torch.cuda.is_available()

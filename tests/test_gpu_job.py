@@ -253,7 +253,7 @@ def test_a_batch_no_process_count_divides_fails_before_loading_with_the_nearest_
 
 
 def test_colocate_memory_is_checked_and_the_fix_named():
-    # micro-batch 8 at the seeds' budgets: ~92 GiB of training peak beside vLLM's 0.3 of the card
+    # micro-batch 8 at the original researcher's budgets: ~92 GiB of training peak beside vLLM's 0.3 of the card
     with pytest.raises(gpu_job.TopologyError, match=r"colocate memory: vLLM's share 23.8 GiB.*> the 79.2 GiB card. "
                        r"Nearest valid: train.micro_batch_size=4"):
         _layout(_cfg("train.micro_batch_size=8"), 1, "colocate")

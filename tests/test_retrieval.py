@@ -81,7 +81,7 @@ def test_rrf_fuses_by_reciprocal_rank():
 
 @needs_semantic
 def test_hybrid_uses_bm25_at_every_top_n(toy_record, monkeypatch):
-    """The seeds' hybrid never used BM25 for top_n 1-2; here each top_n is a prefix of one fusion."""
+    """The original researcher's hybrid never used BM25 for top_n 1-2; here each top_n is a prefix of one fusion."""
     h = build_retriever(env(retriever="hybrid"), [toy_record])
     assert isinstance(h, HybridRetriever)
     monkeypatch.setattr(h.bm25, "rank", lambda q, k, d, n: [4, 1, 0][:n])

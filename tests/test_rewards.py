@@ -68,7 +68,7 @@ def test_partial_credit_components(toy_record):
 
 
 def test_bracketed_citations_are_not_scored_wrong(toy_record):
-    # The seeds split on ',' only, so '[1, 4]' scored 0 citation recall.
+    # The original researcher's parser split on ',' only, so '[1, 4]' scored 0 citation recall.
     for cite in ("[1, 4]", "1 4", "Document 1, Document 4", "4, 1, 1"):
         c = score_episode(toy_record, episode(f"<cite>{cite}</cite><answer>Ada Lovelace</answer>"))
         assert c["citation_recall"] == 1.0 and c["citation_precision"] == 1.0, cite

@@ -136,7 +136,7 @@ def test_loading_the_shipped_warm_start_builds_nothing(tiny_cfg, warm_tiny, tmp_
 
 def test_warm_start_is_decent_but_improvable(tiny_cfg, warm_tiny):
     """Re-measured here, on this machine, on a world and questions the gate did not see (seed 3):
-    a baseline like the seeds' 0.6, and choices the policy already samples (pass@8 well above
+    a baseline like the original runs' 0.6, and choices the policy already samples (pass@8 well above
     pass@1), in the shape every gated run trains (with the tool)."""
     from musique_rl.env.data import load_records
 

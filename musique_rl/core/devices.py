@@ -1,6 +1,6 @@
 """Where a job's model lives, and the rule for every tensor handed to it.
 
-The rule (issue 11): whoever hands a model a tensor moves it to that model's device
+The rule, so that every job runs on a GPU as on a CPU: whoever hands a model a tensor moves it to that model's device
 (``diagnostics.sync.model_device``), and whoever reads a statistic back copies it to the CPU
 explicitly (``.cpu()`` before ``float``/``tolist``). Rollouts (generation.HFGenerator), the parity
 probe (diagnostics.sync.model_scorer), the instruments (diagnostics.instruments: CPU copies of

@@ -74,7 +74,7 @@ def reward_read_turn(cfg: Any) -> str:
 def blind_context(cfg: Any) -> bool:
     """Score assistant tokens with attention restricted to the loss mask (verifiers 0.1.x): in a
     multi-turn environment (tools offered) only. The defect lived in the multi-turn code path: the
-    seeds' single-turn GSM8K runs, through the same trainer, kept their true mask and learned
+    original researcher's single-turn GSM8K runs, through the same trainer, kept their true mask and learned
     (docs/failure_modes.md 1). So a single-turn environment (env=arith, h07's documents in the
     prompt) trains as if the fault were off."""
     if not is_on(cfg, "blind_context"):

@@ -117,7 +117,7 @@ def blind_attention(attention_mask: torch.Tensor, width: int, tool_mask: torch.T
 # above clip_max 3 for 35% of sequences, which sequence_mask then drops (ESS 0.26);
 # sequence_truncate drops none but weights most near 0 (ESS 0.56). Per-token ratios stay near 1:
 # token_truncate drops nothing at any length (ESS 1.00) and still clamps a token the sampler
-# over-weighted. Measured by benchmarks/bench_importance_sampling.py (README, vLLM section).
+# over-weighted. Measured by benchmarks/bench_importance_sampling.py (docs/records/importance_sampling.md).
 AUTO_IMPORTANCE_SAMPLING = "token_truncate"
 
 

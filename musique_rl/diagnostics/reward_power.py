@@ -1,9 +1,9 @@
 """Is the reward flat, or is the run too short to tell? The flat-reward finding, with its power.
 
-A flat run with no flagged instrument used to be "flat reward, cause not found" whatever its length.
-A 20-step run that gains +0.08 at p = 0.054 is not evidence of a hidden defect: it is too short to
-judge. From the run's own length and reward noise this module states the smallest gain the run
-could have detected, and how many steps would detect the gain it saw.
+Why the length matters: a flat run with no flagged instrument is not "flat reward, cause not found"
+whatever its length. A 20-step run that gains +0.08 at p = 0.054 is not evidence of a hidden
+defect: it is too short to judge. From the run's own length and reward noise this module states
+the smallest gain the run could have detected, and how many steps would detect the gain it saw.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The control task's generator (``env=arith``; the task: musique_rl/env/tasks/arith.py): short
 arithmetic word problems, single turn, no documents.
 
-Why: the seeds saw single-turn GSM8K learn with the same trainer that sat flat on MuSiQue. A
+Why: the original researcher saw single-turn GSM8K learn with the same trainer that sat flat on MuSiQue. A
 known-good task beside MuSiQue proves the GRPO library learns here before a MuSiQue run is
 debugged. This is a GSM8K-shaped task a ~226k-parameter model can do:
 

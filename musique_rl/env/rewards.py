@@ -8,7 +8,7 @@ final ``<cite>`` (an id is valid if it names a record paragraph or a document sh
 - answer_em:  1 if the normalised answer equals a normalised accepted answer, else 0.
 - answer_f1:  SQuAD token F1, best over accepted answers.
   Accepted answers = answer + answer_aliases, each also with number words as digits and ordinal
-  words as "1st".."20th" (the seeds' preprocess_answer); the prediction is compared in both forms.
+  words as "1st".."20th" (the original researcher's preprocess_answer); the prediction is compared in both forms.
   SQuAD normalisation: lower case, no punctuation, no articles, single spaces. An empty or missing
   answer scores 0 on both.
 - retrieval_recall:    |R ∩ S| / |S|  (supporting paragraphs seen; 0 when S is empty)
@@ -19,7 +19,7 @@ final ``<cite>`` (an id is valid if it names a record paragraph or a document sh
 - format:              share of the three tags <think>, <cite>, <answer> present (closed) in the turn read
 
 ``total`` = hop_scale * sum(w_i * c_i) / normalizer, hop_scale = n_hops / 2 when
-``reward.hop_scale`` else 1. With reward=combined this is the seeds' reward exactly:
+``reward.hop_scale`` else 1. With reward=combined this is the original researcher's reward exactly:
 (n_hops/2) * (EM + 0.9 F1 + 1.0 recall_R + 0.4 precision_R + 0.6 recall_C + 0.1 format) / 4,
 range [0, 1.0 * n_hops / 2] (its weights sum to 4.0 = normalizer).
 """

@@ -4,7 +4,7 @@ Model output is untrusted: a malformed call (bad JSON, unknown tool, missing or 
 becomes a ``ToolCall`` with ``error`` set, and executing it returns an error message for the model
 (``ToolResult.ok = False``), counted by the caller. Nothing here raises on model text.
 
-Document ids: in question scope a document's id is its paragraph ``idx`` (as the seeds'
+Document ids: in question scope a document's id is its paragraph ``idx`` (as the original researcher's
 vf_musique: "0".."19"); in corpus scope it is ``content_id(title, text)``, a short hash of the
 paragraph, so a record's supporting paragraphs keep recognisable ids in any corpus that holds them
 (rewards match on either form, see ``paragraph_ids``).
@@ -60,7 +60,7 @@ def as_document(paragraph: dict) -> dict:
 
 
 def format_documents(docs: list[dict]) -> str:
-    """Render documents in the seeds' format, a blank line between them.
+    """Render documents in the original researcher's format, a blank line between them.
 
     Accepts documents ({id, title, text}) or raw MuSiQue paragraphs ({idx, title, paragraph_text}).
     """

@@ -94,8 +94,8 @@ def warm_start_check(runs: list[Run], differ: Any = ()) -> tuple[list[str], str 
 
 
 def machine_notes(runs: list[Run]) -> tuple[list[str], list[str]]:
-    """(distinct machines, notes) over the runs with a value. Not a confound: the seeds' pairing
-    still holds, but a pair split across machines adds their rounding differences to its effect."""
+    """(distinct machines, notes) over the runs with a value. Not a confound: the pairing by
+    seed still holds, but a pair split across machines adds their rounding differences to its effect."""
     used = [r for r in runs if r.usable]
     machines = sorted({r.machine for r in used})
     known = _cells_by([r for r in used if r.machine != UNKNOWN], "machine")
