@@ -39,10 +39,11 @@ def run(cfg: DictConfig, work: Work | None = None) -> float | None:
         with launch.terminate_as_interrupt(), _own_run_dir(cfg):
             result = _pipe(cfg, work or _work)
     except Exception as exc:
-        if not _single_run():
-            if _multirun():
+        mode = _hydra_mode()
+        if mode != "RUN":
+            if mode == "MULTIRUN":  # the sweep's launcher records the job FAILED, and the sweep goes on
                 log.exception("job failed; its MLflow run is FAILED with the traceback, the sweep goes on")
-            raise  # the sweep's launcher records the job FAILED, and the sweep goes on
+            raise
         # Hydra would print the job's overrides as typed (a password in a URI included) before the
         # traceback; here the same goes to stderr redacted, and the exit status is Hydra's (1)
         import traceback
@@ -101,18 +102,11 @@ def _plot(run_dir: Path, tracker: Tracker) -> None:
         log.exception("reward-curve plot failed")
 
 
-def _multirun() -> bool:
+def _hydra_mode() -> str | None:
+    """Hydra's run mode of this job ("RUN" or "MULTIRUN"), None outside Hydra (tests, notebooks)."""
     from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
 
-    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
-
-
-def _single_run() -> bool:
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
-
-    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.RUN
+    return HydraConfig.get().mode.name if HydraConfig.initialized() else None
 
 
 def _redact_job_outputs() -> None:
