@@ -102,6 +102,9 @@ def test_two_runs_started_in_the_same_second_stay_apart(tmp_path, store):
     for r in runs:  # each run is its own launch's: its param and tag agree, its dir holds its id
         assert r.data.tags["seed"] == r.data.params["seed"]
         assert (Path(r.data.tags["output_dir"]) / "mlflow_run_id").read_text() == r.info.run_id
+        # the eval's figures reach the run through the tracker app.run handed to evaluate()
+        assert r.data.metrics["eval/answer_em"] == 1.0
+        assert {"metrics.json", "episodes.jsonl"} <= {f.path for f in client.list_artifacts(r.info.run_id)}
 
 
 def test_a_run_dir_in_use_or_of_another_config_is_refused(tmp_path):
