@@ -162,8 +162,7 @@ def diagnose(cfg: DictConfig, run_dir: Path, tracker: Tracker | None = None) -> 
         save_diagnosis(diagnosis, run_dir / "diagnosis.json")
         if tracker is not None:  # through the tracker: a tracking outage is said once and costs nothing
             tracker.log_text(json.dumps(diagnosis, indent=2), "diagnosis.json")
-            for key, value in diagnosis_tags(diagnosis).items():
-                tracker.set_tag(key, value)
+            tracker.set_tags(diagnosis_tags(diagnosis))
         # flagged findings with their evidence on the console; the full ranked list is diagnosis.json
         # (and `python -m musique_rl.diagnostics.doctor --run-dir <run dir>`)
         checks = sum(d["check"] != "no_data" for d in diagnosis)

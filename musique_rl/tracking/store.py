@@ -14,6 +14,7 @@ import os
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 from omegaconf import OmegaConf
@@ -28,10 +29,11 @@ TAG_MAX = 5000
 # MLflow's HTTP client retries a failing request 7 times with exponential backoff and waits 120 s
 # for each answer: a dead server then costs minutes per call. A job's calls get a short budget
 # (a user's own MLFLOW_HTTP_REQUEST_* settings win), the start's reachability probe a shorter one.
-JOB_HTTP = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_TIMEOUT": "20",
-            # MLflow prints "View run <url>" with the URI as typed (a password included): the job logs a redacted one
-            "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true"}
-PROBE_HTTP = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "5"}
+JOB_HTTP = MappingProxyType({
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_TIMEOUT": "20",
+    # MLflow prints "View run <url>" with the URI as typed (a password included): the job logs a redacted one
+    "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true"})
+PROBE_HTTP = MappingProxyType({"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "5"})
 
 
 class TrackingUnavailable(RuntimeError):
