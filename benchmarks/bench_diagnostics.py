@@ -60,9 +60,9 @@ def instrument_timers(trainer_cls: type) -> None:
 def run_once(diagnostics: bool, steps: int, seed: int, store: Path, extra: list[str]) -> dict:
     from hydra import compose, initialize_config_dir
 
-    from musique_rl import tracking
     from musique_rl.core import trainer as trainer_mod
     from musique_rl.schema import CONF_DIR  # importing it registers the schema and resolvers
+    from musique_rl.tracking.sink import open_run
     from musique_rl.train import train
 
     captured = {}
@@ -97,8 +97,8 @@ def run_once(diagnostics: bool, steps: int, seed: int, store: Path, extra: list[
     TIMED.clear()
     run_dir = Path(tempfile.mkdtemp(dir=store))
     try:
-        with tracking.job(cfg, output_dir=run_dir):
-            train(cfg, run_dir=run_dir)
+        with open_run(cfg, run_dir) as tracker:
+            train(cfg, tracker=tracker, run_dir=run_dir)
     finally:
         trainer_mod.build_trainer = build
     # on_step_end precedes the step's logging, so step k's wall time ends when step k+1 ends: the

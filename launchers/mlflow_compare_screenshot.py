@@ -84,7 +84,7 @@ def demo_store(root: Path) -> tuple[str, list[str], list[str]]:
     from mlflow.tracking import MlflowClient
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from musique_rl.tracking import ensure_experiment
+    from musique_rl.tracking.store import ensure_experiment
 
     uri = f"sqlite:///{root / 'mlflow.db'}"
     exp = ensure_experiment(uri, "musique_rl")

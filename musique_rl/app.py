@@ -7,52 +7,106 @@ import json
 import logging
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig
 
+from musique_rl.result import JobResult
+
+if TYPE_CHECKING:
+    from musique_rl.tracking.sink import Tracker
+
 log = logging.getLogger(__name__)
 
+# a job's work: (config, its tracker or None, its run dir) -> its result
+Work = Callable[[DictConfig, "Tracker | None", Path], JobResult]
 
-def run(cfg: DictConfig) -> float | None:
+
+def run(cfg: DictConfig, work: Work | None = None) -> float | None:
+    """The job, in order: check the config, own the run dir, open the MLflow run, do the ``work``
+    with the tracker passed down (default: train, eval or the GPU topology, by ``cfg``), the doctor
+    on the run dir's metrics.jsonl (tracking on or off), close the run, print the result line.
+    Returns the objective for Hydra's sweeper. ``work``: a stand-in job (tests/tracking_app.py)."""
     from musique_rl import launch, schema
-    from musique_rl.tracking import task_wrapper  # the job's MLflow run; a failed sweep job ends FAILED
+    from musique_rl.env.rewards import check_task
 
     _redact_job_outputs()
     try:
         schema.validate(cfg)  # a value no job can run with fails here, naming the key, before any run or file
+        check_task(cfg.reward, cfg.env)  # env=arith with a reward over documents or citations: the same
         with launch.terminate_as_interrupt(), _own_run_dir(cfg):
-            result = task_wrapper(_dispatch)(cfg)
+            result = _pipe(cfg, work or _work)
     except Exception as exc:
-        if not _single_run():
-            raise  # the sweep's launcher records the job FAILED, and the sweep goes on
+        mode = _hydra_mode()
+        if mode != "RUN":
+            if mode == "MULTIRUN":  # the sweep's launcher records the job FAILED, and the sweep goes on
+                log.exception("job failed; its MLflow run is FAILED with the traceback, the sweep goes on")
+            raise
         # Hydra would print the job's overrides as typed (a password in a URI included) before the
         # traceback; here the same goes to stderr redacted, and the exit status is Hydra's (1)
         import traceback
 
         from musique_rl.core.checkpoints import DiskFullError
         from musique_rl.redact import redact
-        from musique_rl.tracking import TrackingUnavailable
+        from musique_rl.tracking.store import TrackingUnavailable
 
         said = (schema.ConfigValueError, launch.RunDirError, TrackingUnavailable, DiskFullError)  # the message is the story
         text = f"{type(exc).__name__}: {exc}\n" if isinstance(exc, said) else "".join(traceback.format_exception(exc))
         sys.stderr.write(redact(text))
         sys.stderr.flush()
         raise SystemExit(1) from None
-    from musique_rl import train
+    if result.summary is not None:  # the last line of output, after the doctor and the run's close
+        print(result.line(), flush=True)
+    return result.objective
 
-    # Consumed, so a later job of the same process that fails cannot re-print this job's summary.
-    summary, train.LAST_SUMMARY = train.LAST_SUMMARY, None
-    if summary is not None:  # again after the MLflow run closed (its doctor logs to stdout)
-        train.print_summary_json(summary)
+
+def _pipe(cfg: DictConfig, work: Work) -> JobResult:
+    from musique_rl.tracking.sink import open_run
+    from musique_rl.train import run_directory
+
+    run_dir = run_directory()
+    with open_run(cfg, run_dir) as tracker:
+        result = work(cfg, tracker, run_dir)
+        if result.diagnose:
+            diagnose(cfg, run_dir, tracker)
+            if tracker is not None:
+                _plot(run_dir, tracker)
     return result
 
 
-def _single_run() -> bool:
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
+def _work(cfg: DictConfig, tracker: Tracker | None, run_dir: Path) -> JobResult:
+    if cfg.mode == "eval":
+        from musique_rl.evaluate import evaluate
 
-    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.RUN
+        return evaluate(cfg, tracker=tracker, run_dir=run_dir)
+    from musique_rl import gpu_job
+
+    if gpu_job.wants_topology(cfg):  # train.backend=vllm: vLLM server + accelerate trainer in this allocation
+        return gpu_job.run(cfg, run_dir)
+    from musique_rl.train import train
+
+    return train(cfg, tracker=tracker, run_dir=run_dir)
+
+
+def _plot(run_dir: Path, tracker: Tracker) -> None:
+    """The reward curves, an artifact of the run; may not fail the job (the training is done)."""
+    from musique_rl.tracking.plots import save_reward_curves
+
+    try:
+        path = save_reward_curves(run_dir)
+        if path is not None:
+            tracker.log_artifact(path, "plots")
+    except Exception:
+        log.exception("reward-curve plot failed")
+
+
+def _hydra_mode() -> str | None:
+    """Hydra's run mode of this job ("RUN" or "MULTIRUN"), None outside Hydra (tests, notebooks)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return HydraConfig.get().mode.name if HydraConfig.initialized() else None
 
 
 def _redact_job_outputs() -> None:
@@ -64,8 +118,6 @@ def _redact_job_outputs() -> None:
 
     redact_logs()
     if HydraConfig.initialized():
-        from pathlib import Path
-
         hc = HydraConfig.get()
         redact_files(sorted((Path(hc.runtime.output_dir) / hc.output_subdir).glob("*.yaml")) if hc.output_subdir else [])
 
@@ -84,33 +136,10 @@ def _own_run_dir(cfg: DictConfig) -> contextlib.AbstractContextManager:
     return launch.claim(HydraConfig.get().runtime.output_dir, cfg)
 
 
-def _dispatch(cfg: DictConfig) -> float | None:
-    from musique_rl.env.rewards import check_task
-
-    check_task(cfg.reward, cfg.env)  # env=arith with a reward over documents or citations: fail in a second
-    if cfg.mode == "eval":
-        from musique_rl.evaluate import evaluate
-
-        return evaluate(cfg)
-    from musique_rl import gpu_job
-
-    if gpu_job.wants_topology(cfg):  # train.backend=vllm: vLLM server + accelerate trainer in this allocation
-        return gpu_job.run(cfg)
-    from hydra.core.hydra_config import HydraConfig
-
-    from musique_rl.train import train
-
-    result = train(cfg)
-    if HydraConfig.initialized():  # train() wrote its metrics.jsonl into Hydra's run directory
-        diagnose(cfg, Path(HydraConfig.get().runtime.output_dir))
-    return result
-
-
-def diagnose(cfg: DictConfig, run_dir: Path) -> list[dict] | None:
+def diagnose(cfg: DictConfig, run_dir: Path, tracker: Tracker | None = None) -> list[dict] | None:
     """The doctor on the run's own metrics.jsonl, after training, tracking on or off:
     ``<run dir>/diagnosis.json``, and the artifact + ``diagnosis`` tags of the job's MLflow run when
     tracking is on. The flagged findings go to the console. Never fails the job (the training is done)."""
-    from musique_rl import tracking
     from musique_rl.console import METRICS_FILE
     from musique_rl.core.models import process_state
 
@@ -125,16 +154,15 @@ def diagnose(cfg: DictConfig, run_dir: Path) -> list[dict] | None:
             save_diagnosis,
         )
         from musique_rl.diagnostics.sources import read_run_dir
+        from musique_rl.tracking.provenance import config_params
 
         run = read_run_dir(run_dir)
-        run.params = tracking.config_params(cfg)  # the job's own config: what the MLflow run's params hold
+        run.params = config_params(cfg)  # the job's own config: what the MLflow run's params hold
         diagnosis = diagnose_log(run)
         save_diagnosis(diagnosis, run_dir / "diagnosis.json")
-        tracker = tracking.active()
         if tracker is not None:  # through the tracker: a tracking outage is said once and costs nothing
             tracker.log_text(json.dumps(diagnosis, indent=2), "diagnosis.json")
-            for key, value in diagnosis_tags(diagnosis).items():
-                tracker.set_tag(key, value)
+            tracker.set_tags(diagnosis_tags(diagnosis))
         # flagged findings with their evidence on the console; the full ranked list is diagnosis.json
         # (and `python -m musique_rl.diagnostics.doctor --run-dir <run dir>`)
         checks = sum(d["check"] != "no_data" for d in diagnosis)

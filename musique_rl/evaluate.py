@@ -2,8 +2,8 @@
 
     python -m musique_rl mode=eval policy=oracle env.retriever=golden env.data=../shared/data/musique/train_sample_60.jsonl
 
-The last line of output is one JSON object with every metric; the same object is saved as
-``metrics.json`` in the Hydra run directory, with one line per episode (its components, total,
+The metrics (``JobResult.summary``, and the last line of ``python -m musique_rl``'s output, one JSON
+object) are saved as ``metrics.json`` in the run directory, with one line per episode (its components, total,
 and messages, so it can be replayed with policy=replay) in ``episodes.jsonl`` beside it.
 Scoring always reads the last assistant turn: the eval reports the truth even when a planted
 reward fault is configured for training.
@@ -16,7 +16,7 @@ import logging
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
@@ -24,18 +24,21 @@ from musique_rl.env.data import load_records
 from musique_rl.env.rewards import (
     COMPONENTS,
     as_spec,
-    check_task,
     check_weights,
     max_total,
     n_hops,
     score_episode,
     total,
 )
+from musique_rl.result import JobResult
+
+if TYPE_CHECKING:
+    from musique_rl.tracking.sink import Tracker
 
 log = logging.getLogger(__name__)
 
 
-def run_dir() -> Path:
+def default_run_dir() -> Path:
     """Hydra's run directory, or the working directory outside Hydra (tests, notebooks)."""
     try:
         from hydra.core.hydra_config import HydraConfig
@@ -122,27 +125,18 @@ def summarize(rows: list[dict], errors: int, n_records: int, data_stats: dict, c
     return m
 
 
-def _track(metrics: dict, out: Path) -> None:
-    """Eval metrics (prefixed eval/) and both files into the job's MLflow run, when one is active."""
-    try:
-        from musique_rl.tracking import active
-    except ImportError:
-        return
-    tracker = active()
-    if tracker is None:
-        return
-    try:
-        tracker.log_metrics({f"eval/{k}": v for k, v in metrics.items()}, step=0)
-        tracker.log_artifact(out / "metrics.json")
-        tracker.log_artifact(out / "episodes.jsonl")
-    except Exception:
-        log.exception("logging eval metrics to MLflow failed (metrics.json is saved)")
+def _track(tracker: Tracker, metrics: dict, out: Path) -> None:
+    """Eval metrics (prefixed eval/) and both files into the job's MLflow run."""
+    tracker.log_metrics({f"eval/{k}": v for k, v in metrics.items()}, step=0)
+    tracker.log_artifact(out / "metrics.json")
+    tracker.log_artifact(out / "episodes.jsonl")
 
 
-def evaluate(cfg: Any) -> float:
-    """Run ``cfg.policy`` over ``cfg.env.data``; print and save the metrics; return the mean reward."""
+def evaluate(cfg: Any, tracker: Tracker | None = None, run_dir: Path | None = None) -> JobResult:
+    """Run ``cfg.policy`` over ``cfg.env.data``; save the metrics into ``run_dir`` (default: Hydra's
+    run dir, else the working directory) and ``tracker``'s run; return them, the mean reward as the
+    objective. The caller checks the config first (``app.run``: ``rewards.check_task``)."""
     check_weights(cfg.reward)
-    check_task(cfg.reward, cfg.env)
     data_stats: dict = {}
     records = load_records(cfg.env.data, cfg.env, int(cfg.seed), stats=data_stats)
     records_by_id = {r["id"]: r for r in records}
@@ -154,14 +148,15 @@ def evaluate(cfg: Any) -> float:
         from musique_rl.core.models import process_state
 
         if not process_state().is_main_process:  # one writer of the job's files (all ranks hold the same rows)
-            return metrics["reward"]
-    out = run_dir()
+            return JobResult(None, metrics["reward"])
+    out = run_dir or default_run_dir()
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "episodes.jsonl", "w", encoding="utf-8") as f:
         for r in rows:
             f.write(json.dumps(r, ensure_ascii=False) + "\n")
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
-    _track(metrics, out)
+    if tracker is not None:
+        _track(tracker, metrics, out)
 
     print(
         f"eval {metrics['policy']} on {len(records)} records ({metrics['retriever']}, {metrics['scope']} scope): "
@@ -170,5 +165,4 @@ def evaluate(cfg: Any) -> float:
         f"| citation R {metrics['citation_recall']:.3f} P {metrics['citation_precision']:.3f} | format {metrics['format']:.3f} "
         f"| reward errors {errors}\nsaved {out / 'metrics.json'} and {out / 'episodes.jsonl'}"
     )
-    print(json.dumps(metrics), flush=True)  # the last line: one JSON object with every metric
-    return metrics["reward"]
+    return JobResult(metrics, metrics["reward"])

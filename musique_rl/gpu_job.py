@@ -17,7 +17,7 @@ make work fails with the config keys to change and their nearest valid values. `
 the same checks inside each training process (a job launched by hand).
 
 In server mode (or colocate on several GPUs) the job (a SLURM array task from hydra/launcher=slurm,
-or a plain run on a GPU workstation) does not train in its own process. ``app.run`` hands it to ``run(cfg)``:
+or a plain run on a GPU workstation) does not train in its own process. ``app.run`` hands it to ``run(cfg, job_dir)``:
 
 1. ``vllm serve`` on the first GPU(s) of the allocation (the command TRL's ``trl vllm-serve`` builds,
    ``trl.scripts.vllm_serve.build_command``: weight-transfer endpoints, processed log-probs), in
@@ -28,7 +28,7 @@ or a plain run on a GPU workstation) does not train in its own process. ``app.ru
 3. ``accelerate launch --config_file <accelerate config> --num_processes <trainers> -m musique_rl
    <this job's overrides> hydra.run.dir=<this job's dir>`` on the remaining GPUs, with
    ``MUSIQUE_RL_GPU_ROLE=trainer`` so that process trains instead of starting another topology.
-   Its MLflow run is this job's (tracking's ``mlflow_run_id`` file in the job dir), so a requeued
+   Its MLflow run is this job's (``mlflow_run_id`` in the job dir, musique_rl.tracking.sink), so a requeued
    job resumes into the same run, and from its last checkpoint (``train.resume=auto``);
 4. stop the server (SIGTERM to its process group, SIGKILL after 30 s) however the trainer ended,
    also when submitit's preemption handler exits the job.
@@ -51,6 +51,7 @@ See the plan and commands without running anything (no GPU needed):
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shlex
 import signal
@@ -65,6 +66,7 @@ from typing import Any
 
 # the process and port rules the trainer (RL core) applies too; here re-exported for the topology
 from musique_rl.core.devices import ROLE_ENV, free_port, resolve_vllm_mode, visible_gpus  # noqa: F401
+from musique_rl.result import JobResult
 
 # Package data, so an installed wheel launches with them too (launchers/accelerate in the checkout links here).
 ACCELERATE_DIR = Path(__file__).resolve().parent / "launchers" / "accelerate"
@@ -461,18 +463,23 @@ def execute(topo: Topology, *, health_timeout_s: float | None = None, poll_s: fl
         stop(server)
 
 
-def run(cfg: Any) -> None:
-    """The topology for this Hydra job (called by app.run inside the job's MLflow run)."""
+def run(cfg: Any, job_dir: Path) -> JobResult:
+    """The topology for this Hydra job in ``job_dir`` (called by app.run inside the job's MLflow run).
+    The trainer processes run the job's pipe themselves (``python -m musique_rl`` in ``job_dir``:
+    they adopt its MLflow run, diagnose their metrics.jsonl and print the result line); this process
+    hands the sweeper their ``train/reward_gain`` from ``metrics.json``."""
     from hydra.core.hydra_config import HydraConfig
 
     hc = HydraConfig.get()
-    topo = plan(cfg, gpus=visible_gpus(), job_dir=Path(hc.runtime.output_dir), overrides=list(hc.overrides.task),
-                card_gib=card_gib())
+    topo = plan(cfg, gpus=visible_gpus(), job_dir=job_dir, overrides=list(hc.overrides.task), card_gib=card_gib())
     for line in topo.layout.lines():
         print(line, flush=True)
     code = execute(topo)
     if code != 0:
         raise TopologyError(f"trainer exited with code {code}: {shlex.join(topo.trainer_cmd)}")
+    summary = job_dir / "metrics.json"
+    gain = json.loads(summary.read_text()).get("train/reward_gain") if summary.is_file() else None
+    return JobResult(None, None if gain is None else float(gain))
 
 
 def main(argv: list[str] | None = None) -> int:

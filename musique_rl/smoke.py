@@ -177,7 +177,7 @@ def run_case(case: Case, steps: int | None, extra: list[str], root: Path, cuda: 
         if cuda:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
-        gain = train_mod.train(cfg, run_dir=root / case.name.replace("=", "_"), callbacks=[meter])
+        gain = train_mod.train(cfg, run_dir=root / case.name.replace("=", "_"), callbacks=[meter]).objective
         if n >= 2 * train_mod.WINDOW:
             row.reward_gain = round(float(gain), 3)
         if not bool(cfg.tracking.enabled) and "mlflow" in sys.modules:

@@ -1,7 +1,7 @@
 """What became of each job of a multirun: ``<sweep dir>/jobs.json`` and the table printed at its end.
 
 The launcher (hydra_plugins/musique_rl_launchers) writes one row per job when the jobs have
-returned; ``tracking.SweepCallback`` prints the table last, tags the MLflow parent run, and makes
+returned; ``tracking.sweep.SweepCallback`` prints the table last, tags the MLflow parent run, and makes
 the multirun exit non-zero when any job failed, so scripts, CI and SLURM dependency chains see it.
 A sweep that is resumed (``sweep.resume=<sweep dir>``) merges its new rows into the same file.
 

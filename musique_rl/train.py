@@ -1,7 +1,7 @@
 """``train(cfg)``: data -> model -> rollouts -> GRPO -> held-out eval before and after -> summary.
 
-The summary (also the LAST line of output, as one JSON object, and ``metrics.json`` in the run
-directory) holds:
+The summary (``JobResult.summary``, ``metrics.json`` in the run directory, and the LAST line of
+``python -m musique_rl``'s output, as one JSON object) holds:
   - ``train/reward_first10``, ``train/reward_last10``, ``train/reward_gain``: mean training reward
     (TRL's per-step ``reward``) of the first and last ``train/reward_window`` logged steps (10, or
     half of a shorter run: the windows never overlap), and their difference (NaN below 2 steps);
@@ -27,19 +27,18 @@ from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+from musique_rl.result import JobResult
+
+if TYPE_CHECKING:
+    from musique_rl.tracking.sink import Tracker
 
 log = logging.getLogger(__name__)
 
 WINDOW = 10  # steps averaged at each end of the reward curve
-LAST_SUMMARY: dict | None = None  # the summary of the last train() in this process (app.run re-prints it)
-
-
-def print_summary_json(summary: dict) -> None:
-    """The summary as ONE line of JSON: the last line of a run's output."""
-    print(json.dumps(summary, sort_keys=True), flush=True)
 
 
 def run_directory(run_dir: str | Path | None = None) -> Path:
@@ -189,12 +188,14 @@ def _quiet_library_deprecations() -> None:
     warnings.filterwarnings("ignore", message=r".*(is_)?gradient_checkpointing.* is deprecated", category=FutureWarning)
 
 
-def train(cfg: Any, run_dir: str | Path | None = None, callbacks: list | None = None) -> float:
-    """Run one GRPO job (module docstring); returns ``train/reward_gain``. ``callbacks``: extra
-    transformers TrainerCallbacks (musique_rl.smoke times the steps with one)."""
+def train(cfg: Any, tracker: Tracker | None = None, run_dir: str | Path | None = None,
+          callbacks: list | None = None) -> JobResult:
+    """Run one GRPO job (module docstring); returns its summary (None on ranks other than 0) and
+    ``train/reward_gain`` as the objective. ``tracker``: the job's MLflow run (None: not tracked).
+    ``callbacks``: extra transformers TrainerCallbacks (musique_rl.smoke times the steps with one).
+    The caller checks the config first (``app.run``: ``schema.validate``, ``rewards.check_task``)."""
     import transformers
 
-    from musique_rl import tracking
     from musique_rl.core import faults
     from musique_rl.core.devices import place
     from musique_rl.core.generation import trainer_model_source
@@ -204,10 +205,10 @@ def train(cfg: Any, run_dir: str | Path | None = None, callbacks: list | None = 
     from musique_rl.env import data, rewards
     from musique_rl.env.retrieval import build_retriever
     from musique_rl.redact import redact
+    from musique_rl.tracking.provenance import git_string, origin_tags
 
     t0 = time.time()
     rewards.check_weights(cfg.reward)
-    rewards.check_task(cfg.reward, cfg.env)  # env=arith with a document reward fails here, before any compute
     _quiet_library_deprecations()
     logging.getLogger("bm25s").setLevel(logging.WARNING)  # one DEBUG line per indexed record otherwise
     state = process_state()
@@ -257,7 +258,6 @@ def train(cfg: Any, run_dir: str | Path | None = None, callbacks: list | None = 
 
     before, before_g = evaluate("before", model)
 
-    tracker = tracking.active()
     instruments = None
     if cfg.diagnostics.enabled:
         from musique_rl.diagnostics import Instruments
@@ -265,7 +265,7 @@ def train(cfg: Any, run_dir: str | Path | None = None, callbacks: list | None = 
         views = tracker.log_text if tracker is not None else None  # the HTML token view, into the run
         instruments = Instruments.from_config(cfg, tokenizer=tokenizer, artifact_logger=views, records_by_id=by_id)
     if tracker is not None:
-        tracking.tag_provenance(tracker, origin)
+        tracker.set_tags(origin_tags(origin))
     callbacks = ([tracker.callback()] if tracker is not None else []) + list(callbacks or [])
     ckpt_dir = out_dir / "checkpoints"
     trainer = build_trainer(
@@ -289,8 +289,7 @@ def train(cfg: Any, run_dir: str | Path | None = None, callbacks: list | None = 
     summary = summarise(reward_curve(trainer.state.log_history), before, after, before_g, after_g)
     summary["time/seconds"] = round(time.time() - t0, 1)
     summary.update(origin)
-    sha, dirty = tracking.git_commit()
-    summary["git/commit"] = sha + ("+dirty" if dirty else "")
+    summary["git/commit"] = git_string()
     if tracker is not None:
         summary["mlflow/run_id"] = tracker.run_id
         summary["mlflow/uri"] = redact(tracker.uri)  # a password in the URI stays out of files and the console
@@ -301,7 +300,4 @@ def train(cfg: Any, run_dir: str | Path | None = None, callbacks: list | None = 
                 {k: v for k, v in summary.items() if isinstance(v, int | float)}, step=trainer.state.global_step
             )
         _print_summary(summary, out_dir)
-        print_summary_json(summary)  # the last line of output (app.run prints it again after tracking closes)
-        global LAST_SUMMARY
-        LAST_SUMMARY = summary
-    return float(summary["train/reward_gain"])
+    return JobResult(summary if state.is_main_process else None, float(summary["train/reward_gain"]), diagnose=True)

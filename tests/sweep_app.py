@@ -5,7 +5,7 @@ and misbehaves on request, so failure isolation and requeue/resume can be tested
 training: SWEEP_APP_FAIL=<arm>:<seed> raises, SWEEP_APP_KILL=<arm>:<seed> SIGKILLs itself,
 SWEEP_APP_STEPS=N with SWEEP_APP_STEP_S=seconds runs N resumable steps (progress.json in the job
 dir: a requeued job continues from it, like train.resume=auto).
-Jobs run inside tracking.task_wrapper as real jobs do (tracking.enabled=false skips MLflow).
+Jobs run through the job pipe as real jobs do (musique_rl.app.run; tracking.enabled=false skips MLflow).
 Run: PYTHONPATH=. python tests/sweep_app.py -m +sweep=h02 seed=1,2 hydra.sweep.dir=/tmp/x
 """
 
@@ -17,10 +17,11 @@ import time
 from pathlib import Path
 
 import hydra
-from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from musique_rl import schema, tracking  # schema: the configs' directory, the typed schema and ${arm:..}
+from musique_rl import schema  # the configs' directory, the typed schema and ${arm:..}
+from musique_rl.app import run
+from musique_rl.result import JobResult
 
 CONF = str(schema.CONF_DIR)
 
@@ -30,12 +31,11 @@ EFFECT = 0.10
 
 @hydra.main(version_base="1.3", config_path=CONF, config_name="train")
 def main(cfg: DictConfig) -> float | None:
-    # the same MLflow wrapper as app.run: one run per job, FAILED with traceback, resumed on requeue
-    return tracking.task_wrapper(job)(cfg)
+    # the real job pipe: one MLflow run per job, FAILED with traceback, resumed on requeue
+    return run(cfg, job)
 
 
-def job(cfg: DictConfig) -> float:
-    out = Path(HydraConfig.get().runtime.output_dir)
+def job(cfg: DictConfig, tracker, out: Path) -> JobResult:
     arm, seed = str(cfg.hypothesis.arm.value if hasattr(cfg.hypothesis.arm, "value") else cfg.hypothesis.arm), int(cfg.seed)
     me = f"{arm}:{seed}"
     progress_path = out / "progress.json"
@@ -67,9 +67,9 @@ def job(cfg: DictConfig) -> float:
     # a reward curve as a training job logs it (metrics.jsonl): rising to the job's value
     (out / "metrics.jsonl").write_text("".join(json.dumps({"step": k, "reward": value * k / 3}) + "\n" for k in (1, 2, 3)))
     (out / "metrics.json").write_text(json.dumps(metrics))
-    if (tracker := tracking.active()) is not None:
+    if tracker is not None:
         tracker.log_metrics(metrics, step=progress["step"])
-    return value
+    return JobResult(None, value)  # no result line, no doctor: the stand-in's output stays the launcher's
 
 
 if __name__ == "__main__":

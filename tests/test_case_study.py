@@ -133,7 +133,7 @@ def test_each_arm_composes_and_differs_from_its_reference_only_where_it_says(arm
     if arm.startswith("arith"):
         assert str(cfg.env.task) == "arith" and cfg.train.max_steps == 150
     if arm == "cure":
-        from musique_rl.tracking import config_params
+        from musique_rl.tracking.provenance import config_params
 
         ref = config_params(compose_cfg(["+case=defect"]))
         differ = {k for k, v in config_params(cfg).items() if ref.get(k) != v}

@@ -122,7 +122,7 @@ def test_missing_metrics_are_reported_as_no_data_not_as_healthy():
 def store(tmp_path, monkeypatch):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
-    from musique_rl.tracking import ensure_experiment
+    from musique_rl.tracking.store import ensure_experiment
 
     return uri, ensure_experiment(uri, "doctor_test")
 

@@ -202,31 +202,51 @@ def test_cli_run_dir_writes_beside_the_input_and_names_an_unreadable_path(tmp_pa
     assert str(missing) in capsys.readouterr().err
 
 
-def test_every_training_run_writes_its_diagnosis_with_tracking_off(tmp_path):
-    """A 2-step job with tracking.enabled=false: the doctor runs after training on the run dir's
-    metrics.jsonl, writes diagnosis.json there and prints its flagged findings; the summary JSON
-    stays the last line of output."""
+@pytest.mark.parametrize("tracked", [False, True], ids=["tracking_off", "tracking_on"])
+def test_every_training_run_writes_its_diagnosis(tmp_path, tracked):
+    """A 2-step job through the real command: the doctor runs after training on the run dir's
+    metrics.jsonl, writes diagnosis.json there and prints its flagged findings, tracking on or off;
+    with tracking on, the job's MLflow run holds the metrics, the same diagnosis.json and the
+    diagnosis tags. The result JSON is the last line of output, and printed once."""
     import os
     import subprocess
     import sys
 
     run_dir = tmp_path / "run"
     root = Path(__file__).resolve().parents[1]
-    cmd = [sys.executable, "-m", "musique_rl", "env=arith", "reward=answer_em", "tracking.enabled=false",
+    cmd = [sys.executable, "-m", "musique_rl", "env=arith", "reward=answer_em", f"tracking.enabled={str(tracked).lower()}",
            "train.max_steps=2", "train.prompts_per_step=2", "train.num_generations=4", "train.eval_episodes=4",
            "env.arith.num_train=40", "env.arith.num_eval=8", "diagnostics.trajectory_views=0",
            f"hydra.run.dir={run_dir}"]
-    env = {**os.environ, "PYTHONPATH": str(root)}
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    env["PYTHONPATH"] = str(root)
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     diag = json.loads((run_dir / "diagnosis.json").read_text())
     assert [d["rank"] for d in diag] == list(range(1, len(diag) + 1))
-    assert not (tmp_path / "mlflow.db").exists()  # tracking really was off
     assert "doctor (" in proc.stdout + proc.stderr
-    last = proc.stdout.strip().splitlines()[-1]
-    assert json.loads(last)["train/steps"] == 2
-    # the same diagnosis from the command line, on a copy of the run dir
-    copy = shutil.copytree(run_dir, tmp_path / "copied")
-    (copy / "diagnosis.json").unlink()
-    assert main(["--run-dir", str(copy)]) == 0
-    assert json.loads((copy / "diagnosis.json").read_text()) == diag
+    lines = proc.stdout.strip().splitlines()
+    summary = json.loads(lines[-1])
+    assert summary["train/steps"] == 2 and summary == json.loads((run_dir / "metrics.json").read_text())
+    assert sum('"train/reward_gain"' in line for line in lines) == 1  # the result line, once
+    if not tracked:
+        assert not (tmp_path / "mlflow.db").exists() and "mlflow/run_id" not in summary
+        # the same diagnosis from the command line, on a copy of the run dir
+        copy = shutil.copytree(run_dir, tmp_path / "copied")
+        (copy / "diagnosis.json").unlink()
+        assert main(["--run-dir", str(copy)]) == 0
+        assert json.loads((copy / "diagnosis.json").read_text()) == diag
+        return
+    from mlflow.tracking import MlflowClient
+
+    from musique_rl.diagnostics.doctor import diagnosis_tags
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    run = client.get_run(summary["mlflow/run_id"])
+    assert run.info.status == "FINISHED"
+    assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "reward")) == [1, 2]
+    assert run.data.metrics["train/reward_gain"] == pytest.approx(summary["train/reward_gain"], nan_ok=True)
+    with open(client.download_artifacts(run.info.run_id, "diagnosis.json")) as fh:
+        assert json.load(fh) == diag
+    assert diagnosis_tags(diag).items() <= run.data.tags.items()
+    assert "plots/reward_curves.png" in [a.path for a in client.list_artifacts(run.info.run_id, "plots")]

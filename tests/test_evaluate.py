@@ -1,4 +1,4 @@
-"""mode=eval (musique_rl/evaluate.py): metrics as the last output line, metrics.json, episodes.jsonl."""
+"""mode=eval (musique_rl/evaluate.py): the metrics it returns (the last output line of the command), metrics.json, episodes.jsonl."""
 
 import json
 import subprocess
@@ -25,14 +25,10 @@ def sample(real_records):
     return str(SAMPLE)
 
 
-def last_json(out: str) -> dict:
-    return json.loads(out.strip().splitlines()[-1])
-
-
-def test_oracle_golden_eval_reports_the_ceiling(sample, tmp_path, monkeypatch, capsys):
+def test_oracle_golden_eval_reports_the_ceiling(sample, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    reward = evaluate(cfg_for("policy=oracle", "env.retriever=golden", f"env.data={sample}"))
-    m = last_json(capsys.readouterr().out)
+    result = evaluate(cfg_for("policy=oracle", "env.retriever=golden", f"env.data={sample}"))
+    m, reward = result.summary, result.objective
     assert m == json.loads((tmp_path / "metrics.json").read_text())
     assert m["answer_em"] == m["citation_recall"] == m["retrieval_recall"] == 1.0
     assert m["reward"] == pytest.approx(m["reward_max"]) == pytest.approx(reward)
@@ -42,22 +38,19 @@ def test_oracle_golden_eval_reports_the_ceiling(sample, tmp_path, monkeypatch, c
     assert len(rows) == 60 and all(r["components"]["answer_em"] == 1.0 for r in rows)
 
 
-def test_replay_of_episodes_jsonl_reproduces_the_metrics(sample, tmp_path, monkeypatch, capsys):
+def test_replay_of_episodes_jsonl_reproduces_the_metrics(sample, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    evaluate(cfg_for("policy=oracle", "env.retriever=bm25", f"env.data={sample}"))
-    first = last_json(capsys.readouterr().out)
+    first = evaluate(cfg_for("policy=oracle", "env.retriever=bm25", f"env.data={sample}")).summary
     assert 0 < first["retrieval_recall"] < 1
     (tmp_path / "episodes.jsonl").rename(tmp_path / "old.jsonl")
-    evaluate(cfg_for("policy=replay", f"replay_path={tmp_path / 'old.jsonl'}", f"env.data={sample}"))
-    again = last_json(capsys.readouterr().out)
+    again = evaluate(cfg_for("policy=replay", f"replay_path={tmp_path / 'old.jsonl'}", f"env.data={sample}")).summary
     for k in ("reward", "answer_em", "retrieval_recall", "retrieval_precision", "citation_f1", "tool_calls_mean"):
         assert again[k] == pytest.approx(first[k]), k
 
 
-def test_no_tool_floor_and_reward_preset(sample, tmp_path, monkeypatch, capsys):
+def test_no_tool_floor_and_reward_preset(sample, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    evaluate(cfg_for("policy=no_tool", "reward=answer_only", f"env.data={sample}"))
-    m = last_json(capsys.readouterr().out)
+    m = evaluate(cfg_for("policy=no_tool", "reward=answer_only", f"env.data={sample}")).summary
     assert m["reward"] == 0.0 and m["format"] == 1.0 and m["reward_name"] == "answer_only"
 
 
@@ -74,6 +67,7 @@ def test_cli_last_line_is_json_and_metrics_land_in_the_run_dir(sample, tmp_path)
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    m = last_json(proc.stdout)
+    m = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert proc.stdout.count('"answer_em":') == 1  # the result line, printed once
     assert m["answer_em"] == 1.0 and json.loads((run / "metrics.json").read_text()) == m
     assert (run / "episodes.jsonl").exists()

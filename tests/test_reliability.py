@@ -24,8 +24,12 @@ from pathlib import Path
 import pytest
 from conftest import TEST_OVERRIDES, compose_cfg
 
-from musique_rl import launch, schema, tracking
+from musique_rl import launch, schema
 from musique_rl.schema import CONF_DIR
+from musique_rl.tracking import store as tracking_store
+from musique_rl.tracking.__main__ import main as tracking_main
+from musique_rl.tracking.sink import open_run
+from musique_rl.tracking.upload import upload_run_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 PASSWORD = "s3cret-planted-pw"
@@ -67,10 +71,10 @@ def store(tmp_path, _store_template) -> str:
     return f"sqlite:///{tmp_path / 'mlflow.db'}"
 
 
-def _train(cfg, run_dir: Path) -> float:
+def _train(cfg, run_dir: Path, tracker=None) -> float:
     from musique_rl.train import train
 
-    return train(cfg, run_dir=run_dir)
+    return train(cfg, tracker=tracker, run_dir=run_dir).objective
 
 
 def _steps(run_dir: Path) -> list[int]:
@@ -84,7 +88,7 @@ def test_two_runs_started_in_the_same_second_stay_apart(tmp_path, store):
     uri = store
     common = [*TEST_OVERRIDES, "mode=eval", "policy=oracle", "train.eval_episodes=2", "env.synthetic.num_train=20",
               "env.synthetic.num_eval=4", "tracking.enabled=true", f"tracking.tracking_uri={uri}"]
-    tracking.ensure_experiment(uri, "musique_rl")  # the store exists: both launches only add runs
+    tracking_store.ensure_experiment(uri, "musique_rl")  # the store exists: both launches only add runs
     procs = [_launch([*common, f"seed={s}"], tmp_path) for s in (1, 2)]
     outs = [p.communicate(timeout=300) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
@@ -98,6 +102,9 @@ def test_two_runs_started_in_the_same_second_stay_apart(tmp_path, store):
     for r in runs:  # each run is its own launch's: its param and tag agree, its dir holds its id
         assert r.data.tags["seed"] == r.data.params["seed"]
         assert (Path(r.data.tags["output_dir"]) / "mlflow_run_id").read_text() == r.info.run_id
+        # the eval's figures reach the run through the tracker app.run handed to evaluate()
+        assert r.data.metrics["eval/answer_em"] == 1.0
+        assert {"metrics.json", "episodes.jsonl"} <= {f.path for f in client.list_artifacts(r.info.run_id)}
 
 
 def test_a_run_dir_in_use_or_of_another_config_is_refused(tmp_path):
@@ -120,11 +127,11 @@ def test_a_run_dir_in_use_or_of_another_config_is_refused(tmp_path):
 def test_a_job_never_adopts_the_run_of_another_config(tmp_path, monkeypatch, caplog, store):
     uri = store
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
-    with tracking.job(compose_cfg(["mode=eval", "seed=1"]), output_dir=tmp_path / "job") as first:
+    with open_run(compose_cfg(["mode=eval", "seed=1"]), tmp_path / "job") as first:
         pass
-    with tracking.job(compose_cfg(["mode=eval", "seed=1"]), output_dir=tmp_path / "job") as again:
+    with open_run(compose_cfg(["mode=eval", "seed=1"]), tmp_path / "job") as again:
         assert again.run_id == first.run_id  # a requeue of the same job continues its run
-    with caplog.at_level(logging.WARNING), tracking.job(compose_cfg(["mode=eval", "seed=2"]), output_dir=tmp_path / "job") as other:
+    with caplog.at_level(logging.WARNING), open_run(compose_cfg(["mode=eval", "seed=2"]), tmp_path / "job") as other:
         assert other.run_id != first.run_id
     assert "belongs to another config" in caplog.text
     from mlflow.tracking import MlflowClient
@@ -197,9 +204,9 @@ def test_a_store_that_fails_mid_run_costs_nothing(tmp_path, monkeypatch, caplog,
         def __exit__(self, *exc):
             calls["down"] = False
 
-    with caplog.at_level(logging.WARNING), tracking.job(cfg, output_dir=run_dir) as tracker:
+    with caplog.at_level(logging.WARNING), open_run(cfg, run_dir) as tracker:
         with Recover():
-            gain = _train(cfg, run_dir)
+            gain = _train(cfg, run_dir, tracker)
     assert gain == gain  # a number: the job finished
     assert _steps(run_dir) == [1, 2, 3, 4]
     warnings = [r for r in caplog.records if "MLflow tracking failed" in r.getMessage()]
@@ -213,8 +220,8 @@ def test_a_store_that_fails_mid_run_costs_nothing(tmp_path, monkeypatch, caplog,
 def test_an_unreachable_tracking_uri_fails_in_seconds_with_the_way_out(tmp_path):
     cfg = compose_cfg(["mode=eval", f"tracking.tracking_uri=http://user:{PASSWORD}@127.0.0.1:{_free_port()}"])
     t0 = time.time()
-    with pytest.raises(tracking.TrackingUnavailable) as err:
-        with tracking.job(cfg, output_dir=tmp_path):
+    with pytest.raises(tracking_store.TrackingUnavailable) as err:
+        with open_run(cfg, tmp_path):
             pytest.fail("the job must not start")
     assert time.time() - t0 < 20
     assert "tracking.enabled=false" in str(err.value) and PASSWORD not in str(err.value)
@@ -231,7 +238,7 @@ def test_the_first_error_is_the_one_reported(tmp_path, monkeypatch, store):
         raise sqlite3.OperationalError("database or disk is full")
 
     with pytest.raises(RuntimeError, match="the job's own error"):
-        with tracking.job(cfg, output_dir=tmp_path):
+        with open_run(cfg, tmp_path):
             for name in ("log_batch", "set_tag", "set_terminated", "log_text", "log_artifact"):
                 monkeypatch.setattr(MlflowClient, name, broken)
             raise RuntimeError("the job's own error")
@@ -242,12 +249,12 @@ def test_upload_sends_a_run_dir_made_without_tracking(tmp_path, store):
     run_dir.mkdir()
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "reward": s / 10}) + "\n" for s in (1, 2, 3)))
     uri = store
-    assert tracking.main(["--upload", str(run_dir), "--uri", uri]) == 0
+    assert tracking_main(["--upload", str(run_dir), "--uri", uri]) == 0
     from mlflow.tracking import MlflowClient
 
     run_id = (run_dir / "mlflow_run_id").read_text()
     assert sorted(m.step for m in MlflowClient(uri).get_metric_history(run_id, "reward")) == [1, 2, 3]
-    assert tracking.upload_run_dir(run_dir, uri=uri) == 0  # nothing sent twice
+    assert upload_run_dir(run_dir, uri=uri) == 0  # nothing sent twice
 
 
 # ---------------------------------------------------------------- 3. checkpoints whole or not at all
@@ -342,7 +349,7 @@ def test_sigterm_ends_the_run_killed_and_interrupted(tmp_path, store):
     from mlflow.tracking import MlflowClient
 
     uri = store
-    tracking.ensure_experiment(uri, "musique_rl")
+    tracking_store.ensure_experiment(uri, "musique_rl")
     proc = _launch([*FAST, "train.max_steps=200", "tracking.enabled=true", f"tracking.tracking_uri={uri}",
                     "hydra.run.dir=run"], tmp_path)
     metrics = tmp_path / "run" / "metrics.jsonl"

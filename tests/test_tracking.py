@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from musique_rl import tracking
 from musique_rl.redact import is_secret_key, redact, redact_tree, redact_value
 from musique_rl.schema import CONF_DIR  # importing it registers the schema and resolvers
+from musique_rl.tracking import provenance, store
+from musique_rl.tracking.sink import open_run
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKEN = "hf_PlantedSecretToken0123456789"
@@ -57,21 +58,21 @@ def test_redact_keeps_innocent_values():
 
 
 def test_flatten_and_run_name():
-    assert tracking.flatten({"a": {"b": 1, "c": {"d": [1, 2]}}, "e": {}}) == {"a.b": 1, "a.c.d": [1, 2], "e": {}}
+    assert provenance.flatten({"a": {"b": 1, "c": {"d": [1, 2]}}, "e": {}}) == {"a.b": 1, "a.c.d": [1, 2], "e": {}}
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose(config_name="train", overrides=["+hypothesis=h01", "hypothesis.arm=control", "seed=2"])
-        assert tracking.run_name(cfg) == "h01-control-s2"
-        assert tracking.experiment_name(cfg) == "h01"
+        assert provenance.run_name(cfg) == "h01-control-s2"
+        assert store.experiment_name(cfg) == "h01"
         cfg = compose(config_name="train", overrides=["+fault=stale_sampler"])
-        assert tracking.run_name(cfg) == "fault-stale_sampler-s1"
-        assert tracking.experiment_name(cfg) == "musique_rl"
+        assert provenance.run_name(cfg) == "fault-stale_sampler-s1"
+        assert store.experiment_name(cfg) == "musique_rl"
 
 
 def test_tracking_uri_precedence(monkeypatch, tmp_path):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    assert tracking.tracking_uri(None, tmp_path) == f"sqlite:///{tmp_path.resolve() / 'mlflow.db'}"
+    assert store.tracking_uri(None, tmp_path) == f"sqlite:///{tmp_path.resolve() / 'mlflow.db'}"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:////x/env.db")
-    assert tracking.tracking_uri(None, tmp_path) == "sqlite:////x/env.db"
+    assert store.tracking_uri(None, tmp_path) == "sqlite:////x/env.db"
 
 
 def _compose(overrides):
@@ -85,8 +86,7 @@ def test_job_logs_params_tags_config_and_resumes(tmp_path, monkeypatch):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     cfg = _compose(["+hypothesis=h02", "hypothesis.arm=treatment", "seed=3", "mode=eval"])
-    with tracking.job(cfg, output_dir=tmp_path / "job") as t:
-        assert tracking.active() is t
+    with open_run(cfg, tmp_path / "job") as t:
         t.log_metrics({"reward": 0.5, "skip": None, "flag": True, "note": "x"}, step=4)
         first = t.run_id
     client = MlflowClient(uri)
@@ -101,7 +101,7 @@ def test_job_logs_params_tags_config_and_resumes(tmp_path, monkeypatch):
     assert set(run.data.metrics) == {"reward"}
     assert [a.path for a in client.list_artifacts(first, "config")] == ["config/resolved.yaml"]
     # same job dir again (a requeued SLURM job): the same run continues
-    with tracking.job(cfg, output_dir=tmp_path / "job") as t:
+    with open_run(cfg, tmp_path / "job") as t:
         assert t.run_id == first
 
 
@@ -115,13 +115,13 @@ def test_preempted_job_ends_killed_and_its_resume_clears_the_interruption(tmp_pa
     cfg = _compose(["mode=eval"])
     client = MlflowClient(uri)
     with pytest.raises(SystemExit):
-        with tracking.job(cfg, output_dir=tmp_path / "job") as t:
+        with open_run(cfg, tmp_path / "job") as t:
             raise SystemExit(-1)
     run = client.get_run(t.run_id)
     assert run.info.status == "KILLED"
     assert run.data.tags["interrupted"] == "SystemExit: -1" and "error" not in run.data.tags
     client.set_tag(t.run_id, "error", "RuntimeError: from an older attempt")
-    with tracking.job(cfg, output_dir=tmp_path / "job") as resumed:
+    with open_run(cfg, tmp_path / "job") as resumed:
         assert resumed.run_id == t.run_id
     run = client.get_run(t.run_id)
     assert run.info.status == "FINISHED"
@@ -136,7 +136,7 @@ def test_job_failure_ends_run_failed_with_traceback(tmp_path, monkeypatch):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     cfg = _compose(["mode=eval"])
     with pytest.raises(RuntimeError, match="boom"):
-        with tracking.job(cfg, output_dir=tmp_path / "job") as t:
+        with open_run(cfg, tmp_path / "job") as t:
             raise RuntimeError(f"boom {TOKEN}")
     client = MlflowClient(uri)
     run = client.get_run(t.run_id)
@@ -144,15 +144,33 @@ def test_job_failure_ends_run_failed_with_traceback(tmp_path, monkeypatch):
     assert run.data.tags["error"].startswith("RuntimeError: boom") and TOKEN not in run.data.tags["error"]
     text = open(client.download_artifacts(t.run_id, "error/traceback.txt")).read()
     assert "RuntimeError" in text and TOKEN not in text
-    # outside a multirun, task_wrapper re-raises: a single run must fail loudly
-    with pytest.raises(ValueError):
-        tracking.task_wrapper(lambda c: (_ for _ in ()).throw(ValueError("x")))(cfg)
+
+
+def test_the_job_pipe_ends_a_failing_jobs_run_failed_and_raises(tmp_path, monkeypatch):
+    """app.run outside a multirun: the work's error ends its MLflow run FAILED and goes on to the caller."""
+    from mlflow.tracking import MlflowClient
+
+    from musique_rl.app import run
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.chdir(tmp_path)  # outside Hydra the run dir is outputs/<date>/<stamp> here
+
+    def work(cfg, tracker, run_dir):
+        assert tracker is not None and (run_dir / "mlflow_run_id").read_text() == tracker.run_id
+        raise ValueError("planted")
+
+    with pytest.raises(ValueError, match="planted"):
+        run(_compose(["mode=eval"]), work)
+    client = MlflowClient(uri)
+    (failed,) = [r for e in client.search_experiments() for r in client.search_runs([e.experiment_id])]
+    assert failed.info.status == "FAILED" and failed.data.tags["error"] == "ValueError: planted"
 
 
 def test_tracking_disabled_yields_none(tmp_path):
     cfg = _compose(["tracking.enabled=false"])
-    with tracking.job(cfg, output_dir=tmp_path) as t:
-        assert t is None and tracking.active() is None
+    with open_run(cfg, tmp_path) as t:
+        assert t is None
 
 
 def test_multirun_nests_jobs_survives_a_failure_and_never_logs_a_secret(tmp_path):
@@ -199,7 +217,7 @@ def test_a_docs_edit_does_not_make_the_code_dirty(tmp_path):
     while an edit to the package or a config marks them dirty."""
     import subprocess
 
-    from musique_rl.tracking import git_commit
+    from musique_rl.tracking.provenance import git_commit
 
     def git(*args):
         subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True)

@@ -1,4 +1,4 @@
-"""``train(cfg)`` end to end on the tiny model: summary keys, metrics.json, JSON as the last line."""
+"""``train(cfg)`` end to end on the tiny model: the result it returns, summary keys, metrics.json."""
 
 from __future__ import annotations
 
@@ -59,7 +59,7 @@ def test_a_short_run_compares_disjoint_halves_and_never_reports_a_silent_zero():
     assert one["train/reward_window"] == 0 and math.isnan(one["train/reward_gain"])
 
 
-def test_train_runs_end_to_end_and_writes_the_summary(tiny_cfg, warm_tiny, tmp_path, capsys):
+def test_train_runs_end_to_end_and_returns_the_summary(tiny_cfg, warm_tiny, tmp_path, capsys):
     from musique_rl.train import train
 
     cfg = copy.deepcopy(tiny_cfg)
@@ -67,11 +67,14 @@ def test_train_runs_end_to_end_and_writes_the_summary(tiny_cfg, warm_tiny, tmp_p
     OmegaConf.update(cfg, "train.prompts_per_step", 2)
     OmegaConf.update(cfg, "train.num_generations", 4)
     OmegaConf.update(cfg, "train.eval_episodes", 8)
-    gain = train(cfg, run_dir=tmp_path)
+    result = train(cfg, run_dir=tmp_path)  # no tracker: not tracked
     out = capsys.readouterr().out.strip().splitlines()
-    summary = json.loads(out[-1])  # the last line of output is the summary
+    summary = result.summary
     assert json.loads((tmp_path / "metrics.json").read_text()) == summary
-    assert gain == summary["train/reward_gain"]
+    assert result.objective == summary["train/reward_gain"] and result.diagnose
+    assert "mlflow/run_id" not in summary
+    # the result line is printed once, by the job pipe (app.run), not by train()
+    assert not any(line.startswith("{") for line in out)
     for key in ROOT_KEYS:
         assert key in summary
     for part in ("before", "after", "gain", "before_greedy", "after_greedy"):

@@ -12,7 +12,7 @@
 3. A record of every job: ``<sweep dir>/jobs.json`` (status, seconds, the error's last line;
    musique_rl/sweep_jobs.py). Failed jobs are then handed to Hydra's sweeper as finished ones
    (it would raise at the first failure and skip ``on_multirun_end``, so the verdict would not
-   run); ``tracking.SweepCallback`` prints the table and exits non-zero when any job failed.
+   run); ``tracking.sweep.SweepCallback`` prints the table and exits non-zero when any job failed.
 
 Configs: musique_rl/conf/hydra/launcher/{local,slurm}.yaml. Upstream's ``launch`` is mirrored in
 ``_executor`` (pinned: hydra-submitit-launcher==1.2.0; tests/test_launchers.py checks the version).

@@ -40,7 +40,7 @@ class VerdictCallback(Callback):
     def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
         from omegaconf import OmegaConf
 
-        from musique_rl.tracking import tracking_uri
+        from musique_rl.tracking.store import tracking_uri
         from musique_rl.verdict.load import swept_values
 
         if OmegaConf.select(config, "hypothesis", default=None) is None:

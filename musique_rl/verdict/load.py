@@ -15,16 +15,17 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from musique_rl import tracking
 from musique_rl.core.warm_start import machine_string
+from musique_rl.tracking.provenance import config_params, flatten, sweep_id_of
+from musique_rl.tracking.store import tracking_uri
 from musique_rl.verdict.sweep import HYPOTHESIS_DIR, UNKNOWN, Hypothesis, Run, Sweep, VerdictError
 
 log = logging.getLogger(__name__)
 
-# MLflow tags each job run carries (musique_rl/tracking.py writes them).
+# MLflow tags each job run carries (musique_rl/tracking/provenance.py writes them).
 TAG_HYPOTHESIS, TAG_ARM, TAG_SEED, TAG_SWEEP = "hypothesis", "arm", "seed", "sweep_id"
-TAG_PARENT, TAG_SWEEP_PARENT = "mlflow.parentRunId", "sweep_parent"  # tracking.SweepCallback's parent run
-TAG_WARM_START, TAG_MACHINE = "warm_start_hash", "machine"  # tracking.tag_provenance
+TAG_PARENT, TAG_SWEEP_PARENT = "mlflow.parentRunId", "sweep_parent"  # tracking.sweep.SweepCallback's parent run
+TAG_WARM_START, TAG_MACHINE = "warm_start_hash", "machine"  # tracking.provenance.origin_tags
 
 
 # ---------------------------------------------------------------- shared
@@ -58,7 +59,7 @@ def read_metrics(job_dir: str | Path | None) -> dict[str, Any] | None:
     if not job_dir or not (path := Path(job_dir) / "metrics.json").exists():
         return None
     try:
-        return tracking.flatten(json.loads(path.read_text()))
+        return flatten(json.loads(path.read_text()))
     except json.JSONDecodeError as exc:
         raise VerdictError(f"{path} is not valid JSON ({exc}): the job was cut off while writing it?") from exc
 
@@ -101,9 +102,9 @@ def _job_params(cfg: Any) -> dict[str, str]:
 
     schema.register()
     try:
-        return tracking.config_params(cfg)
+        return config_params(cfg)
     except Exception:  # e.g. a ${hydra:...} interpolation outside a Hydra run: compare unresolved
-        return {k: str(v) for k, v in tracking.flatten(OmegaConf.to_container(cfg, resolve=False)).items()}
+        return {k: str(v) for k, v in flatten(OmegaConf.to_container(cfg, resolve=False)).items()}
 
 
 def load_multirun(sweep_dir: str | Path) -> Sweep:
@@ -172,18 +173,18 @@ def latest_multirun_for(hyp_id: str, root: Path = Path("multirun")) -> Path | No
 
 # ---------------------------------------------------------------- MLflow
 def default_tracking_uri(explicit: str | None = None) -> str:
-    """The jobs' store (tracking.tracking_uri): explicit, else $MLFLOW_TRACKING_URI, else ./mlflow.db."""
-    return explicit or tracking.tracking_uri(None, Path.cwd())
+    """The jobs' store (tracking.store.tracking_uri): explicit, else $MLFLOW_TRACKING_URI, else ./mlflow.db."""
+    return explicit or tracking_uri(None, Path.cwd())
 
 
 def sweep_ids_for_dir(sweep_dir: Path) -> list[str]:
-    """The sweep_id tag of a multirun directory's runs: the `sweep_id` file tracking.SweepCallback
-    leaves in it, else what tracking.sweep_id_of derives from the path."""
+    """The sweep_id tag of a multirun directory's runs: the `sweep_id` file tracking.sweep.SweepCallback
+    leaves in it, else what tracking.provenance.sweep_id_of derives from the path."""
     ids = []
     marker = sweep_dir / "sweep_id"
     if marker.exists():
         ids.append(marker.read_text().strip())
-    ids += [tracking.sweep_id_of(sweep_dir.resolve()), str(sweep_dir)]
+    ids += [sweep_id_of(sweep_dir.resolve()), str(sweep_dir)]
     return list(dict.fromkeys(ids))
 
 
