@@ -565,7 +565,7 @@ def write(result: dict[str, Any], out_dir: Path, publish_to: Path | None = None)
 
 
 def attach(sweep_dir: Path, written: dict[str, Path], result: dict[str, Any]) -> str | None:
-    """Attach the report and plots to the sweep's MLflow parent run (tracking.SweepCallback's)."""
+    """Attach the report and plots to the sweep's MLflow parent run (tracking.open_parent_run's)."""
     from musique_rl.tracking import PARENT_ID_FILE
 
     marker = sweep_dir / PARENT_ID_FILE

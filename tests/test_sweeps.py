@@ -60,7 +60,7 @@ def test_sweep_composes_with_paired_grid_and_verdict(hydra_conf, name):
     for arm in ("control", "treatment"):
         cfg = compose("train", overrides=[f"+sweep={name}", f"hypothesis.arm={arm}"], return_hydra_config=True)
         assert OmegaConf.to_container(cfg.hydra.sweeper.params) == {"hypothesis.arm": "control,treatment", "seed": "1,2,3,4,5"}
-        assert cfg.hydra.callbacks.verdict._target_ == "musique_rl.verdict.VerdictCallback"
+        assert cfg.hydra.callbacks.sweep._target_ == "musique_rl.sweep.callback.SweepCallback" and cfg.hydra.callbacks.sweep.status_file
         assert cfg.hydra.sweep.dir.startswith(f"multirun/{name}/")  # resolves ${hypothesis.id}
         with open_dict(cfg):
             del cfg["hydra"]  # hydra.job.num exists only inside a running sweep
@@ -77,7 +77,7 @@ def run_sweep(tmp_path: Path, *overrides: str, env: dict | None = None, timeout:
     """The stand-in app (tests/sweep_app.py) through the real conf tree, launcher and callback."""
     sweep_dir = tmp_path / "sweep"
     cmd = [sys.executable, str(ROOT / "tests" / "sweep_app.py"), "-m", *overrides,
-           f"hydra.sweep.dir={sweep_dir}", "hydra.callbacks.verdict.readme=false", "tracking.enabled=false"]
+           f"hydra.sweep.dir={sweep_dir}", "hydra.callbacks.sweep.status_file=false", "tracking.enabled=false"]
     full_env = {**os.environ, "PYTHONPATH": str(ROOT), "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'none.db'}",
                 **(env or {})}
     proc = subprocess.run(cmd, cwd=tmp_path, env=full_env, capture_output=True, text=True, timeout=timeout)
@@ -170,7 +170,7 @@ def test_an_interrupted_sweep_resumes_only_its_unfinished_jobs(tmp_path):
 
     sweep_dir = tmp_path / "sweep"
     cmd = [sys.executable, str(ROOT / "tests" / "sweep_app.py"), "-m", "+sweep=h02", "seed=1,2",
-           f"hydra.sweep.dir={sweep_dir}", "hydra.callbacks.verdict.readme=false"]
+           f"hydra.sweep.dir={sweep_dir}", "hydra.callbacks.sweep.status_file=false"]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}",
            "SWEEP_APP_STEPS": "6", "SWEEP_APP_STEP_S": "0.5"}
     first = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
