@@ -117,19 +117,19 @@ class SweepCallback(Callback):
 
     def _publish(self, verdict: dict[str, Any], sweep_dir: Path) -> tuple[dict[str, Path], dict[str, str]]:
         """Plots, then verdict.json, status.md and the status file's row (which link the plots)."""
-        from musique_rl.verdict import publish
+        from musique_rl.verdict.publish import draw_plots, report, write
         from musique_rl.verdict.sweep import STATUS
 
         # the status file belongs to a source checkout: an installed package has none to rewrite
         status_file = STATUS if self.status_file and STATUS.exists() else None
         try:
-            plots = publish.draw_plots(verdict, sweep_dir, status_file)
+            plots = draw_plots(verdict, sweep_dir, status_file)
             written = {f"plots/{name}": str(p) for name, p in plots.items()}
-            written.update(publish.write(verdict, sweep_dir, status_file))
+            written.update(write(verdict, sweep_dir, status_file))
         except Exception as exc:
             _say_verdict_failed(sweep_dir, exc)
             return {}, {}
-        print("\n" + publish.report(verdict) + f"\n  written: {written}", flush=True)
+        print("\n" + report(verdict) + f"\n  written: {written}", flush=True)
         return plots, written
 
     def _close_parent(self, sweep_dir: Path, rows: list[sweep_jobs.JobRow], verdict: dict[str, Any] | None,
@@ -139,12 +139,12 @@ class SweepCallback(Callback):
         if self.uri is None or self.parent_run_id is None:
             return
         from musique_rl.redact import redact
-        from musique_rl.verdict import publish
+        from musique_rl.verdict.publish import attach
 
         failed = sum(r.failed for r in rows)
         try:
             if verdict is not None and written:
-                publish.attach(verdict, written, plots, self.uri, self.parent_run_id)
+                attach(verdict, written, plots, self.uri, self.parent_run_id)
             for row in rows:
                 if row.status == "DIED" and (run_id := tracking.job_run_id(sweep_dir / str(row.num))):
                     tracking.close_run(self.uri, run_id, "KILLED", only_if_running=True)
