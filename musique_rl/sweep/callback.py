@@ -79,16 +79,16 @@ class SweepCallback(Callback):
         sweep_dir = Path(str(config.hydra.sweep.dir))
         redact_files([sweep_dir / "multirun.yaml"])  # saved as typed by Hydra's launcher
         rows: list[sweep_jobs.JobRow] = []
-        verdict, written, plots = None, {}, {}
+        verdict, written, plots, read = None, {}, {}, False
         try:
-            rows = sweep_jobs.read(sweep_dir)  # 1. the jobs table
+            rows, read = sweep_jobs.read(sweep_dir), True  # 1. the jobs table
             if rows:
                 print("\n" + sweep_jobs.table(rows), flush=True)
             verdict = self._judge(config, sweep_dir, rows)  # 2. the verdict
             if verdict is not None:
                 plots, written = self._publish(verdict, sweep_dir)  # 3. plots, then the files that link them
         finally:
-            self._close_parent(sweep_dir, rows, verdict, written, plots)  # 4. the parent run, last
+            self._close_parent(sweep_dir, rows, read, verdict, written, plots)  # 4. the parent run, last
         failed = sum(r.failed for r in rows)
         if failed:
             log.error("%d of %d jobs failed (table above; tracebacks in their job dirs)", failed, len(rows))
@@ -132,10 +132,11 @@ class SweepCallback(Callback):
         print("\n" + report(verdict) + f"\n  written: {written}", flush=True)
         return plots, written
 
-    def _close_parent(self, sweep_dir: Path, rows: list[sweep_jobs.JobRow], verdict: dict[str, Any] | None,
+    def _close_parent(self, sweep_dir: Path, rows: list[sweep_jobs.JobRow], read: bool, verdict: dict[str, Any] | None,
                       written: dict[str, str], plots: dict[str, Path]) -> None:
         """The verdict attached; the runs of jobs that died (their process could not end them)
-        KILLED; ``jobs``, ``failed_jobs`` and the end status from the jobs table."""
+        KILLED; ``jobs``, ``failed_jobs`` and the end status from the jobs table (FAILED too when
+        the table could not be ``read``: then nothing says the jobs finished)."""
         if self.uri is None or self.parent_run_id is None:
             return
         from musique_rl.redact import redact
@@ -148,7 +149,7 @@ class SweepCallback(Callback):
             for row in rows:
                 if row.status == "DIED" and (run_id := tracking.job_run_id(sweep_dir / str(row.num))):
                     tracking.close_run(self.uri, run_id, "KILLED", only_if_running=True)
-            tracking.close_run(self.uri, self.parent_run_id, "FAILED" if failed else "FINISHED",
+            tracking.close_run(self.uri, self.parent_run_id, "FAILED" if failed or not read else "FINISHED",
                                tags={"jobs": len(rows), "failed_jobs": failed})
         except Exception as exc:  # the jobs are done and recorded in jobs.json: the store's failure is only said
             log.warning("MLflow parent run %s not closed (%s: %s)", self.parent_run_id, type(exc).__name__,
