@@ -354,8 +354,6 @@ def active() -> Tracker | None:
     return _ACTIVE[-1] if _ACTIVE else None
 
 
-
-
 def _fluent_uri_state() -> tuple[str | None, str | None]:
     from mlflow.tracking._tracking_service import utils
 
