@@ -565,8 +565,8 @@ def write(result: dict[str, Any], out_dir: Path, publish_to: Path | None = None)
 
 
 def attach(sweep_dir: Path, written: dict[str, Path], result: dict[str, Any]) -> str | None:
-    """Attach the report and plots to the sweep's MLflow parent run (tracking.sweep.SweepCallback's)."""
-    from musique_rl.tracking.sink import PARENT_ID_FILE
+    """Attach the report and plots to the sweep's MLflow parent run (tracking.sweep.open_parent_run's)."""
+    from musique_rl.tracking.sweep import PARENT_ID_FILE
 
     marker = sweep_dir / PARENT_ID_FILE
     if not marker.exists():

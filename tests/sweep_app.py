@@ -63,6 +63,8 @@ def job(cfg: DictConfig, tracker, out: Path) -> JobResult:
         "job/resumed_from_step": resumed_from,
         "job/starts": progress["starts"],
         "job/host": socket.gethostname(),
+        # what the job got from the launching process's environment: the sweep passes it nothing
+        "job/musique_rl_env": sorted(k for k in os.environ if k.startswith("MUSIQUE_RL_")),
     }
     # a reward curve as a training job logs it (metrics.jsonl): rising to the job's value
     (out / "metrics.jsonl").write_text("".join(json.dumps({"step": k, "reward": value * k / 3}) + "\n" for k in (1, 2, 3)))

@@ -497,8 +497,8 @@ def test_skip_invalid_covers_malformed_lines(tmp_path, toy_record, caplog):
 
 
 def test_a_sweeps_job_table_and_saved_configs_hold_no_password(tmp_path):
-    from musique_rl import sweep_jobs
     from musique_rl.redact import redact_files
+    from musique_rl.sweep import jobs as sweep_jobs
 
     uri = f"tracking.tracking_uri=http://user:{PASSWORD}@127.0.0.1:5000"
     sweep_jobs.write(tmp_path, [sweep_jobs.JobRow(0, [uri, "seed=1"], "FAILED", 1.0, f"MlflowException: {uri}")])

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from musique_rl import sweep_jobs
-from musique_rl.sweep_jobs import JobRow
+from musique_rl.sweep import jobs as sweep_jobs
+from musique_rl.sweep.jobs import JobRow
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -213,7 +213,7 @@ def test_multirun_nests_jobs_survives_a_failure_and_never_logs_a_secret(tmp_path
 
 
 def test_a_docs_edit_does_not_make_the_code_dirty(tmp_path):
-    """A sweep's verdict rewrites README.md: the next sweep's runs must still record clean code,
+    """A sweep's verdict rewrites docs/STATUS.md: the next sweep's runs must still record clean code,
     while an edit to the package or a config marks them dirty."""
     import subprocess
 
@@ -224,12 +224,13 @@ def test_a_docs_edit_does_not_make_the_code_dirty(tmp_path):
 
     (tmp_path / "musique_rl").mkdir()
     (tmp_path / "musique_rl" / "x.py").write_text("a = 1\n")
-    (tmp_path / "README.md").write_text("rows\n")
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "STATUS.md").write_text("rows\n")
     git("init", "-q")
     git("-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qam", "init", "--allow-empty")
     git("add", ".")
     git("-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", "files")
-    (tmp_path / "README.md").write_text("new rows\n")
+    (tmp_path / "docs" / "STATUS.md").write_text("new rows\n")
     sha, dirty = git_commit(tmp_path)
     assert len(sha) == 40 and not dirty
     (tmp_path / "musique_rl" / "x.py").write_text("a = 2\n")

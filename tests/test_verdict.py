@@ -1,4 +1,4 @@
-"""Verdict math and I/O on synthetic run tables: paired effects, criterion, gaps, README section."""
+"""Verdict math and I/O on synthetic run tables: paired effects, criterion, gaps, the status file."""
 
 from __future__ import annotations
 
@@ -211,7 +211,7 @@ def test_several_machines_and_unknown_provenance_are_noted_not_confounded():
     assert "1 of 6 runs record no warm-start hash (treatment/seed 3)" in notes
 
 
-def test_readme_row_names_warm_start_machine_and_commit():
+def test_status_row_names_warm_start_machine_and_commit():
     s = sweep(H_DOWN, {1: 0.50, 2: 0.55, 3: 0.45}, {1: 0.40, 2: 0.46, 3: 0.33})
     for r in s.runs:
         r.warm_start, r.machine, r.code = "3f2a9c1b0d4e", "AMD EPYC 7B13 | 1 threads | cpu", "25917a6" + "0" * 33
@@ -272,6 +272,25 @@ def test_multirun_directory_is_read_with_grid_failure_reason_and_provenance(mult
     assert v["missing"][0]["reason"] == "RuntimeError: CUDA out of memory"
 
 
+def test_the_jobs_table_is_the_record_of_a_failed_job(multirun):
+    """jobs.json, when the sweep has one, says which jobs failed and why: over the job dir's traceback,
+    and over a metrics.json the job wrote before it failed."""
+    from musique_rl.sweep import jobs
+
+    jobs.write(multirun, [jobs.JobRow(9, ["hypothesis.arm=treatment", "seed=5"], "DIED", None, "UncompletedJobError: killed"),
+                          jobs.JobRow(0, ["hypothesis.arm=control", "seed=1"], "FAILED", 3.0, "ValueError: after the metrics"),
+                          jobs.JobRow(1, ["hypothesis.arm=control", "seed=2"], "COMPLETED", 3.0)])
+    v = V.judge(V.load_sweep(str(multirun), prefer="files"))
+    missing = {(m["arm"], m["seed"]): (m["status"], m["reason"]) for m in v["missing"]}
+    assert missing == {("treatment", 5): ("KILLED", "UncompletedJobError: killed"),
+                       ("control", 1): ("FAILED", "ValueError: after the metrics")}
+    assert v["n_pairs"] == 3
+    # a sweep without a jobs table still names the job dir's traceback
+    (multirun / "jobs.json").unlink()
+    v = V.judge(V.load_sweep(str(multirun), prefer="files"))
+    assert [(m["status"], m["reason"]) for m in v["missing"]] == [("FAILED", "RuntimeError: CUDA out of memory")]
+
+
 def test_missing_metric_key_is_named(tmp_path):
     d = tmp_path / "sw"
     make_job(d, 0, "h01", "control", 1, {"train/reward": 0.5})
@@ -312,13 +331,14 @@ def test_swept_values_come_from_hydras_override_parser():
     assert grid["env.data"] == ["a,b,c"]  # quoted: one value, not a sweep
 
 
-def test_cli_writes_verdict_json_and_only_the_readme_section(multirun, tmp_path, capsys):
-    readme = tmp_path / "README.md"
-    readme.write_text("# title\n\nintro\n\n<!-- verdicts:start -->\nold\n<!-- verdicts:end -->\n\n## After\nkept\n")
-    assert V.main(["--sweep", str(multirun), "--readme", str(readme), "--source", "files"]) == 0
+def test_cli_writes_verdict_json_and_only_the_status_files_section(multirun, tmp_path, capsys):
+    status = tmp_path / "docs" / "STATUS.md"
+    status.parent.mkdir()
+    status.write_text("# title\n\nintro\n\n<!-- verdicts:start -->\nold\n<!-- verdicts:end -->\n\n## After\nkept\n")
+    assert V.main(["--sweep", str(multirun), "--status-file", str(status), "--source", "files"]) == 0
     out = capsys.readouterr().out
     assert "h02 Environment tokens in the loss: Validated" in out
-    text = readme.read_text()
+    text = status.read_text()
     assert text.startswith("# title\n\nintro\n\n<!-- verdicts:start -->") and text.endswith("## After\nkept\n")
     assert "old" not in text
     section = text.split("<!-- verdicts:start -->")[1].split("<!-- verdicts:end -->")[0]
@@ -332,16 +352,16 @@ def test_cli_writes_verdict_json_and_only_the_readme_section(multirun, tmp_path,
     assert data["interval"] == "t" and data["t_df"] == 3 and data["sign_flip_p"] == pytest.approx(2 / 16)
     assert data["warm_start"] == ["3f2a9c1b0d4e"] and data["machine"] == ["AMD EPYC 7B13 | 1 threads | cpu"]
     assert (multirun / "status.md").read_text().strip() in text
-    # the row links the paired-differences plot, copied beside the README (the sweep dir is not committed)
-    assert "[paired differences](docs/verdicts/h02/paired_differences.png)" in section
-    assert (readme.parent / "docs/verdicts/h02/paired_differences.png").read_bytes()[:4] == b"\x89PNG"
+    # the row links the paired-differences plot, copied beside the status file (the sweep dir is not committed)
+    assert "[paired differences](verdicts/h02/paired_differences.png)" in section
+    assert (status.parent / "verdicts/h02/paired_differences.png").read_bytes()[:4] == b"\x89PNG"
 
     # a later verdict on another hypothesis keeps this row
     other = tmp_path / "other"
     for i, (arm, seed, val) in enumerate([("control", 1, 0.1), ("treatment", 1, 0.1), ("control", 2, 0.2), ("treatment", 2, 0.2)]):
         make_job(other, i, "h03", arm, seed, {"train/reward_gain": val})
-    assert V.main(["--sweep", str(other), "--readme", str(readme), "--source", "files"]) == 0
-    section = readme.read_text().split("<!-- verdicts:start -->")[1]
+    assert V.main(["--sweep", str(other), "--status-file", str(status), "--source", "files"]) == 0
+    section = status.read_text().split("<!-- verdicts:start -->")[1]
     assert "| h02 Environment tokens in the loss | high | Validated |" in section
     assert "| h03 KL penalty to the reference | medium | Invalidated |" in section  # identical diffs: a point at 0
     table = section.split("<!-- verdicts:end -->")[0]
@@ -351,7 +371,7 @@ def test_cli_writes_verdict_json_and_only_the_readme_section(multirun, tmp_path,
 
 def test_python_dash_m_judges_a_sweep_directory_end_to_end(multirun, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'none.db'}"}
-    proc = subprocess.run([sys.executable, "-m", "musique_rl.verdict", "--sweep", str(multirun), "--no-readme"],
+    proc = subprocess.run([sys.executable, "-m", "musique_rl.verdict", "--sweep", str(multirun), "--no-status-file"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "h02 Environment tokens in the loss: Validated" in proc.stdout
@@ -360,17 +380,17 @@ def test_python_dash_m_judges_a_sweep_directory_end_to_end(multirun, tmp_path):
     assert not (tmp_path / "none.db").exists()  # a missing store is not created by looking for runs
 
 
-def test_readme_without_markers_gets_them_appended(multirun, tmp_path):
-    readme = tmp_path / "README.md"
-    readme.write_text("# project\n")
-    V.run_verdict(str(multirun), prefer="files", readme=readme)
-    text = readme.read_text()
+def test_a_status_file_without_markers_gets_them_appended(multirun, tmp_path):
+    status = tmp_path / "STATUS.md"
+    status.write_text("# project\n")
+    V.run_verdict(str(multirun), prefer="files", status_file=status)
+    text = status.read_text()
     assert text.startswith("# project\n\n<!-- verdicts:start -->") and text.rstrip().endswith("<!-- verdicts:end -->")
 
 
 def test_cli_names_an_unknown_sweep(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    assert V.main(["--sweep", "no-such-sweep", "--no-readme"]) == 2
+    assert V.main(["--sweep", "no-such-sweep", "--no-status-file"]) == 2
     assert "no-such-sweep" in capsys.readouterr().err
 
 
@@ -394,7 +414,7 @@ def test_mlflow_runs_are_judged_and_the_verdict_attached_to_the_parent(tmp_path,
                     mlflow.log_metric("train/reward_gain", val)
             if status == "FAILED":
                 mlflow.tracking.MlflowClient().set_terminated(child.info.run_id, "FAILED")
-    v = V.run_verdict(sid, tracking_uri=uri, out=tmp_path, readme=None)
+    v = V.run_verdict(sid, tracking_uri=uri, out=tmp_path)
     assert v["source"]["kind"] == "mlflow" and v["source"]["parent_run_id"] == parent.info.run_id
     assert v["status"] == "Validated" and v["n_pairs"] == 2
     assert v["missing"][0]["status"] == "FAILED" and v["missing"][0]["seed"] == 3
@@ -406,4 +426,4 @@ def test_mlflow_runs_are_judged_and_the_verdict_attached_to_the_parent(tmp_path,
     assert [a.path for a in client.list_artifacts(parent.info.run_id, "plots")] == ["plots/paired_differences.png"]
     assert client.get_run(parent.info.run_id).data.tags["verdict"] == "Validated"
     # --experiment finds the same (latest) sweep
-    assert V.run_verdict(experiment="h01", tracking_uri=uri, out=tmp_path, readme=None)["n_pairs"] == 2
+    assert V.run_verdict(experiment="h01", tracking_uri=uri, out=tmp_path)["n_pairs"] == 2

@@ -10,9 +10,10 @@
    pool is sized to ``cpus_per_task`` threads.
 
 3. A record of every job: ``<sweep dir>/jobs.json`` (status, seconds, the error's last line;
-   musique_rl/sweep_jobs.py). Failed jobs are then handed to Hydra's sweeper as finished ones
-   (it would raise at the first failure and skip ``on_multirun_end``, so the verdict would not
-   run); ``tracking.sweep.SweepCallback`` prints the table and exits non-zero when any job failed.
+   musique_rl/sweep/jobs.py), the one record of each job's outcome. Failed jobs are then handed to
+   Hydra's sweeper as finished ones (it would raise at the first failure and skip
+   ``on_multirun_end``, so the verdict would not run); the sweep's callback
+   (musique_rl/sweep/callback.py) prints the table, and exits non-zero when any job failed.
 
 Configs: musique_rl/conf/hydra/launcher/{local,slurm}.yaml. Upstream's ``launch`` is mirrored in
 ``_executor`` (pinned: hydra-submitit-launcher==1.2.0; tests/test_launchers.py checks the version).
@@ -35,8 +36,8 @@ from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf, LocalQue
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import BaseSubmititLauncher
 from omegaconf import OmegaConf
 
-from musique_rl import sweep_jobs
 from musique_rl.redact import redact
+from musique_rl.sweep import jobs as sweep_jobs
 
 log = logging.getLogger(__name__)
 

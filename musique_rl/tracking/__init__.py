@@ -8,5 +8,6 @@
   and the guarded ``Tracker`` that ``musique_rl.app.run`` passes down to the job;
 - ``upload``: send a run dir's metrics.jsonl to its run (``python -m musique_rl.tracking --upload <run dir>``);
 - ``plots``: reward curves from a run dir's metrics.jsonl;
-- ``sweep``: the multirun's Hydra callback (store prepared once, the parent run).
+- ``sweep``: a multirun's parent run (opened once before fan-out, found by its jobs, closed at the end);
+  the sweep's Hydra callback that drives it is musique_rl/sweep/callback.py.
 """

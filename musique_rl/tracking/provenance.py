@@ -17,7 +17,6 @@ from omegaconf import DictConfig, OmegaConf
 from musique_rl.redact import redact_value
 from musique_rl.tracking.store import PARAM_MAX, TAG_MAX, hydra_config, sweep_dir
 
-SWEEP_ENV = "MUSIQUE_RL_SWEEP_ID"  # the sweep's id, set by the sweep's Hydra callback before fan-out
 
 
 # ---------------------------------------------------------------- the config as params
@@ -135,9 +134,8 @@ def run_tags(cfg: DictConfig) -> dict[str, str]:
                 tags[f"choice.{group}"] = str(choice)
     else:
         tags["overrides"] = ""
-    sweep = os.environ.get(SWEEP_ENV) or (sweep_id_of(d) if (d := sweep_dir()) else None)
-    if sweep:
-        tags["sweep_id"] = sweep
+    if (d := sweep_dir()) is not None:
+        tags["sweep_id"] = sweep_id_of(d)  # as the parent's (the sweep callback's): both from hydra.sweep.dir
     tags["mlflow.runName"] = run_name(cfg)
     return {k: redact_value(k, v)[:TAG_MAX] for k, v in tags.items()}
 

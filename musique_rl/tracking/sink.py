@@ -6,9 +6,8 @@ data-parallel rank 0 (rank 0 logs for all). ``musique_rl.app.run`` opens it and 
 
 - Params: the flattened resolved config; tags: ``provenance.run_tags``. Every param, tag and text
   artifact goes through ``musique_rl.redact`` first.
-- In a multirun a job nests under the sweep's parent run (its id in ``$MUSIQUE_RL_PARENT_RUN_ID``,
-  set by the sweep's Hydra callback, or in the sweep dir's ``mlflow_parent_run_id`` for a job
-  started without that environment).
+- In a multirun a job nests under the sweep's parent run, whose id the sweep's callback wrote into
+  the sweep dir (``tracking.sweep.parent_run_id``), read from the job's own ``hydra.sweep.dir``.
 - A requeued or resumed job (same run dir) continues the same run (``mlflow_run_id`` in the run dir),
   only when that run's ``config_hash`` tag is its own (musique_rl.launch.config_hash).
 - Tracking is a side service: an HTTP server that does not answer fails the job in seconds before
@@ -47,12 +46,11 @@ from musique_rl.tracking.store import (
     sweep_dir,
     tracking_uri,
 )
+from musique_rl.tracking.sweep import parent_run_id
 from musique_rl.tracking.upload import upload_run_dir
 
 log = logging.getLogger(__name__)
 
-PARENT_ENV = "MUSIQUE_RL_PARENT_RUN_ID"  # the sweep's parent run id, set by its Hydra callback before fan-out
-PARENT_ID_FILE = "mlflow_parent_run_id"  # in a sweep dir: for jobs started without that environment
 
 
 class Tracker:
@@ -165,16 +163,6 @@ def _rank() -> int:
         return 0
 
 
-def _parent_run_id() -> str | None:
-    pid = os.environ.get(PARENT_ENV)
-    if pid:
-        return pid
-    d = sweep_dir()
-    if d is not None and (d / PARENT_ID_FILE).exists():
-        return (d / PARENT_ID_FILE).read_text().strip() or None
-    return None
-
-
 def _fluent_uri_state() -> tuple[str | None, str | None]:
     from mlflow.tracking._tracking_service import utils
 
@@ -217,7 +205,7 @@ def _create_or_adopt(cfg: DictConfig, uri: str, id_file: Path | None) -> tuple[s
     exp_id = ensure_experiment(uri, experiment_name(cfg))
     client = MlflowClient(uri)
     tags = run_tags(cfg)
-    parent = _parent_run_id()
+    parent = parent_run_id(d) if (d := sweep_dir()) is not None else None
     if parent:
         tags["mlflow.parentRunId"] = parent
     run_id, prev_tags = None, {}

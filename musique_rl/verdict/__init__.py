@@ -5,12 +5,13 @@ One module per job:
   design.py    is the comparison fair: config, warm start, code, machine
   judge.py     a sweep's runs -> the verdict as plain data (verdict.json)
   load.py      reading a sweep: MLflow runs or a Hydra multirun directory
-  publish.py   verdict.json, status.md, README's status table, the MLflow parent run
-  callback.py  VerdictCallback: a sweep judges itself at its end (Hydra)
+  plots.py     the sweep's two pictures: reward curves per arm, paired differences
+  publish.py   plots, verdict.json, status.md, the status file docs/STATUS.md, the MLflow parent run
   cli.py       python -m musique_rl.verdict --sweep <dir or id> | --experiment hNN
+
+A sweep judges itself at its end: musique_rl/sweep/callback.py calls these steps in order.
 """
 
-from musique_rl.verdict.callback import VerdictCallback
 from musique_rl.verdict.cli import main, run_verdict
 from musique_rl.verdict.design import code_notes, design_check
 from musique_rl.verdict.judge import judge
@@ -23,6 +24,7 @@ from musique_rl.verdict.load import (
     TAG_SWEEP,
     TAG_SWEEP_PARENT,
     TAG_WARM_START,
+    apply_job_outcomes,
     load_hypothesis_file,
     load_mlflow,
     load_multirun,
@@ -31,19 +33,23 @@ from musique_rl.verdict.load import (
 from musique_rl.verdict.publish import (
     MARK_END,
     MARK_START,
+    attach,
+    draw_plots,
     publish,
     report,
     status_table,
     table_row,
-    update_readme,
+    update_status_file,
+    write,
 )
 from musique_rl.verdict.stats import decide, sign_flip_test, t_interval
-from musique_rl.verdict.sweep import ARMS, HYPOTHESIS_DIR, README, Hypothesis, Run, Sweep, VerdictError
+from musique_rl.verdict.sweep import ARMS, HYPOTHESIS_DIR, STATUS, Hypothesis, Run, Sweep, VerdictError
 
 __all__ = [
-    "ARMS", "HYPOTHESIS_DIR", "Hypothesis", "MARK_END", "MARK_START", "README", "Run", "Sweep", "TAG_ARM",
+    "ARMS", "HYPOTHESIS_DIR", "Hypothesis", "MARK_END", "MARK_START", "Run", "STATUS", "Sweep", "TAG_ARM",
     "TAG_HYPOTHESIS", "TAG_MACHINE", "TAG_PARENT", "TAG_SEED", "TAG_SWEEP", "TAG_SWEEP_PARENT",
-    "TAG_WARM_START", "VerdictCallback", "VerdictError", "code_notes", "decide", "design_check", "judge",
-    "load_hypothesis_file", "load_mlflow", "load_multirun", "load_sweep", "main", "publish", "report",
-    "run_verdict", "sign_flip_test", "status_table", "t_interval", "table_row", "update_readme",
+    "TAG_WARM_START", "VerdictError", "apply_job_outcomes", "attach", "code_notes", "decide", "design_check",
+    "draw_plots", "judge", "load_hypothesis_file", "load_mlflow", "load_multirun", "load_sweep", "main", "publish",
+    "report", "run_verdict", "sign_flip_test", "status_table", "t_interval", "table_row", "update_status_file",
+    "write",
 ]

@@ -6,6 +6,10 @@ and its provenance: the git commit (MLflow tag ``git_commit``), the warm-start h
 machine. Provenance comes from the job directory's ``metrics.json`` first (``warm_start/hash``,
 ``machine/cpu``, ``machine/torch_threads``, ``machine/device``, written by train.py), the MLflow
 tags ``warm_start_hash`` and ``machine`` as fallback, else "unknown".
+
+Whether a job failed, and why, is read from the sweep's jobs table (``jobs.json``, the one record
+of each job's outcome: musique_rl/sweep/jobs.py). Only a sweep without one (another launcher, an
+older sweep) falls back to the job dir's traceback and logs, or to its MLflow run's state.
 """
 
 from __future__ import annotations
@@ -18,13 +22,14 @@ from typing import Any
 from musique_rl.core.warm_start import machine_string
 from musique_rl.tracking.provenance import config_params, flatten, sweep_id_of
 from musique_rl.tracking.store import tracking_uri
+from musique_rl.sweep import jobs as sweep_jobs
 from musique_rl.verdict.sweep import HYPOTHESIS_DIR, UNKNOWN, Hypothesis, Run, Sweep, VerdictError
 
 log = logging.getLogger(__name__)
 
 # MLflow tags each job run carries (musique_rl/tracking/provenance.py writes them).
 TAG_HYPOTHESIS, TAG_ARM, TAG_SEED, TAG_SWEEP = "hypothesis", "arm", "seed", "sweep_id"
-TAG_PARENT, TAG_SWEEP_PARENT = "mlflow.parentRunId", "sweep_parent"  # tracking.sweep.SweepCallback's parent run
+TAG_PARENT, TAG_SWEEP_PARENT = "mlflow.parentRunId", "sweep_parent"  # the sweep's parent run (tracking.sweep.open_parent_run)
 TAG_WARM_START, TAG_MACHINE = "warm_start_hash", "machine"  # tracking.provenance.origin_tags
 
 
@@ -87,7 +92,8 @@ def _exception_line(text: str) -> str | None:
 
 
 def _read_failure(job_dir: Path) -> str:
-    """Why a job left no metrics: its traceback file (the launcher's), else its Hydra job log."""
+    """Why a job left no metrics, for a sweep without a jobs table: its traceback file (the
+    launcher's), else its Hydra job log."""
     for f in [job_dir / "traceback.txt", job_dir / "error.txt", *sorted(job_dir.glob("*.log"))]:
         if f.exists() and (line := _exception_line(f.read_text(errors="replace"))):
             return line
@@ -136,7 +142,7 @@ def load_multirun(sweep_dir: str | Path) -> Sweep:
             metrics, unreadable = None, str(exc)
         warm, machine = provenance(metrics)
         run = Run(arm, seed, "FINISHED", None, str(job_dir), params=params, warm_start=warm, machine=machine,
-                  code=(metrics or {}).get("git/commit"))
+                  code=(metrics or {}).get("git/commit"), job_dir=str(job_dir))
         if metrics is None:
             run.status, run.reason = "FAILED", unreadable or _read_failure(job_dir)
         elif metrics.get(hyp.metric) is None:
@@ -178,8 +184,9 @@ def default_tracking_uri(explicit: str | None = None) -> str:
 
 
 def sweep_ids_for_dir(sweep_dir: Path) -> list[str]:
-    """The sweep_id tag of a multirun directory's runs: the `sweep_id` file tracking.sweep.SweepCallback
-    leaves in it, else what tracking.provenance.sweep_id_of derives from the path."""
+    """The sweep_id tag of a multirun directory's runs: the `sweep_id` file the sweep's callback
+    leaves in it (the id it was launched under, if the directory moved since), else what
+    tracking.provenance.sweep_id_of derives from the path."""
     ids = []
     marker = sweep_dir / "sweep_id"
     if marker.exists():
@@ -232,7 +239,8 @@ def _mlflow_run(r: Any, hyp: Hypothesis, sweep_ended: bool) -> Run:
     code = None if sha in (None, UNKNOWN) else sha + ("+dirty" if tags.get("git_dirty") == "true" else "")
     warm, machine = provenance(metrics, tags)
     return Run(tags[TAG_ARM], int(tags[TAG_SEED]), status, value, r.info.run_id, reason,
-               params=dict(r.data.params) or None, code=code, warm_start=warm, machine=machine)
+               params=dict(r.data.params) or None, code=code, warm_start=warm, machine=machine,
+               job_dir=tags.get("output_dir"))
 
 
 def load_mlflow(
@@ -284,13 +292,40 @@ def load_mlflow(
     return Sweep(hyp, out, seeds, source=source)
 
 
+# ---------------------------------------------------------------- the jobs table
+_STATUS_OF_ROW = {"FAILED": "FAILED", "DIED": "KILLED"}  # jobs.json status -> the run status the verdict names
+
+
+def apply_job_outcomes(sweep: Sweep, rows: list[sweep_jobs.JobRow]) -> Sweep:
+    """A run whose job the jobs table records as FAILED or DIED is a gap, named with the table's
+    error line, whatever files or MLflow state the job left behind."""
+    failed = {str(r.num): r for r in rows if r.failed}
+    for run in sweep.runs:
+        row = failed.get(Path(run.job_dir).name) if run.job_dir else None
+        if row is not None:
+            run.status = _STATUS_OF_ROW[row.status]
+            run.reason = row.error or f"the job {row.status} (jobs.json)"
+    return sweep
+
+
 # ---------------------------------------------------------------- either
 def load_sweep(sweep: str | None = None, experiment: str | None = None, tracking_uri: str | None = None,
-               prefer: str = "auto", sweep_ended: bool = False) -> Sweep:
+               prefer: str = "auto", sweep_ended: bool = False,
+               jobs: list[sweep_jobs.JobRow] | None = None) -> Sweep:
     """MLflow first (it also knows jobs that died before writing files), the directory as fallback.
 
-    The directory still supplies the requested grid, so a job that never started is named.
+    The directory still supplies the requested grid, so a job that never started is named, and
+    its jobs table (``jobs``, else its jobs.json) says which jobs failed and why.
     """
+    loaded = _load(sweep, experiment, tracking_uri, prefer, sweep_ended)
+    sweep_dir = loaded.source.get("sweep_dir")
+    if jobs is None and sweep_dir:
+        jobs = sweep_jobs.read(sweep_dir)
+    return apply_job_outcomes(loaded, jobs or [])
+
+
+def _load(sweep: str | None, experiment: str | None, tracking_uri: str | None, prefer: str,
+          sweep_ended: bool) -> Sweep:
     if (sweep is None) == (experiment is None):
         raise VerdictError("give exactly one of --sweep and --experiment")
     from_files = None

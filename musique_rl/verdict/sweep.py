@@ -13,7 +13,9 @@ from typing import Any
 from musique_rl.schema import CONF_DIR
 
 ROOT = Path(__file__).resolve().parents[2]
-README = ROOT / "README.md"
+# The repository's status file: the verdict of each hypothesis' latest named sweep (README links it).
+# It exists in a source checkout only: an installed package has none, and writes none.
+STATUS = ROOT / "docs" / "STATUS.md"
 HYPOTHESIS_DIR = CONF_DIR / "hypothesis"
 ARMS = ("control", "treatment")
 UNKNOWN = "unknown"  # a run that does not record its warm start or machine (older code)
@@ -65,6 +67,7 @@ class Run:
     code: str | None = None  # git commit the job ran, "+dirty" with uncommitted changes (None: unknown)
     warm_start: str = UNKNOWN  # 12 hex chars of the warm start's sha256; "none" for hub models
     machine: str = UNKNOWN  # "<cpu> | <threads> threads | <device>", as the MLflow tag `machine`
+    job_dir: str | None = None  # the job's output dir (its name is its row in the sweep's jobs.json)
 
     @property
     def usable(self) -> bool:

@@ -1,9 +1,9 @@
 """What became of each job of a multirun: ``<sweep dir>/jobs.json`` and the table printed at its end.
 
-The launcher (hydra_plugins/musique_rl_launchers) writes one row per job when the jobs have
-returned; ``tracking.sweep.SweepCallback`` prints the table last, tags the MLflow parent run, and makes
-the multirun exit non-zero when any job failed, so scripts, CI and SLURM dependency chains see it.
-A sweep that is resumed (``sweep.resume=<sweep dir>``) merges its new rows into the same file.
+The one record of a job's outcome. The launcher (hydra_plugins/musique_rl_launchers) writes one row
+per job when the jobs have returned; the sweep's callback (musique_rl/sweep/callback.py) prints the
+table, and the verdict and the MLflow parent run read a job's failure from here. A sweep that is
+resumed (``sweep.resume=<sweep dir>``) merges its new rows into the same file.
 
 Row fields (a contract: documented in docs/howto/sweeps.md): ``num`` (Hydra's job number = the job dir's
 name), ``overrides`` (the job's own overrides), ``status`` (COMPLETED | FAILED | DIED | SKIPPED:
