@@ -14,11 +14,11 @@ import pytest
 import yaml
 from hydra import compose, initialize_config_dir
 
-from musique_rl.tracking import provenance, store
-from musique_rl.tracking import sweep as parent_run
 from musique_rl.schema import CONF_DIR
 from musique_rl.sweep import jobs
 from musique_rl.sweep.callback import SweepCallback
+from musique_rl.tracking import provenance, store
+from musique_rl.tracking import sweep as parent_run
 from musique_rl.verdict import HYPOTHESIS_DIR
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -34,9 +34,9 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from musique_rl.sweep import jobs as sweep_jobs
 from musique_rl.tracking import provenance, store
 from musique_rl.tracking import sweep as parent
-from musique_rl.sweep import jobs as sweep_jobs
 
 log = logging.getLogger(__name__)
 

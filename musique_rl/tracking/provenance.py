@@ -6,7 +6,6 @@ Every param and tag goes through ``musique_rl.redact`` first: nothing secret is 
 
 from __future__ import annotations
 
-import os
 import subprocess
 from collections.abc import Mapping
 from pathlib import Path
@@ -16,7 +15,6 @@ from omegaconf import DictConfig, OmegaConf
 
 from musique_rl.redact import redact_value
 from musique_rl.tracking.store import PARAM_MAX, TAG_MAX, hydra_config, sweep_dir
-
 
 
 # ---------------------------------------------------------------- the config as params
