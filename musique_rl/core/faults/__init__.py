@@ -1,0 +1,138 @@
+"""Planted faults: each declared once, in its own module of this package, where it acts.
+
+A fault reproduces a defect from docs/failure_modes.md so the diagnostics can be proven to catch
+it (``+fault=<name>``; never on by default: ``fault`` defaults to ``none``). Its module holds one
+``Fault`` subclass that says everything about it:
+
+- ``name``: the config value (``fault=<name>``) and its ``+fault=<name>`` overlay;
+- ``plants`` / ``acts``: what defect it plants and where it acts (the docs' table);
+- ``overlay`` / ``defaults``: the config values the overlay sets beside ``fault: <name>``, and
+  its Hydra defaults-list entries (``{"override /reward": "answer_em"}``); the schema registers the
+  overlay in Hydra's ConfigStore (group ``fault``, package ``_global_``), so no YAML file repeats it;
+- ``expected`` / ``fingerprint``: the doctor's top finding it must produce, and the evidence
+  (benchmarks/bench_faults.py reads ``expected``; the docs' table prints both);
+- the hooks it acts through: methods overriding ``Fault``'s, whose defaults leave the run
+  untouched. The rollout and the trainer call each hook once, on the job's fault, and never ask
+  which fault it is.
+
+Defining the subclass registers it (``FAULTS``), and the schema's allowed ``fault`` values come
+from that registry; every module of this package is imported here, so a new fault is one module.
+``python -m musique_rl.core.faults`` prints the table; ``--write docs/architecture.md`` rewrites
+that document's generated section.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from typing import Any, ClassVar
+
+from musique_rl.env.registry import Registry
+
+FAULTS = Registry("fault")
+
+
+class Fault:
+    """A planted defect (module docstring). Subclass with the class attributes below and override
+    the hooks it acts through; construct with the job's config (``of(cfg)``)."""
+
+    name: ClassVar[str]
+    plants: ClassVar[str]
+    acts: ClassVar[str] = "config only (the overlay)"
+    expected: ClassVar[str]  # the doctor's top finding on a run with this fault: a hypothesis id, or "clean"
+    also_accepted: ClassVar[tuple[str, ...]] = ()  # other top findings that are not a miss
+    fingerprint: ClassVar[str] = ""
+    overlay: ClassVar[dict[str, Any]] = {}
+    defaults: ClassVar[list[Any]] = []
+
+    def __init_subclass__(cls, **kwargs: Any):
+        super().__init_subclass__(**kwargs)
+        if "name" in cls.__dict__:  # a shared base without a name is not a fault
+            FAULTS.register(cls.name, cls)
+
+    def __init__(self, cfg: Any = None):
+        """``cfg``: the job's composed config, for a fault whose behaviour depends on the job."""
+
+    @classmethod
+    def overlay_node(cls) -> dict[str, Any]:
+        """What ``+fault=<name>`` merges into the config (a defaults list first, when there is one)."""
+        node: dict[str, Any] = {"defaults": list(cls.defaults)} if cls.defaults else {}
+        return {**node, "fault": cls.name, **cls.overlay}
+
+    # ---- the hooks: each default is what a clean run does
+    def env_mask_value(self, value: int) -> int:
+        """The env_mask of tool-result and template tokens (0: out of loss and KL)."""
+        return value
+
+    def reward_read_turn(self, turn: str) -> str:
+        """Which assistant turn the training reward parses ('last')."""
+        return turn
+
+    def rewards(self, rewards: Any, step: int) -> Any:
+        """The gathered rewards (samples x reward functions) before the advantages."""
+        return rewards
+
+    def attention_mask(self, attention_mask: Any, width: int, tool_mask: Any) -> Any:
+        """The attention mask of every scoring pass of the trainer: (N, P + C), the completion's
+        ``width`` = C last; ``tool_mask`` (N, C): 0 on environment tokens, or None."""
+        return attention_mask
+
+    def kl_beta(self, beta: float) -> float:
+        """The KL coefficient the loss applies (TRL's beta, with its sign)."""
+        return beta
+
+    def kl_mask(self, loss_mask: Any, completion_mask: Any) -> Any:
+        """Tokens the KL penalty covers: the loss mask; a wider mask adds KL on the extra tokens."""
+        return loss_mask
+
+    def sampler_model(self, model: Any) -> Any:
+        """A model for the sampler to use instead of the trained one (called before training), or
+        None: the sampler samples from the weights being trained."""
+        return None
+
+
+class Clean(Fault):
+    name = "none"
+    plants = "a clean run"
+    acts = "-"
+    expected = "clean"
+    # "unexplained" (flat reward, no cause found) names no broken part: a clean run that did not rise
+    # in its steps is not a false alarm; a flagged hypothesis is
+    also_accepted = ("unexplained",)
+    fingerprint = "no flagged finding"
+
+
+def of(cfg: Any) -> Fault:
+    """The job's planted fault, bound to its config (``Clean`` when none is planted)."""
+    value = cfg.get("fault", "none") if hasattr(cfg, "get") else getattr(cfg, "fault", "none")
+    return FAULTS[str(value or "none")](cfg)  # an unknown name fails, naming the key and the faults
+
+
+def table() -> str:
+    """The markdown table of every registered fault (the docs' section is this, generated)."""
+    rows = ["| fault | what it plants | config overlay | where it acts | expected | fingerprint |", "|---|---|---|---|---|---|"]
+    for f in FAULTS.values():
+        rows.append(f"| {f.name} | {f.plants} | {_overlay_text(f)} | {f.acts} | {f.expected} | {f.fingerprint} |")
+    return "\n".join(rows)
+
+
+def _overlay_text(f: type[Fault]) -> str:
+    from omegaconf import OmegaConf
+
+    parts = [f"`{k.split('/')[-1]}={v}`" for d in f.defaults for k, v in d.items()]  # "override /reward": "answer_em"
+    flat = OmegaConf.to_container(OmegaConf.create(f.overlay))
+    parts += [f"`{k}={str(v).lower() if isinstance(v, bool) else v}`" for k, v in _flatten(flat)]
+    return ", ".join(parts) or "-"
+
+
+def _flatten(d: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    if not isinstance(d, dict):
+        return [(prefix, d)]
+    return [kv for k, v in d.items() for kv in _flatten(v, f"{prefix}{k}." if isinstance(v, dict) else f"{prefix}{k}")]
+
+
+# Every module of this package declares a fault: importing them here registers them, so a new fault
+# is one new file (no list to extend).
+for _module in pkgutil.iter_modules(__path__):
+    if not _module.name.startswith("_"):
+        importlib.import_module(f"{__name__}.{_module.name}")

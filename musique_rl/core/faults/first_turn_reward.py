@@ -1,0 +1,18 @@
+"""first_turn_reward: the training reward parses the FIRST assistant turn."""
+
+from __future__ import annotations
+
+from musique_rl.core.faults import Fault
+
+
+class FirstTurnReward(Fault):
+    """Training only: the held-out evaluation always scores the last turn (train.py)."""
+
+    name = "first_turn_reward"
+    plants = "reward parsed from the first assistant turn"
+    acts = "train.py `rewards.RewardFunction(read_turn=...)`"
+    expected = "h05"
+    fingerprint = "answers present, yet `h05/answer_em` and `answer_f1` ~0 and constant in >= 95% of groups"
+
+    def reward_read_turn(self, turn: str) -> str:
+        return "first"
