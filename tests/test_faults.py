@@ -23,9 +23,9 @@ from musique_rl.core.faults import Fault
 
 
 class RewardsShifted(Fault):
+    """Every reward + 1."""
+
     name = "rewards_shifted"
-    plants = "every reward + 1"
-    acts = "trainer.py `_calculate_rewards`"
     expected = "h05"
     fingerprint = "`h05/reward_audit_mismatch` > 0"
     overlay = {"loss": {"adv_epsilon": 0.001}}
@@ -52,7 +52,7 @@ try:
     compose_cfg(["+fault=rewards_shiftd"])
 except Exception as e:
     print("TYPO:", "rewards_shifted" in str(e.__cause__ or e))
-print("TABLE:", "| rewards_shifted | every reward + 1 | `loss.adv_epsilon=0.001` |" in faults.table())
+print("TABLE:", "| rewards_shifted | Every reward + 1. | `loss.adv_epsilon=0.001` | `rewards` | h05 |" in faults.table())
 
 model, tok, records, _, _ = build_untrained(cfg)
 by_id = {r["id"]: r for r in records}
@@ -76,7 +76,7 @@ def test_every_fault_is_fully_declared():
     assert list(FAULTS)[0] == "none" and len(FAULTS) >= 10
     for name in FAULTS:
         f = FAULTS[name]
-        assert f.name == name and f.plants and f.acts and f.fingerprint, name
+        assert f.name == name and f.plants() and f.fingerprint, name
         assert f.expected == "clean" if name == "none" else f.expected in {f"h0{i}" for i in range(1, 9)}, name
 
 
@@ -149,12 +149,16 @@ def test_unknown_fault_names_the_key_and_the_faults():
         faults.of({"fault": "nope"})
 
 
-def test_a_base_class_without_a_name_registers_nothing():
+def test_a_base_class_without_a_name_registers_nothing_and_a_fault_must_say_what_it_plants():
     before = list(FAULTS)
 
     class _Shared(Fault):  # a shared base for faults of one kind: not itself a fault
-        plants = "-"
+        expected = "h02"
 
+    assert list(FAULTS) == before
+    with pytest.raises(TypeError, match="'undocumented': declare a docstring"):
+        class _Undocumented(_Shared):
+            name = "undocumented"
     assert list(FAULTS) == before
 
 

@@ -26,14 +26,14 @@ def blind_attention(attention_mask: torch.Tensor, width: int, tool_mask: torch.T
 
 
 class BlindContext(Fault):
-    """In a multi-turn environment (tools offered) only. The defect lived in the multi-turn code path:
-    the seeds' single-turn GSM8K runs, through the same trainer, kept their true mask and learned
-    (docs/failure_modes.md 1). So a single-turn environment (env=arith, h07's documents in the
-    prompt) trains as if the fault were off."""
+    """Forward-pass attention mask = loss mask (verifiers 0.1.x), in multi-turn environments only.
+
+    Every scoring pass of the trainer (loss, old and reference log-probs) is blind. The defect lived
+    in the multi-turn code path: the seeds' single-turn GSM8K runs, through the same trainer, kept
+    their true mask and learned (docs/failure_modes.md 1). So a single-turn environment (env=arith,
+    h07's documents in the prompt) trains as if the fault were off."""
 
     name = "blind_context"
-    plants = "forward-pass attention mask = loss mask (verifiers 0.1.x)"
-    acts = "trainer.py, every scoring pass (loss, old and reference log-probs), multi-turn envs only"
     expected = "h02"
     fingerprint = "`h06/logp_gap_mean` at the first step > 0.01 nats/token (trainer scores without context)"
 

@@ -6,11 +6,12 @@ from musique_rl.core.faults import Fault
 
 
 class FirstTurnReward(Fault):
-    """Training only: the held-out evaluation always scores the last turn (train.py)."""
+    """Reward parsed from the first assistant turn (training only).
+
+    The held-out evaluation always scores the last turn (train.py), so the run's own evaluation
+    still sees what the policy answers."""
 
     name = "first_turn_reward"
-    plants = "reward parsed from the first assistant turn"
-    acts = "train.py `rewards.RewardFunction(read_turn=...)`"
     expected = "h05"
     fingerprint = "answers present, yet `h05/answer_em` and `answer_f1` ~0 and constant in >= 95% of groups"
 

@@ -8,9 +8,12 @@ from musique_rl.core.faults import Fault
 
 
 class KlToolTokens(Fault):
+    """KL computed on tool tokens: beta x KL added on the environment tokens too.
+
+    The KL mask taken from the completion instead of the loss mask: tool results, which the policy
+    never sampled, are penalised for their (meaningless) log-ratio (docs/failure_modes.md defect 3)."""
+
     name = "kl_tool_tokens"
-    plants = "KL computed on tool tokens"
-    acts = "trainer.py `_compute_loss`: beta x KL added on the environment tokens too"
     expected = "h03"
     fingerprint = "`h03/kl_env_tokens` > 0"
     overlay = {"loss": {"beta": 0.04}}  # a KL penalty to misplace

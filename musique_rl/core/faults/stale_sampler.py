@@ -8,9 +8,12 @@ from musique_rl.core.faults import Fault
 
 
 class StaleSampler(Fault):
+    """Sampler weights never synced: it samples from a frozen copy of the initial model.
+
+    A weight sync that never happens (TRL #6688, ms-swift #9855, verl #3821): every batch is
+    off-policy by all the updates made so far."""
+
     name = "stale_sampler"
-    plants = "sampler weights never synced"
-    acts = "trainer.py `build_trainer`: the generator samples from a frozen copy of the initial model"
     expected = "h06"
     fingerprint = "parity probe `h06/parity_stale` = 1; gap ~0 at step 0, growing"
 

@@ -15,14 +15,14 @@ REWARD_JITTER = 1e-6
 
 
 class StdEpsilon(Fault):
+    """Tiny std epsilon amplifies near-ties: rewards with 1e-6 noise, divided by the group std + 1e-8.
+
+    A binary reward (answer EM: most groups tie), scaled per group, with an epsilon far below TRL's:
+    tied groups get full-size advantages made of noise, where TRL's 1e-4 keeps them ~0.01."""
+
     name = "std_epsilon"
-    plants = "tiny std epsilon amplifies near-ties"
-    acts = "trainer.py `_calculate_rewards` (1e-6 reward noise) and the advantages (`loss.adv_epsilon`)"
     expected = "h01"
-    fingerprint = ("`h01/amplification_max` > 1e4 (only an epsilon below TRL's 1e-4 meeting a float-noise std can do "
-                   "it): a binary reward (answer_em, groups tie) whose values carry 1e-6 noise, divided by the group "
-                   "std + 1e-8, while 1e-4 keeps the advantages ~0.01")
-    # A binary reward (answer EM: most groups tie), scaled per group, with an epsilon far below TRL's
+    fingerprint = "`h01/amplification_max` > 1e4 (only an epsilon below TRL's 1e-4 meeting a float-noise std can do it)"
     defaults = [{"override /reward": "answer_em"}]
     overlay = {"loss": {"scale_rewards": "group", "adv_epsilon": 1.0e-8}}
 

@@ -6,9 +6,9 @@ from musique_rl.core.faults import Fault
 
 
 class TinyUpdates(Fault):
+    """Learning rate x0.01 and grad clip 0.001: updates too small to matter."""
+
     name = "tiny_updates"
-    plants = "lr x0.01, grad clip 0.001"
-    acts = "config only: trainer.py passes them to TRL"
     expected = "h08"
     fingerprint = "median `h08/update_weight_ratio` < 1e-4 (healthy ~1e-3), `h08/kl_to_start` ~0"
     overlay = {"loss": {"learning_rate": "${mul:0.01,${model.learning_rate}}", "max_grad_norm": 0.001}}
