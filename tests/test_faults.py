@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 from plugin_recipe import assert_printed, run_in_copy
 
 from musique_rl.core import faults
-from musique_rl.core.faults import FAULTS, Fault
+from musique_rl.core.faults import FAULTS, Fault, dotted
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -87,21 +87,15 @@ def test_plus_fault_sets_exactly_the_declared_overlay(name):
     from conftest import compose_cfg
 
     def flat(cfg):
-        return dict(_flatten(OmegaConf.to_container(cfg, resolve=True)))
+        return dict(dotted(OmegaConf.to_container(cfg, resolve=True)))
 
     base, faulted = flat(compose_cfg([])), flat(compose_cfg([f"+fault={name}"]))
-    overlay = dict(_flatten(FAULTS[name].overlay))
+    overlay = dict(dotted(FAULTS[name].overlay))
     groups = {next(iter(d)).split("/")[-1] for d in FAULTS[name].defaults}  # "override /reward" -> reward
     changed = {k for k in base.keys() | faulted.keys() if base.get(k) != faulted.get(k)}
     assert {k for k in changed if k.split(".")[0] not in groups} <= {"fault", *overlay}
     assert faulted["fault"] == name
     assert all(faulted[k] == v for k, v in overlay.items() if not str(v).startswith("${")), (overlay, faulted)
-
-
-def _flatten(d, prefix=""):
-    if not isinstance(d, dict):
-        return [(prefix, d)]
-    return [kv for k, v in d.items() for kv in _flatten(v, f"{prefix}{k}." if isinstance(v, dict) else f"{prefix}{k}")]
 
 
 def test_a_clean_run_hooks_change_nothing(tiny_cfg):

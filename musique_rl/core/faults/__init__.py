@@ -137,18 +137,17 @@ def table() -> str:
 
 
 def _overlay_text(f: type[Fault]) -> str:
-    from omegaconf import OmegaConf
-
+    """The overlay as the overrides a user would type (`group=option`, `key=value`)."""
     parts = [f"`{k.split('/')[-1]}={v}`" for d in f.defaults for k, v in d.items()]  # "override /reward": "answer_em"
-    flat = OmegaConf.to_container(OmegaConf.create(f.overlay))
-    parts += [f"`{k}={str(v).lower() if isinstance(v, bool) else v}`" for k, v in _flatten(flat)]
+    parts += [f"`{k}={str(v).lower() if isinstance(v, bool) else v}`" for k, v in dotted(f.overlay)]
     return ", ".join(parts) or "-"
 
 
-def _flatten(d: Any, prefix: str = "") -> list[tuple[str, Any]]:
+def dotted(d: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    """(dotted key, leaf value) pairs of a nested dict: an overlay as the overrides it amounts to."""
     if not isinstance(d, dict):
         return [(prefix, d)]
-    return [kv for k, v in d.items() for kv in _flatten(v, f"{prefix}{k}." if isinstance(v, dict) else f"{prefix}{k}")]
+    return [kv for k, v in d.items() for kv in dotted(v, f"{prefix}{k}." if isinstance(v, dict) else f"{prefix}{k}")]
 
 
 # Every module of this package declares a fault: importing them here registers them, so a new fault
