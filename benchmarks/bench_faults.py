@@ -1,6 +1,6 @@
 """Planted-fault proof: every fault's run is diagnosed with its hypothesis; the clean run flags nothing.
 
-    python benchmarks/bench_faults.py                       # 9 faults + clean, seeds 1-3, 20 steps each
+    python benchmarks/bench_faults.py                       # every planted fault + clean, seeds 1-3, 20 steps each
     python benchmarks/bench_faults.py --faults std_epsilon --seeds 1 --steps 10
 
 Runs the real entrypoint (`python -m musique_rl`, tiny model, embedded data) as two Hydra
@@ -21,25 +21,15 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-EXPECTED = {
-    "none": "clean",
-    "blind_context": "h02",
-    "env_tokens_trained": "h02",
-    "stale_sampler": "h06",
-    "std_epsilon": "h01",
-    "kl_tool_tokens": "h03",
-    "kl_flipped": "h03",
-    "tiny_budgets": "h04",
-    "first_turn_reward": "h05",
-    "tiny_updates": "h08",
-}
-# A clean run is a false alarm only when a hypothesis is flagged: "unexplained" (flat reward, cause not
-# found) names no broken part, it says the run did not rise in its steps and nothing explains it.
-ACCEPT = {"none": ("clean", "unexplained")}
+sys.path.insert(0, str(ROOT))  # this checkout's musique_rl, not whichever one the venv's editable install points at
+
+from musique_rl.core.faults import FAULTS  # noqa: E402  (after the path: this checkout's faults)
 
 
 def accepted(fault: str, top: str) -> bool:
-    return top in ACCEPT.get(fault, (EXPECTED.get(fault),))
+    """What the doctor must name a fault's run as: its declaration's `expected` (the clean run's:
+    "clean") or one of its `also_accepted` findings (musique_rl/core/faults/)."""
+    return fault in FAULTS and top in (FAULTS[fault].expected, *FAULTS[fault].also_accepted)
 
 
 def launch(fault_arg: list[str], seeds: str, steps: int, sweep_dir: Path, uri: str, extra: list[str]) -> float:
@@ -82,7 +72,7 @@ def table(uri: str, sweep_dirs: list[Path]) -> dict[tuple[str, str], dict]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--faults", default=",".join(k for k in EXPECTED if k != "none"))
+    ap.add_argument("--faults", default=",".join(k for k in FAULTS if k != "none"))
     ap.add_argument("--seeds", default="1,2,3")
     ap.add_argument("--clean-seeds", default="1,2,3,4,5", help="seeds of the clean (false-alarm) runs")
     ap.add_argument("--steps", type=int, default=20)
@@ -95,6 +85,9 @@ def main(argv: list[str] | None = None) -> int:
 
     stamp = time.strftime("%Y%m%d-%H%M%S")
     faults = [f for f in args.faults.split(",") if f]
+    unknown = [f for f in faults if f not in FAULTS]
+    if unknown:
+        ap.error(f"--faults: unknown fault {unknown[0]!r}; choose from {list(FAULTS)}")
     sweeps: list[Path] = []
     if args.read_only:
         sweeps = sorted(p for p in args.out.glob("*") if p.is_dir())
@@ -118,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{'fault':<{width}}{'expected':<10}" + "".join(f"seed {s:<9}" for s in all_seeds))
     ok = total = 0
     for f in rows:
-        line = f"{f:<{width}}{EXPECTED.get(f, '?'):<10}"
+        line = f"{f:<{width}}{FAULTS[f].expected:<10}"
         for s in all_seeds:
             if s not in (clean_seeds if f == "none" else seeds):
                 line += f"{'':<14}"

@@ -8,25 +8,9 @@ Written AFTER the doctor's rules and the instruments' thresholds were frozen (do
 "Held-out faults"). Each fault is a monkeypatch of a real function on the reward, tool, rollout or
 sampler path, applied in the job's own process before `python -m musique_rl` composes its config;
 nothing reaches the config, the params or the tags (every job runs with fault=none), so the doctor
-sees only what the instruments measure. The kinds of bug real RL codebases ship:
-
-| fault                      | hypothesis | what the patch does                                            |
-|----------------------------|------------|----------------------------------------------------------------|
-| mask_off_by_one            | h02        | env_mask boundary off by one: the first environment token after |
-|                            |            | each assistant turn is trained on                               |
-| train_prompt_without_tools | h02        | the trainer's prompt ids are re-rendered without the tool schema|
-|                            |            | the sampler saw (chat-template drift, docs/failure_modes.md defect 2)     |
-| doc_truncated              | h04        | the tool renders each document cut to 60 characters (a snippet  |
-|                            |            | limit between retriever and prompt)                             |
-| doc_ids_shifted            | h04        | each retrieved document is shown under the next document's id   |
-| reward_off_by_one          | h05        | rewards zipped to samples shifted by one (sample i gets i+1's)  |
-| reward_cached              | h05        | reward memoised by question id: every later episode of a        |
-|                            |            | question gets the first episode's reward                        |
-| sampler_temperature        | h06        | the sampler samples at 0.7 x train.temperature (a generation    |
-|                            |            | config default), the trainer scores at train.temperature        |
-| sampler_top_p              | h06        | the sampler applies top_p 0.9 the trainer does not know about   |
-| sampler_temperature_slight | h06        | the sampler samples at 0.98 x train.temperature: a gap below the|
-|                            |            | old fixed 0.01 threshold (added with the calibrated floor)      |
+sees only what the instruments measure. The kinds of bug real RL codebases ship, each declared once
+by `@held_out(hypothesis, bug)` on its patch below; `--table` prints them (`--write FILE` puts the
+table into FILE's `<!-- heldout-faults:start/end -->` section: docs/diagnostics.md).
 
 The runner starts each (fault, seed) job as its own process (at most --parallel at once), reads the
 MLflow run id from the job's result line, and prints the fault x seed table of the doctor's top
@@ -43,14 +27,51 @@ import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # this checkout's musique_rl, not whichever one the venv's editable install points at
 
+from musique_rl.env.registry import Registry  # noqa: E402  (after the path: this checkout's package)
+
+TABLE_KEY = "heldout-faults"  # docs/diagnostics.md's generated section
+TABLE_COMMAND = "python benchmarks/heldout_faults.py --table --write docs/diagnostics.md"
+
+
+@dataclass(frozen=True)
+class HeldOut:
+    """A held-out fault: the hypothesis the doctor must name, the bug in words, the patch."""
+
+    name: str
+    expected: str
+    bug: str
+    patch: Callable[[], None]
+
+
+# Not musique_rl.core.faults.FAULTS: a held-out fault must never reach the config, params or tags.
+HELD_OUT = Registry("held-out fault")
+
+
+def held_out(expected: str, bug: str) -> Callable[[Callable[[], None]], Callable[[], None]]:
+    """Declare the decorated patch a held-out fault named after it (registered in ``HELD_OUT``)."""
+
+    def add(patch: Callable[[], None]) -> Callable[[], None]:
+        HELD_OUT.register(patch.__name__, HeldOut(patch.__name__, expected, bug, patch))
+        return patch
+
+    return add
+
+
+def table() -> str:
+    rows = ["| held-out fault | hypothesis | the bug |", "|---|---|---|"]
+    return "\n".join(rows + [f"| {f.name} | {f.expected} | {f.bug} |" for f in HELD_OUT.values()])
+
 
 # ---------------------------------------------------------------- the patches
+@held_out("h02", "`rollout.Episode.add_environment`: the env_mask boundary is off by one, the first environment "
+                 "token after each assistant turn is trained")
 def mask_off_by_one() -> None:
     from musique_rl.core import rollout
 
@@ -65,6 +86,8 @@ def mask_off_by_one() -> None:
     rollout.Episode.add_environment = add_environment
 
 
+@held_out("h02", "`RolloutEngine.rollout_func` returns prompt ids re-rendered without the tool schema the sampler "
+                 "saw (template drift between sampling and training, docs/failure_modes.md defect 2)")
 def train_prompt_without_tools() -> None:
     from musique_rl.core import rollout
 
@@ -83,6 +106,7 @@ def train_prompt_without_tools() -> None:
     rollout.RolloutEngine.rollout_func = rollout_func
 
 
+@held_out("h04", "`tools.format_documents` cuts each document to 60 characters between retriever and prompt")
 def doc_truncated() -> None:
     from musique_rl.env import tools
 
@@ -98,6 +122,7 @@ def doc_truncated() -> None:
     tools.format_documents = format_documents
 
 
+@held_out("h04", "`tools.format_documents` shows each document under the next one's id")
 def doc_ids_shifted() -> None:
     from musique_rl.env import tools
 
@@ -114,6 +139,7 @@ def doc_ids_shifted() -> None:
     tools.format_documents = format_documents
 
 
+@held_out("h05", "`RewardFunction.__call__`'s totals shifted by one sample")
 def reward_off_by_one() -> None:
     from musique_rl.env import rewards
 
@@ -126,6 +152,7 @@ def reward_off_by_one() -> None:
     rewards.RewardFunction.__call__ = __call__
 
 
+@held_out("h05", "`RewardFunction.__call__` memoised by question id: the first episode's reward for every later one")
 def reward_cached() -> None:
     from musique_rl.env import rewards
 
@@ -160,36 +187,26 @@ def _patch_sampler(adjust: Callable[[Any], None]) -> None:
     generation.sampling_settings = sampling_settings
 
 
+@held_out("h06", "`generation.sampling_settings`: the sampler samples at 0.7 x `train.temperature`, the trainer "
+                 "scores at `train.temperature`")
 def sampler_temperature() -> None:
     _patch_sampler(lambda s: setattr(s, "temperature", 0.7 * s.temperature))
 
 
+@held_out("h06", "`generation.sampling_settings`: the sampler samples at 0.98 x `train.temperature` (a rounded or "
+                 "defaulted temperature): a gap below the old fixed 0.01 threshold, far above the float32 floor")
 def sampler_temperature_slight() -> None:
-    """A sampler 2% cooler than the trainer (a rounded or defaulted temperature): a gap below the old
-    fixed 0.01 threshold on this model, far above the float32 floor."""
     _patch_sampler(lambda s: setattr(s, "temperature", 0.98 * s.temperature))
 
 
+@held_out("h06", "`generation.sampling_settings`: the sampler applies top_p 0.9")
 def sampler_top_p() -> None:
     _patch_sampler(lambda s: setattr(s, "top_p", 0.9))
 
 
-FAULTS: dict[str, tuple[str, Callable[[], None]]] = {
-    "mask_off_by_one": ("h02", mask_off_by_one),
-    "train_prompt_without_tools": ("h02", train_prompt_without_tools),
-    "doc_truncated": ("h04", doc_truncated),
-    "doc_ids_shifted": ("h04", doc_ids_shifted),
-    "reward_off_by_one": ("h05", reward_off_by_one),
-    "reward_cached": ("h05", reward_cached),
-    "sampler_temperature": ("h06", sampler_temperature),
-    "sampler_top_p": ("h06", sampler_top_p),
-    "sampler_temperature_slight": ("h06", sampler_temperature_slight),
-}
-
-
 def run_job(name: str, overrides: list[str]) -> None:
     """Patch, then run `python -m musique_rl <overrides>` in this process."""
-    FAULTS[name][1]()
+    HELD_OUT[name].patch()
     from musique_rl.__main__ import main
 
     sys.argv = ["musique_rl", *overrides]
@@ -254,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
         run_job(argv[1], rest[1:] if rest[:1] == ["--"] else rest)
         return 0
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--faults", default=",".join(FAULTS))
+    ap.add_argument("--faults", default=",".join(HELD_OUT))
     ap.add_argument("--seeds", default="1,2,3")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--parallel", type=int, default=2, help="jobs at once (each uses one thread)")
@@ -263,11 +280,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--read-only", action="store_true",
                     help="run nothing: the table of the jobs logged under --out (every run directory in it)")
     ap.add_argument("extra", nargs="*", help="more Hydra overrides for every job")
+    ap.add_argument("--table", action="store_true", help="print the held-out faults' table (markdown) and run nothing")
+    ap.add_argument("--write", type=Path, help=f"with --table: write it into this file's <!-- {TABLE_KEY}:start/end --> section")
     args = ap.parse_args(argv)
+    if args.table:
+        if args.write is None:
+            print(table())
+        else:
+            from musique_rl.core.faults._docs import write_section
+
+            write_section(args.write, TABLE_KEY, table(), TABLE_COMMAND)
+        return 0
     faults = [f for f in args.faults.split(",") if f]
-    unknown = [f for f in faults if f not in FAULTS]
+    unknown = [f for f in faults if f not in HELD_OUT]
     if unknown:
-        ap.error(f"--faults: unknown fault {unknown[0]!r}; choose from {list(FAULTS)}")
+        ap.error(f"--faults: unknown fault {unknown[0]!r}; choose from {list(HELD_OUT)}")
     seeds = args.seeds.split(",")
     out = args.out / time.strftime("%Y%m%d-%H%M%S")
     jobs = [(f, s) for f in faults for s in seeds]
@@ -291,22 +318,22 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{'held-out fault':<{width}}{'expected':<10}" + "".join(f"seed {s:<9}" for s in seeds))
     ok = 0
     for f in faults:
-        line = f"{f:<{width}}{FAULTS[f][0]:<10}"
+        line = f"{f:<{width}}{HELD_OUT[f].expected:<10}"
         for s in seeds:
             if (f, s) not in by:
                 line += f"{'':<14}"
                 continue
             top = by[(f, s)][0]
-            hit = top == FAULTS[f][0]
+            hit = top == HELD_OUT[f].expected
             ok += hit
             line += f"{top + (' ok' if hit else ' X'):<14}"
         print(line)
-    per_seed = {s: sum(by.get((f, s), ("",))[0] == FAULTS[f][0] for f in faults) for s in seeds}
+    per_seed = {s: sum(by.get((f, s), ("",))[0] == HELD_OUT[f].expected for f in faults) for s in seeds}
     print(f"\n{ok}/{len(jobs)} cells diagnosed as expected; per seed: "
           + ", ".join(f"seed {s} {n}/{len(faults)}" for s, n in per_seed.items())
           + f" (tracking store {args.tracking_uri}, logs in {out})")
     for (f, s), (top, verdict) in sorted(by.items()):
-        if top != FAULTS[f][0]:
+        if top != HELD_OUT[f].expected:
             print(f"  {f} seed {s}: top={top}: {verdict[:200]}")
     return 0 if ok == len(jobs) else 1
 

@@ -452,6 +452,14 @@ def register_sweeps(conf_dir: Path = CONF_DIR) -> list[str]:
     return added
 
 
+def register_faults() -> None:
+    """``+fault=<name>`` for every planted fault: its overlay, as its declaration in
+    musique_rl/core/faults/ gives it (so no YAML file repeats it)."""
+    store = ConfigStore.instance()
+    for fault in FAULTS.values():
+        store.store(group="fault", name=fault.name, node=fault.overlay_node(), package="_global_")
+
+
 def register() -> None:
     """Register schemas, named sweeps and resolvers (idempotent: Hydra may import us twice)."""
     if not OmegaConf.has_resolver("arm"):
@@ -467,5 +475,6 @@ def register() -> None:
     # One root schema types every group: the option files merge into its typed nodes.
     ConfigStore.instance().store(name="schema", node=Config)
     register_sweeps()
+    register_faults()
 
 register()

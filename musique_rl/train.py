@@ -233,7 +233,7 @@ def train(cfg: Any, tracker: Tracker | None = None, run_dir: str | Path | None =
     model = place(model)  # the held-out eval samples before the trainer exists
     retriever = build_retriever(cfg.env, records + eval_records)
     by_id = {r["id"]: r for r in records}
-    reward_fn = rewards.RewardFunction(cfg.reward, by_id, read_turn=faults.reward_read_turn(cfg), seed=int(cfg.seed))
+    reward_fn = rewards.RewardFunction(cfg.reward, by_id, read_turn=faults.of(cfg).reward_read_turn("last"), seed=int(cfg.seed))
 
     eval_rng: list = []  # the random state the held-out evaluations replay (same_random_numbers)
 

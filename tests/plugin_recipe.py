@@ -1,4 +1,4 @@
-"""Shared by the recipe tests of tasks and tool formats: a copy of the package with one new module
+"""Shared by the recipe tests of tasks, tool formats and planted faults: a copy of the package with one new module
 written into it, and a script run against that copy (so the new plug-in meets the real schema,
 registries, data loader, policies, rollout and rewards, and nothing else is edited)."""
 

@@ -121,14 +121,17 @@ def test_no_sweep_is_a_clear_error(tmp_path):
 @pytest.mark.parametrize("arm", cs.ARM_NAMES)
 def test_each_arm_composes_and_differs_from_its_reference_only_where_it_says(arm):
     """Every arm is a real config; the defect is on in each multi-turn defect arm and inert in the
-    single-turn control task (faults.blind_context); the cure differs from `defect` in the fault only."""
+    single-turn control task (the fault's attention_mask hook); the cure differs from `defect` in the fault only."""
+    import torch
     from conftest import compose_cfg
 
     from musique_rl.core import faults
 
     cfg = compose_cfg([f"+case={arm}"])
     assert str(cfg.train.importance_sampling) == "sequence_mask"
-    assert faults.blind_context(cfg) == arm.startswith("defect")
+    attention = torch.ones(1, 8, dtype=torch.long)
+    blind = not torch.equal(faults.of(cfg).attention_mask(attention, 5, None), attention)
+    assert blind == arm.startswith("defect")
     assert str(cfg.fault) == ("none" if arm == "cure" else "blind_context")
     if arm.startswith("arith"):
         assert str(cfg.env.task) == "arith" and cfg.train.max_steps == 150

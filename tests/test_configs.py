@@ -14,6 +14,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from musique_rl.core.faults import FAULTS as FAULT_REGISTRY
 from musique_rl.schema import CONF_DIR  # importing it registers the schema and resolvers
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -25,7 +26,7 @@ def options(group: str) -> list[str]:
 
 
 HYPOTHESES = options("hypothesis")
-FAULTS = options("fault")
+FAULTS = list(FAULT_REGISTRY)  # +fault=<name> overlays come from the declarations (musique_rl/core/faults/)
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from musique_rl.core.faults import FAULTS as FAULT_REGISTRY
 from musique_rl.diagnostics.doctor import diagnose_metrics, diagnose_run, main, top_flagged, write_diagnosis
 
 STEPS = 20
@@ -58,29 +59,30 @@ def with_(changes: dict) -> dict:
     return m
 
 
-FAULTS = {
-    "blind_context": ("h02", {"h06/logp_gap_mean": series(lambda s: 0.8 + 0.01 * s)}),
-    "env_tokens_trained": ("h02", {"h02/env_tokens_with_loss": series(lambda s: 180),
-                                   "h02/loss_share_tool": series(lambda s: 0.3)}),
-    "stale_sampler": ("h06", {"h06/logp_gap_mean": series(lambda s: 0.003 * s),
-                              "h06/parity_stale": [(0, 0.0), (10, 1.0)]}),
-    "std_epsilon": ("h01", {"h01/amplification_max": series(lambda s: 3e6)}),
-    "kl_tool_tokens": ("h03", {"h03/kl_env_tokens": series(lambda s: 40), "h03/kl_negative_share": series(lambda s: 0),
-                               "h02/kl_mask_equals_loss_mask": series(lambda s: 0)}),
-    "kl_flipped": ("h03", {"h03/kl_env_tokens": series(lambda s: 0), "h03/kl_negative_share": series(lambda s: 0.97),
-                           "h02/kl_mask_equals_loss_mask": series(lambda s: 1)}),
-    "tiny_budgets": ("h04", {"h04/budget_cap_share": series(lambda s: 0.9), "h04/no_answer_share": series(lambda s: 0.95),
-                             "h04/dropped_tool_results_share": series(lambda s: 0.4),
-                             "h05/answer_em/constant_group_share": series(lambda s: 1.0),
-                             "h05/answer_em/mean": series(lambda s: 0.0),
-                             "preflight/signal_share_forecast": [(0, 0.0)]}),
-    "first_turn_reward": ("h05", {"h05/answer_em/constant_group_share": series(lambda s: 1.0),
-                                  "h05/answer_em/mean": series(lambda s: 0.0),
-                                  "h05/answer_f1/constant_group_share": series(lambda s: 1.0),
-                                  "h05/answer_f1/mean": series(lambda s: 0.0)}),
-    "tiny_updates": ("h08", {"h08/update_weight_ratio": series(lambda s: 1e-5 * min(1, (s + 1) / 10)),
-                             "h08/kl_to_start": [(0, 0.0), (10, 2e-6)],
-                             "h08/grad_norm_after_clip": series(lambda s: 0.001)}),
+# What each planted fault leaves in the metric histories (its fingerprint, on top of clean()).
+FINGERPRINTS = {
+    "blind_context": {"h06/logp_gap_mean": series(lambda s: 0.8 + 0.01 * s)},
+    "env_tokens_trained": {"h02/env_tokens_with_loss": series(lambda s: 180),
+                           "h02/loss_share_tool": series(lambda s: 0.3)},
+    "stale_sampler": {"h06/logp_gap_mean": series(lambda s: 0.003 * s),
+                      "h06/parity_stale": [(0, 0.0), (10, 1.0)]},
+    "std_epsilon": {"h01/amplification_max": series(lambda s: 3e6)},
+    "kl_tool_tokens": {"h03/kl_env_tokens": series(lambda s: 40), "h03/kl_negative_share": series(lambda s: 0),
+                       "h02/kl_mask_equals_loss_mask": series(lambda s: 0)},
+    "kl_flipped": {"h03/kl_env_tokens": series(lambda s: 0), "h03/kl_negative_share": series(lambda s: 0.97),
+                   "h02/kl_mask_equals_loss_mask": series(lambda s: 1)},
+    "tiny_budgets": {"h04/budget_cap_share": series(lambda s: 0.9), "h04/no_answer_share": series(lambda s: 0.95),
+                     "h04/dropped_tool_results_share": series(lambda s: 0.4),
+                     "h05/answer_em/constant_group_share": series(lambda s: 1.0),
+                     "h05/answer_em/mean": series(lambda s: 0.0),
+                     "preflight/signal_share_forecast": [(0, 0.0)]},
+    "first_turn_reward": {"h05/answer_em/constant_group_share": series(lambda s: 1.0),
+                          "h05/answer_em/mean": series(lambda s: 0.0),
+                          "h05/answer_f1/constant_group_share": series(lambda s: 1.0),
+                          "h05/answer_f1/mean": series(lambda s: 0.0)},
+    "tiny_updates": {"h08/update_weight_ratio": series(lambda s: 1e-5 * min(1, (s + 1) / 10)),
+                     "h08/kl_to_start": [(0, 0.0), (10, 2e-6)],
+                     "h08/grad_norm_after_clip": series(lambda s: 0.001)},
 }
 
 
@@ -91,9 +93,9 @@ def test_clean_history_flags_nothing():
     assert {d["hypothesis"] for d in diag} >= {f"h0{i}" for i in range(1, 9)}  # every hypothesis accounted for
 
 
-@pytest.mark.parametrize("fault", sorted(FAULTS))
+@pytest.mark.parametrize("fault", sorted(FINGERPRINTS))
 def test_fault_fingerprint_names_its_hypothesis_first(fault):
-    want, changes = FAULTS[fault]
+    want, changes = FAULT_REGISTRY[fault].expected, FINGERPRINTS[fault]  # the finding its declaration expects
     diag = diagnose_metrics(with_(changes))
     top = diag[0]
     assert top["flagged"] and top["hypothesis"] == want, diag[:3]
@@ -102,13 +104,13 @@ def test_fault_fingerprint_names_its_hypothesis_first(fault):
 
 
 def test_stale_sampler_verdict_uses_the_probe_words():
-    diag = diagnose_metrics(with_(FAULTS["stale_sampler"][1]))
+    diag = diagnose_metrics(with_(FINGERPRINTS["stale_sampler"]))
     assert "sampler matches base, not trainer" in diag[0]["verdict"]
 
 
 def test_answer_reward_rule_needs_answers_to_exist():
     # constant zero answer reward WITH no answers is truncation (h04), not a blind reward (h05)
-    no_answers = with_({**FAULTS["first_turn_reward"][1], "h04/no_answer_share": series(lambda s: 0.9)})
+    no_answers = with_({**FINGERPRINTS["first_turn_reward"], "h04/no_answer_share": series(lambda s: 0.9)})
     assert not any(d["flagged"] and d["hypothesis"] == "h05" for d in diagnose_metrics(no_answers))
 
 
@@ -141,7 +143,7 @@ def _log_run(uri, exp_id, history, name):
 
 def test_diagnosis_round_trips_through_mlflow_and_the_cli(store, capsys):
     uri, exp_id = store
-    bad = _log_run(uri, exp_id, with_(FAULTS["env_tokens_trained"][1]), "fault-env_tokens_trained-s1")
+    bad = _log_run(uri, exp_id, with_(FINGERPRINTS["env_tokens_trained"]), "fault-env_tokens_trained-s1")
     good = _log_run(uri, exp_id, clean(), "clean-s1")
     diag = diagnose_run(bad, uri)
     assert top_flagged(diag) == "h02"

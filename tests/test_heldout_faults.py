@@ -19,7 +19,7 @@ from musique_rl.core import generation
 from musique_rl.env import rewards, tools
 from tests.conftest import compose_cfg
 
-out = {"hypotheses": sorted({hyp for hyp, _ in h.FAULTS.values()}), "n": len(h.FAULTS)}
+out = {"hypotheses": sorted({f.expected for f in h.HELD_OUT.values()}), "n": len(h.HELD_OUT)}
 cfg = compose_cfg([])
 tok = type("T", (), {"eos_token_id": 1, "pad_token_id": None})()
 before = generation.sampling_settings(cfg, tok, None)

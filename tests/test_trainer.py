@@ -10,6 +10,8 @@ import torch
 from omegaconf import OmegaConf
 
 from musique_rl.core import trainer as trainer_mod
+from musique_rl.core.faults import FAULTS
+from musique_rl.core.faults.blind_context import blind_attention
 from musique_rl.env import rewards
 from musique_rl.env.data import load_records
 from musique_rl.env.retrieval import build_retriever
@@ -143,9 +145,9 @@ def test_blind_context_fault_breaks_parity(tiny_cfg, warm_tiny, tmp_path):
 def test_blind_attention_hides_the_prompt_and_the_tool_results_only():
     attention = torch.tensor([[0, 1, 1, 1, 1, 1, 1, 0]])  # left-padded prompt of 3, completion of 5 (1 pad)
     tool_mask = torch.tensor([[1, 0, 0, 1, 1]])  # a tool result inside the completion
-    blind = trainer_mod.blind_attention(attention, 5, tool_mask)
+    blind = blind_attention(attention, 5, tool_mask)
     assert blind.tolist() == [[0, 0, 0, 1, 0, 0, 1, 0]]
-    assert trainer_mod.blind_attention(attention, 5).tolist() == [[0, 0, 0, 1, 1, 1, 1, 0]]
+    assert blind_attention(attention, 5).tolist() == [[0, 0, 0, 1, 1, 1, 1, 0]]
 
 
 def test_the_context_defect_acts_in_multi_turn_environments_only(tiny_cfg):
@@ -153,11 +155,16 @@ def test_the_context_defect_acts_in_multi_turn_environments_only(tiny_cfg):
     offered: the documents in the prompt, or env=arith) trains with its true mask."""
     from musique_rl.core import faults
 
+    attention, tool_mask = torch.ones(1, 8, dtype=torch.long), torch.ones(1, 5, dtype=torch.long)
+
+    def scored_blind(cfg) -> bool:  # the trainer's scoring passes would attend to less than the whole sequence
+        return not torch.equal(faults.of(cfg).attention_mask(attention, 5, tool_mask), attention)
+
     cfg = _cfg(tiny_cfg, {"fault": "blind_context"})
-    assert faults.blind_context(cfg)
+    assert scored_blind(cfg)
     OmegaConf.update(cfg, "env.supporting_in_prompt", True)
-    assert not faults.blind_context(cfg)
-    assert not faults.blind_context(_cfg(tiny_cfg, {}))
+    assert not scored_blind(cfg)
+    assert not scored_blind(_cfg(tiny_cfg, {}))
 
 
 def test_importance_sampling_settings_map_onto_trl_names(tiny_cfg):
@@ -377,10 +384,10 @@ def test_kl_faults_flip_the_penalty_or_put_it_on_tool_tokens(tiny_cfg, warm_tiny
     clean = tr._compute_loss(tr.model, out).item()
     kl = tr._metrics["train"]["kl"][-1]
     assert kl > 1e-4
-    tr._kl_sign = -1.0  # what faults.kl_sign gives under fault=kl_flipped
+    tr._fault = FAULTS["kl_flipped"](tr.musique_cfg)  # the hooks as fault=kl_flipped binds them
     flipped = tr._compute_loss(tr.model, out).item()
     assert flipped == pytest.approx(clean - 2 * 0.04 * kl, rel=1e-3, abs=1e-6)
-    tr._kl_sign, tr._kl_env = 1.0, True  # faults.kl_on_env_tokens under fault=kl_tool_tokens
+    tr._fault = FAULTS["kl_tool_tokens"](tr.musique_cfg)
     assert tr._compute_loss(tr.model, out).item() > clean + 1e-6
     wired = _trainer(_cfg(tiny_cfg, {"fault": "kl_flipped", "loss.beta": 0.04}), copy.deepcopy(model), tok, tmp_path)
-    assert wired._kl_sign == -1.0 and not wired._kl_env
+    assert type(wired._fault) is FAULTS["kl_flipped"]

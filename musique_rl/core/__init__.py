@@ -1,6 +1,6 @@
 """The RL core: models, generation, token-exact multi-turn rollouts, the GRPO trainer, warm starts.
 
 Imports the environment layer only; the diagnostics and the experiment layer sit above it and
-hand it what it needs (the instruments object, callbacks). faults holds the planted-defect
-switches the rollout and trainer consult; devices the process, GPU and port rules.
+hand it what it needs (the instruments object, callbacks). faults declares the planted
+defects, one module each, and the hooks the rollout and trainer call; devices the process, GPU and port rules.
 """

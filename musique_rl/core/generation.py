@@ -428,15 +428,13 @@ def build_generator(
     *,
     model: Any = None,
     trainer: Any = None,
-    frozen: bool = False,
     temperature: float | None = None,
     backend: str | None = None,
 ) -> HFGenerator | VLLMServerGenerator | VLLMColocateGenerator:
     """The backend named by ``train.backend``.
 
     ``trainer``: bind to a GRPOTrainer (current weights every rollout). ``model``: sample from this
-    model as it is (evaluation). ``frozen``: sample from a frozen copy of the weights as they are
-    now (the planted fault ``stale_sampler``: the sampler never sees an update).
+    model as it is (evaluation).
     """
     settings = sampling_settings(cfg, tokenizer, generation_config_of(model if model is not None else _policy_of(trainer)))
     if temperature is not None:
@@ -445,8 +443,6 @@ def build_generator(
     if backend == "vllm":
         if trainer is None:
             raise ValueError("train.backend=vllm samples through the trainer's vLLM server; evaluation uses hf")
-        if frozen:
-            raise ValueError("fault=stale_sampler is implemented for train.backend=hf only")
         if getattr(trainer.args, "vllm_mode", "server") == "colocate":
             return VLLMColocateGenerator(trainer, settings)
         return VLLMServerGenerator(trainer, settings)
@@ -454,13 +450,10 @@ def build_generator(
         raise ValueError(f"train.backend={backend!r}: expected 'hf', 'paged' or 'vllm'")
     in_process = PagedGenerator if backend == "paged" else HFGenerator
     if trainer is not None:
-        if frozen:
-            source = trainer.accelerator.unwrap_model(trainer.model)
-            return in_process(frozen_copy(source), tokenizer, settings)
         return in_process(trainer_model_source(trainer), tokenizer, settings)
     if model is None:
         raise ValueError("build_generator needs a model or a trainer")
-    return in_process(frozen_copy(model) if frozen else model, tokenizer, settings)
+    return in_process(model, tokenizer, settings)
 
 
 def frozen_copy(model: Any) -> Any:

@@ -39,7 +39,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from musique_rl.core.faults import env_mask_value
+from musique_rl.core import faults
 from musique_rl.env import parsing, prompts, tools
 
 log = logging.getLogger(__name__)
@@ -225,7 +225,9 @@ class RolloutEngine:
         self.records_by_id = records_by_id
         self.chat = ChatTokens(tokenizer, cfg.env)
         self.fmt = str(cfg.model.tool_call_format)
-        self.env_token_mask = env_mask_value(cfg)  # 0 normally; 1 under train.mask_env_tokens=false
+        # env_mask of tool-result and template tokens: 0 keeps them out of loss and KL; 1 under
+        # train.mask_env_tokens=false (hypothesis h02's treatment) or the planted fault's choice
+        self.env_token_mask = faults.of(cfg).env_mask_value(0 if bool(cfg.train.mask_env_tokens) else 1)
         for key in ("max_turns", "max_tokens_per_turn", "max_completion_tokens", "max_prompt_tokens"):
             if int(self.env[key]) < 1:
                 raise ValueError(f"env.{key}={self.env[key]}: must be >= 1")

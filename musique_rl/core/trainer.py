@@ -16,13 +16,15 @@ max_grad_norm, temperature / top_p / top_k; PEFT ``LoraConfig``) and hands TRL o
   - ``_generate_and_score_completions``: also attaches per-token sources (assistant / tool /
     template) and calls the diagnostics (``instruments.observe_batch``; parity probe after each
     weight sync).
-  - ``_compute_loss``: calls TRL's loss; adds the planted KL faults and ``instruments.observe_loss``.
-  - ``_get_per_token_logps_and_entropies``: under the planted fault ``blind_context``, every forward
-    pass of the trainer (loss, old and reference log-probs) gets the loss mask as attention mask in
-    a multi-turn environment (``blind_attention``).
+  - ``_compute_loss``: calls TRL's loss with the KL coefficient and mask the job's fault gives,
+    and ``instruments.observe_loss``.
+  - ``_get_per_token_logps_and_entropies``: every forward pass of the trainer (loss, old and
+    reference log-probs) gets the attention mask the job's fault gives (the planted
+    ``blind_context`` hides the context there).
 With ``train.importance_sampling`` set on the HF backend, TRL's vLLM importance-sampling correction
 runs as it would with vLLM (``_as_vllm``): TRL gates that code on ``use_vllm`` only.
-Every planted fault is switched in musique_rl/core/faults.py and is off by default.
+A planted fault (musique_rl/core/faults/, off by default) acts through its hooks, each called once
+here: rewards, attention mask, KL coefficient and mask, sampler model.
 
 Reference model for the KL (beta > 0): under PEFT, TRL disables the adapter (no second copy);
 with full fine-tuning, TRL loads a reference copy.
@@ -97,20 +99,6 @@ def group_advantages(
     return torch.nan_to_num(advantages, nan=0.0)
 
 
-def blind_attention(attention_mask: torch.Tensor, width: int, tool_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """The planted fault blind_context (verifiers 0.1.x): the forward pass's attention mask was the
-    loss mask, so the prompt and the tool results were invisible when the assistant tokens were
-    scored (only in a multi-turn environment: ``faults.blind_context``).
-
-    ``attention_mask``: (N, P + C) prompt then completion (``width`` = C); ``tool_mask``: (N, C), 0 on
-    environment tokens.
-    """
-    completion = attention_mask[:, -width:]
-    if tool_mask is not None:
-        completion = completion * tool_mask.to(completion.dtype)
-    return torch.cat([torch.zeros_like(attention_mask[:, :-width]), completion], dim=1)
-
-
 # ``train.importance_sampling=auto`` with vLLM. Not TRL's default sequence_mask: one ratio per
 # sequence multiplies the per-token ratios of thousands of tokens, so ordinary bf16 noise between
 # sampler and trainer (0.036 nats/token mean on an H100, 7B shape) puts a 4096-token sequence's ratio
@@ -149,7 +137,7 @@ class MusiqueGRPOTrainer(GRPOTrainer):
     (``model``, ``reward_funcs``, ``args``, ``train_dataset``, ``processing_class``, ``peft_config``).
     ``engine`` is the RolloutEngine whose ``rollout_func`` TRL calls; it samples through
     ``self.musique_generator``, built here once TRL has made its model (and vLLM engine, if any):
-    a frozen copy under the planted fault stale_sampler, else the trained model itself.
+    ``sampler_model`` when one is given (the planted fault stale_sampler), else the trained model itself.
     """
 
     def __init__(
@@ -173,14 +161,12 @@ class MusiqueGRPOTrainer(GRPOTrainer):
         self._adv_epsilon = float(cfg.loss.adv_epsilon)
         self._last_rewards: torch.Tensor | None = None
         self._captured_logps: torch.Tensor | None = None
-        self._blind = faults.blind_context(cfg)
-        self._blind_tool_mask: torch.Tensor | list | None = None  # the rows' env masks while blind passes run
+        self._fault = faults.of(cfg)  # the planted fault's hooks (a clean run's leave everything as is)
+        self._scoring_tool_mask: torch.Tensor | list | None = None  # the rows' env masks while scoring passes run
         self._last_attention: torch.Tensor | None = None  # the attention mask of the last scoring pass
         # TRL applies its importance-sampling correction only with use_vllm; on the HF backend with a
         # mode set, _generate_and_score_completions and _compute_loss run with use_vllm raised.
         self._hf_is = str(cfg.train.backend) != "vllm" and str(cfg.train.importance_sampling) not in ("auto", "off")
-        self._kl_env = faults.kl_on_env_tokens(cfg)
-        self._kl_sign = faults.kl_sign(cfg)
         tokenizer = self.processing_class
         if sampler_model is not None:
             self.musique_generator = HFGenerator(sampler_model, tokenizer, sampling_settings(cfg, tokenizer, generation_config_of(sampler_model)))
@@ -230,18 +216,13 @@ class MusiqueGRPOTrainer(GRPOTrainer):
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
-        jitter = faults.reward_jitter(self.musique_cfg)
-        if jitter:  # planted fault std_epsilon: float-level reward noise (faults.reward_jitter)
-            gen = torch.Generator().manual_seed(int(self.state.global_step))  # CPU: the same noise on any device
-            noise = torch.randn(rewards_per_func.shape, generator=gen, dtype=torch.float64)
-            noisy = rewards_per_func.double() + jitter * noise.to(rewards_per_func.device)
-            rewards_per_func = noisy.to(rewards_per_func.dtype)
+        rewards_per_func = self._fault.rewards(rewards_per_func, int(self.state.global_step))
         self._last_rewards_per_func = rewards_per_func  # gathered over all processes
         return rewards_per_func
 
     def _generate(self, prompts: list):
         result = super()._generate(prompts)
-        self._blind_tool_mask = result[2] if self._blind else None  # tool_mask lists (or None), one per completion
+        self._scoring_tool_mask = result[2]  # tool_mask lists (or None), one per completion
         return result
 
     @contextmanager
@@ -264,7 +245,7 @@ class MusiqueGRPOTrainer(GRPOTrainer):
             with self._as_vllm():
                 output = super()._generate_and_score_completions(inputs)
         finally:
-            self._blind_tool_mask = None
+            self._scoring_tool_mask = None
         mode = "train" if self.model.training else "eval"
         num_generations = self.num_generations if mode == "train" else self.num_generations_eval
         rpf = self._last_rewards_per_func
@@ -351,15 +332,14 @@ class MusiqueGRPOTrainer(GRPOTrainer):
         self.merge_metrics(metrics)  # after train() is restored: merge_metrics files by model.training
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
-        if self._blind:  # every scoring pass of a blind trainer: old, reference and loss log-probs
-            tool_mask = self._blind_tool_mask
-            if isinstance(tool_mask, list):  # during generation: TRL's unpadded lists, padded as TRL pads them
-                from trl.trainer.utils import pad
+        tool_mask = self._scoring_tool_mask
+        if isinstance(tool_mask, list):  # during generation: TRL's unpadded lists, padded as TRL pads them
+            from trl.trainer.utils import pad
 
-                tool_mask = pad([torch.tensor(m) for m in tool_mask], padding_value=1, padding_side="right",
-                                pad_to_multiple_of=self.pad_to_multiple_of)
-            attention_mask = blind_attention(attention_mask, logits_to_keep,
-                                             None if tool_mask is None else tool_mask.to(attention_mask.device))
+            tool_mask = pad([torch.tensor(m) for m in tool_mask], padding_value=1, padding_side="right",
+                            pad_to_multiple_of=self.pad_to_multiple_of)
+        attention_mask = self._fault.attention_mask(attention_mask, logits_to_keep,
+                                                    None if tool_mask is None else tool_mask.to(attention_mask.device))
         self._last_attention = attention_mask
         logps, entropies, aux = super()._get_per_token_logps_and_entropies(
             model, input_ids, attention_mask, logits_to_keep, *args, **kwargs
@@ -375,41 +355,38 @@ class MusiqueGRPOTrainer(GRPOTrainer):
         completion_mask = inputs["completion_mask"]
         tool_mask = inputs.get("tool_mask")
         loss_mask = completion_mask if tool_mask is None else completion_mask * tool_mask
-        if self._blind:  # planted fault: _get_per_token_logps_and_entropies blinds the forward pass
-            self._blind_tool_mask = tool_mask
+        self._scoring_tool_mask = tool_mask  # for the scoring pass's attention mask
         self._captured_logps = None
         self._last_attention = None
         beta = self.beta
-        if self._kl_sign < 0:
-            # Planted fault kl_flipped: TRL adds beta * KL to the per-token loss and normalises it
-            # with the policy loss (per loss_type, across micro-batches); a negated beta makes that
-            # exact term reward drifting away from the reference.
-            self.beta = -beta
+        # TRL adds beta * KL to the per-token loss and normalises it with the policy loss (per
+        # loss_type, across micro-batches): the fault's coefficient (kl_flipped: negated) takes its place.
+        applied_beta = self._fault.kl_beta(beta)
+        self.beta = applied_beta
         try:
             with self._as_vllm():
                 loss = super()._compute_loss(model, inputs)
         finally:
             self.beta = beta
-            self._blind_tool_mask = None
+            self._scoring_tool_mask = None
         per_token_logps = self._captured_logps
-        attention = self._last_attention  # what the scoring pass attended to (blind under the fault)
+        attention = self._last_attention  # what the scoring pass attended to (blind under blind_context)
         if attention is None:
             attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
         per_token_kl = kl_mask = kl_penalty = None
         if self.beta != 0.0 and per_token_logps is not None:
             ref = inputs["ref_per_token_logps"]
             per_token_kl = torch.exp(ref - per_token_logps) - (ref - per_token_logps) - 1  # TRL's k3
-            kl_mask = loss_mask
-            if self._kl_env and tool_mask is not None:
-                # Planted fault kl_tool_tokens: TRL has put beta * KL on the loss mask; add it on
-                # the environment tokens too, per token of this micro-batch's loss mask and
+            kl_mask = self._fault.kl_mask(loss_mask, completion_mask)
+            if kl_mask is not loss_mask:
+                # A wider KL mask (planted fault kl_tool_tokens): TRL has put beta * KL on the loss
+                # mask; add it on the extra tokens, per token of this micro-batch's loss mask and
                 # divided over the accumulated micro-batches as TRL divides its own loss.
-                kl_mask = completion_mask.float()
-                extra = (completion_mask * (1 - tool_mask)).float()
+                extra = (kl_mask.float() - loss_mask.float()).clamp(min=0.0)
                 if extra.sum() > 0:
                     per_micro = (per_token_kl * extra).sum() / loss_mask.sum().clamp(min=1.0)
-                    loss = loss + self.beta * per_micro / self._accumulation_steps()
-            kl_penalty = self._kl_sign * self.beta * per_token_kl * kl_mask
+                    loss = loss + applied_beta * per_micro / self._accumulation_steps()
+            kl_penalty = applied_beta * per_token_kl * kl_mask
         if self.instruments is not None and per_token_logps is not None:
             self.merge_metrics(
                 self.instruments.observe_loss(
@@ -661,7 +638,7 @@ def build_trainer(
     """The configured MusiqueGRPOTrainer, its rollout engine and generator bound."""
     peft_config = lora_config(cfg)
     # Frozen copies are made BEFORE TRL patches the model's forward (fused LM head) and wraps it.
-    sampler_model = frozen_copy(model) if faults.stale_sampler(cfg) else None
+    sampler_model = faults.of(cfg).sampler_model(model)  # None: the sampler is the trained model
     base_model = None
     if instruments is not None and peft_config is None and getattr(instruments, "enabled", False):
         small = sum(p.numel() for p in model.parameters()) <= 2e9
