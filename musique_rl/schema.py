@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
+from pathlib import Path
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
@@ -32,7 +33,14 @@ from musique_rl.core.config import (  # noqa: F401  (the groups' types and enums
 from musique_rl.core.faults import FAULTS
 from musique_rl.diagnostics.config import DiagnosticsConfig
 from musique_rl.env import config as env_config
-from musique_rl.env.config import CONF_DIR, ArithConfig, ReadOnly, RetrievalScope, RewardConfig, SyntheticConfig  # noqa: F401
+from musique_rl.env.config import (  # noqa: F401
+    CONF_DIR,
+    ArithConfig,
+    ReadOnly,
+    RetrievalScope,
+    RewardConfig,
+    SyntheticConfig,
+)
 from musique_rl.env.policies import POLICIES
 from musique_rl.env.retrieval import RETRIEVERS
 from musique_rl.env.tasks import TASKS
