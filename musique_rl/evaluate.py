@@ -47,10 +47,11 @@ def run_dir() -> Path:
 
 def policy_episodes(cfg: Any, records: list[dict]) -> Iterator[dict]:
     """Episodes of ``cfg.policy`` over ``records`` (replay: over the stored file)."""
-    if str(cfg.policy) != "model":
+    if cfg.policy != "model":
         from musique_rl.env.policies import POLICIES
 
-        return POLICIES[cfg.policy](cfg, records)
+        return POLICIES[cfg.policy](cfg.env, records, tool_call_format=cfg.model.tool_call_format,
+                                    replay_path=cfg.replay_path)
     from musique_rl.core.devices import place, shard_and_gather
     from musique_rl.core.models import load_model
     from musique_rl.core.rollout import run_model_episodes
@@ -141,10 +142,13 @@ def _track(metrics: dict, out: Path) -> None:
 
 def evaluate(cfg: Any) -> float:
     """Run ``cfg.policy`` over ``cfg.env.data``; print and save the metrics; return the mean reward."""
+    from musique_rl.schema import job_config
+
+    cfg = job_config(cfg)  # the one place an eval job's composed DictConfig becomes its typed, read-only Config
     check_weights(cfg.reward)
     check_task(cfg.reward, cfg.env)
     data_stats: dict = {}
-    records = load_records(cfg.env.data, cfg.env, int(cfg.seed), stats=data_stats)
+    records = load_records(cfg.env.data, cfg.env, cfg.seed, stats=data_stats)
     records_by_id = {r["id"]: r for r in records}
     policy = str(cfg.policy)
     hint = len(records) if policy in ("oracle", "no_tool", "model") else None

@@ -153,11 +153,14 @@ class Config(ReadOnly):  # a core.config.JobConfig (and diagnostics.config.Instr
     gpu: GpuSettings = field(default_factory=GpuSettings)
 
 
-def job_config(cfg: DictConfig) -> Config:
+def job_config(cfg: DictConfig | Config) -> Config:
     """The composed config as typed read-only objects: ``Config`` and its groups (``ReadOnly``),
     every interpolation resolved. Called once where a job starts (train, evaluate, the GPU
     topology); each layer then receives the groups it reads. Tracking keeps the DictConfig (the
-    MLflow params are its flattened keys)."""
+    MLflow params are its flattened keys). A ``Config`` passes through: a caller that holds the
+    typed config already (app.run, a test) hands it on as is."""
+    if isinstance(cfg, Config):
+        return cfg
     if not OmegaConf.is_config(cfg):
         raise TypeError(f"schema.job_config takes a composed DictConfig, not {type(cfg).__name__}")
     typed = cfg if OmegaConf.get_type(cfg) is Config else OmegaConf.merge(OmegaConf.structured(Config), cfg)

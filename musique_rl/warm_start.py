@@ -26,12 +26,13 @@ SHIPPED_CONFIGS: dict[str, list[str]] = {"default": [], "arith": ["env=arith", "
 
 
 def compose_config(overrides: list[str]) -> Any:
+    """The typed config (``schema.job_config``) of ``python -m musique_rl <overrides>``."""
     from hydra import compose, initialize_config_dir
 
-    from musique_rl.schema import CONF_DIR  # registers the schema too
+    from musique_rl.schema import CONF_DIR, job_config  # registers the schema too
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return compose("train", overrides=["tracking.enabled=false", *overrides])
+        return job_config(compose("train", overrides=["tracking.enabled=false", *overrides]))
 
 
 def ship(force: bool = False) -> list[Path]:

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
-from omegaconf import OmegaConf
+from conftest import with_keys
 
 from musique_rl.core.generation import build_generator
 from musique_rl.core.rollout import ChatTokens, RolloutEngine
@@ -16,10 +14,7 @@ from tests.scripted import ScriptedGenerator, sampled_runs
 
 
 def _cfg(tiny_cfg, **env):
-    cfg = copy.deepcopy(tiny_cfg)
-    for k, v in env.items():
-        OmegaConf.update(cfg, k, v)
-    return cfg
+    return with_keys(tiny_cfg, env)
 
 
 def _scripted_run(raw_tiny, cfg, n=6):

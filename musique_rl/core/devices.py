@@ -13,6 +13,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from musique_rl.core.config import JobConfig
+
 ROLE_ENV = "MUSIQUE_RL_GPU_ROLE"  # "trainer" inside the accelerate-launched processes (gpu_job.py)
 
 
@@ -48,9 +50,9 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def resolve_vllm_mode(cfg: Any, gpus: list[str] | None = None, env: dict[str, str] | None = None) -> str:
+def resolve_vllm_mode(cfg: JobConfig, gpus: list[str] | None = None, env: dict[str, str] | None = None) -> str:
     """``train.vllm_mode`` with ``auto`` decided: colocate on one GPU, server on two or more."""
-    mode = str(cfg.train.vllm_mode)
+    mode = cfg.train.vllm_mode
     if mode not in ("auto", "colocate", "server"):
         raise ValueError(f"train.vllm_mode={mode!r}: expected auto, colocate or server")
     if mode != "auto":

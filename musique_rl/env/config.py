@@ -11,15 +11,19 @@ the enum of its registry's names, so a typo still fails at composition (a StrEnu
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, TypeVar
 
-from omegaconf import MISSING
+from omegaconf import MISSING, OmegaConf
 
 # The package's config tree (package data, so a wheel installed anywhere finds it).
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+
+G = TypeVar("G")
+
 
 class RetrievalScope(StrEnum):
     question = "question"  # the record's own paragraphs (as the seeds' vf_musique)
@@ -105,12 +109,30 @@ class RewardConfig(ReadOnly):
     shuffle_within_batch: bool = False  # negative control: permute rewards inside each batch
 
 
-def with_env(env: EnvConfig, **changes: Any) -> EnvConfig:
-    """``env`` with ``changes`` (env.* keys; ``synthetic``/``arith`` as dicts of their keys), a new
-    read-only object: a warm start's or a gate shape's fixed environment over a run's."""
-    for group in ("synthetic", "arith"):
-        if isinstance(changes.get(group), dict):
-            changes[group] = dataclasses.replace(getattr(env, group), **changes[group])
-    if isinstance(changes.get("scope"), str):
-        changes["scope"] = RetrievalScope(changes["scope"])
-    return dataclasses.replace(env, **changes)
+@dataclass
+class WarmStartConfig(ReadOnly):
+    """The fixed setting a task's warm start for ``model=tiny`` is built in, whatever the run's:
+    musique_rl/conf/warm_start/<task>.yaml. A warm start is a fixed artifact (like a downloaded
+    checkpoint), so both arms of a sweep that changes the env (h04's small budgets, another
+    retriever) start from the same weights. Both are hashed into the warm start's key
+    (core/tiny_model.py build_settings), so changing a value here means a new warm start."""
+
+    env: Dict[str, Any] = field(default_factory=dict)  # env.* keys the warm start is trained and gated in
+    tiny: Dict[str, Any] = field(default_factory=dict)  # model.tiny.* keys the task's own SFT recipe replaces
+
+
+def warm_start_config(task: str) -> WarmStartConfig:
+    """The warm-start setting of ``task`` (an ``env.task`` name), from its config file."""
+    path = CONF_DIR / "warm_start" / f"{task}.yaml"
+    if not path.is_file():
+        raise FileNotFoundError(f"env.task={task}: no warm-start config {path} (every task has one: its env.* and "
+                                "model.tiny.* for model=tiny)")
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(WarmStartConfig), OmegaConf.load(path)))
+
+
+def overlay(group: G, changes: Mapping[str, Any]) -> G:
+    """A new read-only ``group`` with ``changes`` (its keys; a nested group's as a dict) merged in
+    through its schema: a value takes the field's type (6 becomes 6.0 in a float field, as in a
+    composed config) and an unknown key fails naming it. For a warm start's or a gate shape's
+    fixed setting over a run's."""
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(group), dict(changes)))
