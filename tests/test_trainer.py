@@ -263,6 +263,27 @@ def test_config_reaches_grpo_config(tiny_cfg, tmp_path):
     assert args.per_device_train_batch_size == 8 and args.num_generations == 4
 
 
+def test_every_loss_and_lora_key_reaches_trl_and_peft_by_name(tiny_cfg, tmp_path):
+    """The loss and lora groups are TRL's / PEFT's fields by name (passed through, not copied one by
+    one): every key but our own (adv_epsilon, enabled) arrives with the configured value, and a plain
+    string, not our enum, so a checkpoint's training arguments load without this package."""
+    import dataclasses
+    from enum import Enum
+
+    cfg = _cfg(tiny_cfg, {"loss.epsilon": 0.15, "loss.learning_rate": 3e-4, "loss.warmup_steps": 3,
+                          "lora.enabled": True, "lora.r": 4, "lora.lora_alpha": 8, "lora.lora_dropout": 0.05,
+                          "lora.target_modules": ["q_proj", "v_proj"]})
+    args = trainer_mod.grpo_config(cfg, tmp_path)
+    for key, value in dataclasses.asdict(cfg.loss).items():
+        if key not in trainer_mod.LOSS_OWN_KEYS:
+            assert getattr(args, key) == value and not isinstance(getattr(args, key), Enum), key
+    assert not hasattr(args, "adv_epsilon")
+    peft = trainer_mod.lora_config(cfg)
+    assert (peft.r, peft.lora_alpha, peft.lora_dropout, set(peft.target_modules), peft.bias) == (
+        4, 8, 0.05, {"q_proj", "v_proj"}, "none")
+    assert trainer_mod.lora_config(_cfg(tiny_cfg, {})) is None  # lora.enabled=false: full fine-tuning
+
+
 def test_micro_batch_size_sets_trls_accumulation_and_bad_values_name_the_key(tiny_cfg, tmp_path):
     cfg = _cfg(tiny_cfg, {"train.prompts_per_step": 4, "train.num_generations": 4, "train.micro_batch_size": 4})
     args = trainer_mod.grpo_config(cfg, tmp_path)

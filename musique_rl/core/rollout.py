@@ -228,9 +228,6 @@ class RolloutEngine:
         self.chat = ChatTokens(tokenizer, cfg.env)
         self.fmt = cfg.model.tool_call_format
         self.env_token_mask = env_mask_value(cfg)  # 0 normally; 1 under train.mask_env_tokens=false
-        for key in ("max_turns", "max_tokens_per_turn", "max_completion_tokens", "max_prompt_tokens"):
-            if int(self.env[key]) < 1:
-                raise ValueError(f"env.{key}={self.env[key]}: must be >= 1")
         self.last_episodes: list[Episode] = []
 
     # -- construction of one episode
