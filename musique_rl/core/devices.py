@@ -15,7 +15,11 @@ from typing import Any
 
 from musique_rl.core.config import JobConfig
 
-ROLE_ENV = "MUSIQUE_RL_GPU_ROLE"  # "trainer" inside the accelerate-launched processes (gpu_job.py)
+# "trainer" inside the accelerate-launched processes (gpu_job.py). An environment variable, not a
+# config key: it is no setting of the run but the role a parent process gives the processes it
+# spawns (accelerate launch passes the environment to every rank), so that they train instead of
+# starting another topology; a user never sets it.
+ROLE_ENV = "MUSIQUE_RL_GPU_ROLE"
 
 
 def place(model: Any) -> Any:
