@@ -181,8 +181,9 @@ def score_episode(record: dict, messages: Any, read_turn: str = "last") -> dict[
 
 @dataclass(frozen=True)
 class RewardSpec:
-    """The ``reward`` group as plain Python. Why: reading an OmegaConf node costs ~50 us a key,
-    which made ``total`` 100x slower than scoring; build this once per reward function."""
+    """The ``reward`` group as plain Python, its weights a tuple. Why: a caller may still hand an
+    OmegaConf node (reading one costs ~50 us a key, which made ``total`` 100x slower than
+    scoring); build this once per reward function."""
 
     name: str
     weights: tuple[tuple[str, float], ...]
@@ -199,7 +200,7 @@ def as_spec(reward_cfg: RewardConfig) -> RewardSpec:
         weights=tuple((str(k), float(v)) for k, v in reward_cfg.weights.items()),
         normalizer=reward_cfg.normalizer,
         hop_scale=reward_cfg.hop_scale,
-        shuffle_within_batch=bool(getattr(reward_cfg, "shuffle_within_batch", False)),
+        shuffle_within_batch=reward_cfg.shuffle_within_batch,
     )
 
 
