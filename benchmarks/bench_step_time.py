@@ -58,7 +58,7 @@ def run_arm(arm: str, cfg, model, tok, records, steps: int, profile: bool = Fals
             args.save_strategy = "no"
             tr = GRPOTrainer(
                 model=copy.deepcopy(model), reward_funcs=[reward_fn], args=args,
-                train_dataset=prompt_dataset(cfg, records), processing_class=tok,
+                train_dataset=prompt_dataset(cfg.env, records), processing_class=tok,
             )
         tr.args.save_strategy = "no"
         prof = cProfile.Profile() if profile else None

@@ -154,7 +154,7 @@ def layout(cfg: Config, gpus: int, mode: str, *, card_gib: float | None, acceler
     chosen, errors = None, []
     for world in candidates:
         try:
-            chosen = (world, *batch_layout(cfg, world))
+            chosen = (world, *batch_layout(cfg.train, world))
             break
         except ValueError as e:
             errors.append(str(e))
@@ -163,7 +163,7 @@ def layout(cfg: Config, gpus: int, mode: str, *, card_gib: float | None, acceler
         raise TopologyError(f"no trainer layout on {gpus} GPU(s) in {mode} mode{tried}: {errors[0]}")
     world, micro, accumulation = chosen
     zero3 = world > 1 and (_zero3(accelerate_config) if zero3 is None else zero3)
-    context = vllm_context_length(cfg)
+    context = vllm_context_length(cfg.env)
     out = Layout(mode=mode, gpus=gpus, trainer_processes=world, vllm_gpus=gpus - world if mode == "server" else 0,
                  episodes_per_process=micro * accumulation, micro_batch=micro, accumulation=accumulation,
                  max_model_len=context, zero3=zero3)
@@ -279,7 +279,7 @@ def wants_topology(cfg: Config, env: dict[str, str] | None = None) -> bool:
     env = os.environ if env is None else env
     if cfg.train.backend != "vllm" or cfg.mode != "train" or env.get(ROLE_ENV) == "trainer":
         return False
-    mode = resolve_vllm_mode(cfg, env=env)
+    mode = resolve_vllm_mode(cfg.train, env=env)
     if mode == "server":
         return True
     return int(env.get("WORLD_SIZE", "1") or 1) == 1 and len(visible_gpus(env)) >= 2
@@ -295,7 +295,7 @@ def plan(cfg: Config, *, gpus: list[str], job_dir: Path, overrides: list[str],
     ``train.vllm_mode`` resolved for these GPUs), after ``layout`` checked batch, context and memory
     on cards of ``card_gib``; pure (tests check it as strings)."""
     env = os.environ if env is None else env
-    mode = mode or resolve_vllm_mode(cfg, gpus=gpus, env={k: v for k, v in env.items() if k != ROLE_ENV})
+    mode = mode or resolve_vllm_mode(cfg.train, gpus=gpus, env={k: v for k, v in env.items() if k != ROLE_ENV})
     accelerate_config = Path(cfg.gpu.accelerate_config or DEFAULT_ACCELERATE_CONFIG)
     lay = layout(cfg, len(gpus), mode, card_gib=card_gib, accelerate_config=accelerate_config)
     notes = []
@@ -379,8 +379,8 @@ def preflight(cfg: Config, processes: int) -> None:
 
     if cfg.model.name_or_path != "tiny":
         resolve_attention(cfg.model.attn_implementation)  # flash-attn asked for and absent: fail now
-    batch_layout(cfg, processes)
-    if cfg.train.backend != "vllm" or resolve_vllm_mode(cfg) != "colocate":
+    batch_layout(cfg.train, processes)
+    if cfg.train.backend != "vllm" or resolve_vllm_mode(cfg.train) != "colocate":
         return
     # launched: accelerate says whether these processes run ZeRO-3 (whatever config file launched them)
     zero3 = os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE") == "3"

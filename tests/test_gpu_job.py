@@ -98,12 +98,12 @@ def test_one_gpu_is_refused_in_server_mode_with_the_fix_named(cfg7b, tmp_path):
 def test_auto_mode_colocates_on_one_gpu_and_serves_on_several(cfg7b, monkeypatch):
     cfg = cfg7b
     assert cfg.train.vllm_mode == "auto"
-    assert gpu_job.resolve_vllm_mode(cfg, env={"CUDA_VISIBLE_DEVICES": "0"}) == "colocate"
-    assert gpu_job.resolve_vllm_mode(cfg, env={"CUDA_VISIBLE_DEVICES": "0,1"}) == "server"
+    assert gpu_job.resolve_vllm_mode(cfg.train, env={"CUDA_VISIBLE_DEVICES": "0"}) == "colocate"
+    assert gpu_job.resolve_vllm_mode(cfg.train, env={"CUDA_VISIBLE_DEVICES": "0,1"}) == "server"
     # inside `accelerate launch` of several processes: one engine per process, never a nested topology
-    assert gpu_job.resolve_vllm_mode(cfg, env={"CUDA_VISIBLE_DEVICES": "0,1", "WORLD_SIZE": "2"}) == "colocate"
+    assert gpu_job.resolve_vllm_mode(cfg.train, env={"CUDA_VISIBLE_DEVICES": "0,1", "WORLD_SIZE": "2"}) == "colocate"
     cfg = with_keys(cfg7b, {"train.vllm_mode": "colocate"})
-    assert gpu_job.resolve_vllm_mode(cfg, env={"CUDA_VISIBLE_DEVICES": "0,1,2,3"}) == "colocate"
+    assert gpu_job.resolve_vllm_mode(cfg.train, env={"CUDA_VISIBLE_DEVICES": "0,1,2,3"}) == "colocate"
     monkeypatch.delenv(gpu_job.ROLE_ENV, raising=False)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
     assert not gpu_job.wants_topology(cfg7b)  # one GPU, auto: this process trains with vLLM colocated
@@ -285,7 +285,7 @@ def test_a_longest_turn_request_never_exceeds_the_context():
     per_turn, budget, prompt = int(env.max_tokens_per_turn), int(env.max_completion_tokens), int(env.max_prompt_tokens)
     used = [0, budget - 1, budget - per_turn, 5000]  # completion tokens so far of four live episodes
     limits = [min(per_turn, budget - u) for u in used]
-    assert max(prompt + u for u in used) + max(limits) <= vllm_context_length(cfg)
+    assert max(prompt + u for u in used) + max(limits) <= vllm_context_length(cfg.env)
     assert prompt + budget - 1 + max(limits) > prompt + budget  # the old context length was too short
 
 

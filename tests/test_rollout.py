@@ -114,7 +114,7 @@ def test_rollout_func_returns_what_trl_needs_in_order(raw_tiny, tiny_cfg):
     model, tok, records, _, _ = raw_tiny
     recs = records[:2]
     engine = RolloutEngine(tiny_cfg, tok, build_retriever(tiny_cfg.env, recs), {r["id"]: r for r in recs})
-    batch = [row["prompt"] for row in prompt_dataset(tiny_cfg, recs) for _ in range(3)]  # B x G, repeated in order
+    batch = [row["prompt"] for row in prompt_dataset(tiny_cfg.env, recs) for _ in range(3)]  # B x G, repeated in order
 
     class Trainer:
         musique_generator = build_generator(tiny_cfg, tok, model=model)

@@ -158,11 +158,11 @@ def test_the_context_defect_acts_in_multi_turn_environments_only(tiny_cfg):
 
 
 def test_importance_sampling_settings_map_onto_trl_names(tiny_cfg):
-    assert trainer_mod.importance_sampling_settings(_cfg(tiny_cfg, {})) == {}  # auto: TRL's own defaults
-    assert trainer_mod.importance_sampling_settings(_cfg(tiny_cfg, {"train.importance_sampling": "off"})) == {
+    assert trainer_mod.importance_sampling_settings(_cfg(tiny_cfg, {}).train) == {}  # auto: TRL's own defaults
+    assert trainer_mod.importance_sampling_settings(_cfg(tiny_cfg, {"train.importance_sampling": "off"}).train) == {
         "vllm_importance_sampling_correction": False}
     on = trainer_mod.importance_sampling_settings(_cfg(tiny_cfg, {"train.importance_sampling": "token_truncate",
-                                                                   "train.importance_sampling_clip_min": 0.5}))
+                                                                   "train.importance_sampling_clip_min": 0.5}).train)
     assert on == {"vllm_importance_sampling_correction": True, "vllm_importance_sampling_mode": "token_truncate",
                   "vllm_importance_sampling_clip_max": 3.0, "vllm_importance_sampling_clip_min": 0.5}
     with pytest.raises(Exception, match="importance_sampling"):
@@ -278,10 +278,10 @@ def test_every_loss_and_lora_key_reaches_trl_and_peft_by_name(tiny_cfg, tmp_path
         if key not in trainer_mod.LOSS_OWN_KEYS:
             assert getattr(args, key) == value and not isinstance(getattr(args, key), Enum), key
     assert not hasattr(args, "adv_epsilon")
-    peft = trainer_mod.lora_config(cfg)
+    peft = trainer_mod.lora_config(cfg.lora)
     assert (peft.r, peft.lora_alpha, peft.lora_dropout, set(peft.target_modules), peft.bias) == (
         4, 8, 0.05, {"q_proj", "v_proj"}, "none")
-    assert trainer_mod.lora_config(_cfg(tiny_cfg, {})) is None  # lora.enabled=false: full fine-tuning
+    assert trainer_mod.lora_config(_cfg(tiny_cfg, {}).lora) is None  # lora.enabled=false: full fine-tuning
 
 
 def test_micro_batch_size_sets_trls_accumulation_and_bad_values_name_the_key(tiny_cfg, tmp_path):
@@ -290,9 +290,9 @@ def test_micro_batch_size_sets_trls_accumulation_and_bad_values_name_the_key(tin
     assert (args.per_device_train_batch_size, args.gradient_accumulation_steps, args.steps_per_generation) == (4, 4, 4)
     assert args.generation_batch_size == 16  # one rollout of the whole step, then 4 micro-batches
     cfg = with_keys(cfg, {"train.micro_batch_size": None})
-    assert trainer_mod.batch_layout(cfg, 1) == (16, 1)
+    assert trainer_mod.batch_layout(cfg.train, 1) == (16, 1)
     cfg = with_keys(cfg, {"train.micro_batch_size": 64})  # more than the batch: the batch in one pass
-    assert trainer_mod.batch_layout(cfg, 1) == (16, 1)
+    assert trainer_mod.batch_layout(cfg.train, 1) == (16, 1)
     for bad in (3, 0, -2):
         cfg = with_keys(cfg, {"train.micro_batch_size": bad})
         with pytest.raises(ValueError, match=f"train.micro_batch_size={bad}: .*divide the 16 episodes"):
@@ -309,7 +309,7 @@ def test_vllm_modes_reach_grpo_config(tiny_cfg, tmp_path, monkeypatch):
     assert args.use_vllm and args.vllm_mode == "colocate" and args.vllm_gpu_memory_utilization == 0.45
     # the longest request a turn sends: prompt + completion so far + that turn's max_tokens
     assert args.vllm_max_model_length == cfg.env.max_prompt_tokens + cfg.env.max_completion_tokens + 48
-    assert args.vllm_max_model_length == trainer_mod.vllm_context_length(cfg)
+    assert args.vllm_max_model_length == trainer_mod.vllm_context_length(cfg.env)
     cfg = with_keys(cfg, {"train.vllm_mode": "server"})
     with pytest.raises(ValueError, match="train.vllm_server_port"):
         trainer_mod.grpo_config(cfg, tmp_path)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from musique_rl.core.config import JobConfig
+from musique_rl.core.config import TrainSettings
 
 # "trainer" inside the accelerate-launched processes (gpu_job.py). An environment variable, not a
 # config key: it is no setting of the run but the role a parent process gives the processes it
@@ -54,11 +54,9 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def resolve_vllm_mode(cfg: JobConfig, gpus: list[str] | None = None, env: dict[str, str] | None = None) -> str:
+def resolve_vllm_mode(t: TrainSettings, gpus: list[str] | None = None, env: dict[str, str] | None = None) -> str:
     """``train.vllm_mode`` with ``auto`` decided: colocate on one GPU, server on two or more."""
-    mode = cfg.train.vllm_mode
-    if mode not in ("auto", "colocate", "server"):
-        raise ValueError(f"train.vllm_mode={mode!r}: expected auto, colocate or server")
+    mode = t.vllm_mode
     if mode != "auto":
         return mode
     env = os.environ if env is None else env

@@ -43,7 +43,7 @@ import torch
 from trl import GRPOTrainer
 
 from musique_rl.core import checkpoints, faults
-from musique_rl.core.config import JobConfig
+from musique_rl.core.config import JobConfig, LoraConfig, TrainSettings
 from musique_rl.core.generation import (
     HFGenerator,
     build_generator,
@@ -53,6 +53,7 @@ from musique_rl.core.generation import (
 )
 from musique_rl.core.importance import importance_metrics
 from musique_rl.core.rollout import RolloutEngine
+from musique_rl.env.config import EnvConfig
 
 log = logging.getLogger(__name__)
 
@@ -124,11 +125,10 @@ def blind_attention(attention_mask: torch.Tensor, width: int, tool_mask: torch.T
 AUTO_IMPORTANCE_SAMPLING = "token_truncate"
 
 
-def importance_sampling_settings(cfg: JobConfig) -> dict[str, Any]:
+def importance_sampling_settings(t: TrainSettings) -> dict[str, Any]:
     """GRPOConfig's importance-sampling fields from ``train.importance_sampling`` (schema.py): auto
     is ``AUTO_IMPORTANCE_SAMPLING`` with vLLM (TRL applies it there) and nothing on the HF backend,
     whose sampler is the trained model itself."""
-    t = cfg.train
     mode = t.importance_sampling
     if mode == "auto":
         if t.backend != "vllm":
@@ -138,9 +138,9 @@ def importance_sampling_settings(cfg: JobConfig) -> dict[str, Any]:
         return {"vllm_importance_sampling_correction": False}
     return {
         "vllm_importance_sampling_correction": True,
-        "vllm_importance_sampling_mode": mode,
-        "vllm_importance_sampling_clip_max": None if t.importance_sampling_clip_max is None else t.importance_sampling_clip_max,
-        "vllm_importance_sampling_clip_min": None if t.importance_sampling_clip_min is None else t.importance_sampling_clip_min,
+        "vllm_importance_sampling_mode": _trl_value(mode),
+        "vllm_importance_sampling_clip_max": t.importance_sampling_clip_max,
+        "vllm_importance_sampling_clip_min": t.importance_sampling_clip_min,
     }
 
 
@@ -438,7 +438,7 @@ def num_processes() -> int:
     return int(process_state().num_processes)
 
 
-def batch_layout(cfg: JobConfig, world: int) -> tuple[int, int]:
+def batch_layout(t: TrainSettings, world: int) -> tuple[int, int]:
     """(episodes per forward/backward, micro-batches per optimizer step) on each process.
 
     One optimizer step always covers ``train.prompts_per_step x train.num_generations`` episodes:
@@ -449,13 +449,12 @@ def batch_layout(cfg: JobConfig, world: int) -> tuple[int, int]:
     loss_type dapo (tokens of the whole batch), grpo and dr_grpo (equal micro-batches); bnpo
     normalises per micro-batch by definition (tests/test_trainer.py).
     """
-    t = cfg.train
     P, G = t.prompts_per_step, t.num_generations
     if P % world:  # each process must hold whole groups: P x G episodes over `world` = P / world groups each
         raise ValueError(
             f"train.prompts_per_step x train.num_generations = {P} x {G} = {P * G} episodes per step cannot be split "
             f"into whole groups over {world} trainer processes (train.prompts_per_step must be a multiple of "
-            f"{world}). Nearest valid: {'; '.join(nearest_batch_settings(cfg, world))}"
+            f"{world}). Nearest valid: {'; '.join(nearest_batch_settings(t, world))}"
         )
     local = P * G // world
     # At most micro_batch_size episodes per pass: a model config's default (musique_rl/conf/model) may exceed a
@@ -465,7 +464,7 @@ def batch_layout(cfg: JobConfig, world: int) -> tuple[int, int]:
         raise ValueError(
             f"train.micro_batch_size={t.micro_batch_size}: must be >= 1 and divide the {local} episodes each of the "
             f"{world} process(es) trains per step (train.prompts_per_step x train.num_generations / processes). "
-            f"Nearest valid: {'; '.join(nearest_batch_settings(cfg, world))}"
+            f"Nearest valid: {'; '.join(nearest_batch_settings(t, world))}"
         )
     return micro, local // micro
 
@@ -474,12 +473,11 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def nearest_batch_settings(cfg: JobConfig, world: int) -> list[str]:
-    """Settings closest to ``cfg``'s that ``batch_layout`` accepts on ``world`` processes, as config
+def nearest_batch_settings(t: TrainSettings, world: int) -> list[str]:
+    """Settings closest to ``t``'s (the train group's) that ``batch_layout`` accepts on ``world`` processes, as config
     overrides (what an error proposes): the nearest multiples of ``world`` for
     ``train.prompts_per_step``, a ``train.micro_batch_size`` that divides each process's episodes,
     and the process counts that divide the batch as it is."""
-    t = cfg.train
     P, G = t.prompts_per_step, t.num_generations
     mb = None if t.micro_batch_size is None else t.micro_batch_size
     out = []
@@ -497,12 +495,11 @@ def nearest_batch_settings(cfg: JobConfig, world: int) -> list[str]:
     return out
 
 
-def vllm_context_length(cfg: JobConfig) -> int:
+def vllm_context_length(env: EnvConfig) -> int:
     """vLLM's ``max_model_len`` for this env: every request a turn sends must fit it. A turn sends ONE
     ``max_tokens`` (the largest of its live episodes' remaining budgets, <= env.max_tokens_per_turn)
     for every context, and a context holds up to the prompt plus the episode's completion so far, so
     the longest context plus that max_tokens stays within prompt + completion + one turn's budget."""
-    env = cfg.env
     turn = min(env.max_tokens_per_turn, env.max_completion_tokens)
     return env.max_prompt_tokens + env.max_completion_tokens + turn
 
@@ -533,7 +530,7 @@ def grpo_config(cfg: JobConfig, output_dir: str | Path) -> Any:
     t = cfg.train
     loss = {k: _trl_value(v) for k, v in dataclasses.asdict(cfg.loss).items() if k not in LOSS_OWN_KEYS}
     train = {k: _trl_value(getattr(t, k)) for k in TRAIN_TRL_KEYS}
-    micro, accumulation = batch_layout(cfg, num_processes())
+    micro, accumulation = batch_layout(t, num_processes())
     vllm = vllm_settings(cfg) if t.backend == "vllm" else {}
     return GRPOConfig(
         output_dir=str(output_dir),
@@ -554,7 +551,7 @@ def grpo_config(cfg: JobConfig, output_dir: str | Path) -> Any:
         disable_dropout=True,
         use_vllm=t.backend == "vllm",
         **vllm,
-        **importance_sampling_settings(cfg),
+        **importance_sampling_settings(t),
         save_strategy="steps",
         save_total_limit=2,
         report_to="none",  # MLflow through musique_rl.tracking's callback (config params, not TrainingArguments)
@@ -579,12 +576,12 @@ def vllm_settings(cfg: JobConfig) -> dict[str, Any]:
     from musique_rl.core.devices import free_port, resolve_vllm_mode
 
     t = cfg.train
-    mode = resolve_vllm_mode(cfg)
+    mode = resolve_vllm_mode(t)
     if mode == "colocate":
         return {
             "vllm_mode": "colocate",
             "vllm_gpu_memory_utilization": t.vllm_gpu_memory_utilization,
-            "vllm_max_model_length": vllm_context_length(cfg),
+            "vllm_max_model_length": vllm_context_length(cfg.env),
             "vllm_tensor_parallel_size": 1,
         }
     if t.vllm_server_port is None:
@@ -600,18 +597,18 @@ def vllm_settings(cfg: JobConfig) -> dict[str, Any]:
     }
 
 
-def lora_config(cfg: JobConfig) -> Any:
+def lora_config(lora: LoraConfig) -> Any:
     """PEFT ``LoraConfig`` from the lora group, whose keys are PEFT's names except ``enabled`` (ours:
     off = full fine-tuning, no adapter); None when off."""
-    if not cfg.lora.enabled:
+    if not lora.enabled:
         return None
     from peft import LoraConfig
 
-    settings = {k: _trl_value(v) for k, v in dataclasses.asdict(cfg.lora).items() if k != "enabled"}
+    settings = {k: _trl_value(v) for k, v in dataclasses.asdict(lora).items() if k != "enabled"}
     return LoraConfig(**settings, task_type="CAUSAL_LM")
 
 
-def prompt_dataset(cfg: JobConfig, records: list[dict]) -> Any:
+def prompt_dataset(env: EnvConfig, records: list[dict]) -> Any:
     """One row per record: the prompt messages, the user message carrying the record id (the only
     thing that reaches ``rollout_func`` besides the prompt, docs/failure_modes.md)."""
     from datasets import Dataset
@@ -620,7 +617,7 @@ def prompt_dataset(cfg: JobConfig, records: list[dict]) -> Any:
 
     rows = []
     for r in records:
-        messages = prompts.build_messages(r, cfg.env)
+        messages = prompts.build_messages(r, env)
         tagged = [{**m, "record_id": r["id"] if m["role"] == "user" else ""} for m in messages]
         rows.append({"prompt": tagged})
     return Dataset.from_list(rows)
@@ -657,7 +654,7 @@ def build_trainer(
     callbacks: list | None = None,
 ) -> Any:
     """The configured MusiqueGRPOTrainer, its rollout engine and generator bound."""
-    peft_config = lora_config(cfg)
+    peft_config = lora_config(cfg.lora)
     # Frozen copies are made BEFORE TRL patches the model's forward (fused LM head) and wraps it.
     sampler_model = frozen_copy(model) if faults.stale_sampler(cfg) else None
     base_model = None
@@ -673,7 +670,7 @@ def build_trainer(
         model=model,
         reward_funcs=[reward_fn],
         args=grpo_config(cfg, output_dir),
-        train_dataset=prompt_dataset(cfg, records),
+        train_dataset=prompt_dataset(cfg.env, records),
         processing_class=tokenizer,
         peft_config=peft_config,
     )
