@@ -16,13 +16,20 @@ import logging
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
+
+    from musique_rl.schema import Config
+
+from musique_rl.env.config import RewardConfig
 from musique_rl.env.data import load_records
 from musique_rl.env.rewards import (
     COMPONENTS,
+    RewardSpec,
     as_spec,
     check_task,
     check_weights,
@@ -45,7 +52,7 @@ def run_dir() -> Path:
         return Path.cwd()
 
 
-def policy_episodes(cfg: Any, records: list[dict]) -> Iterator[dict]:
+def policy_episodes(cfg: Config, records: list[dict]) -> Iterator[dict]:
     """Episodes of ``cfg.policy`` over ``records`` (replay: over the stored file)."""
     if cfg.policy != "model":
         from musique_rl.env.policies import POLICIES
@@ -68,7 +75,7 @@ def _mean(xs: Iterable[float]) -> float:
     return sum(xs) / len(xs) if xs else 0.0
 
 
-def score_episodes(episodes: Iterable[dict], records_by_id: dict[str, dict], reward_cfg: Any, total_hint: int | None = None) -> tuple[list[dict], int]:
+def score_episodes(episodes: Iterable[dict], records_by_id: dict[str, dict], reward_cfg: RewardConfig | RewardSpec, total_hint: int | None = None) -> tuple[list[dict], int]:
     """Score every episode; a failure is logged, counted and kept out of the means (never a 0)."""
     rows, errors = [], 0
     reward_cfg = as_spec(reward_cfg)
@@ -92,11 +99,11 @@ def score_episodes(episodes: Iterable[dict], records_by_id: dict[str, dict], rew
     return rows, errors
 
 
-def summarize(rows: list[dict], errors: int, n_records: int, data_stats: dict, cfg: Any) -> dict:
+def summarize(rows: list[dict], errors: int, n_records: int, data_stats: dict, cfg: Config) -> dict:
     m: dict[str, Any] = {
-        "policy": str(cfg.policy),
-        "retriever": str(cfg.env.retriever),
-        "scope": str(cfg.env.scope),
+        "policy": cfg.policy.value,
+        "retriever": cfg.env.retriever.value,
+        "scope": cfg.env.scope.value,
         "reward_name": cfg.reward.name,
         "n_records": n_records,
         "n_episodes": len(rows) + errors,
@@ -140,7 +147,7 @@ def _track(metrics: dict, out: Path) -> None:
         log.exception("logging eval metrics to MLflow failed (metrics.json is saved)")
 
 
-def evaluate(cfg: Any) -> float:
+def evaluate(cfg: DictConfig | Config) -> float:
     """Run ``cfg.policy`` over ``cfg.env.data``; print and save the metrics; return the mean reward."""
     from musique_rl.schema import job_config
 
@@ -150,7 +157,7 @@ def evaluate(cfg: Any) -> float:
     data_stats: dict = {}
     records = load_records(cfg.env.data, cfg.env, cfg.seed, stats=data_stats)
     records_by_id = {r["id"]: r for r in records}
-    policy = str(cfg.policy)
+    policy = cfg.policy
     hint = len(records) if policy in ("oracle", "no_tool", "model") else None
     rows, errors = score_episodes(policy_episodes(cfg, records), records_by_id, cfg.reward, hint)
     metrics = summarize(rows, errors, len(records), data_stats, cfg)
