@@ -48,10 +48,10 @@ def tiny_setup(args):
     from musique_rl.core.warm_start import ensure
     from musique_rl.env import prompts
     from musique_rl.env.data import load_records
-    from tests.conftest import compose_cfg
+    from tests.conftest import job_cfg
 
     cpu_threads_for_tiny()
-    cfg = compose_cfg(["tracking.enabled=false"])
+    cfg = job_cfg(["tracking.enabled=false"])
     model, tok = load_model(cfg, warm_start=ensure(cfg))
     chat = ChatTokens(tok, cfg.env)
     recs = load_records(cfg.env.data, cfg.env, 1)

@@ -42,9 +42,9 @@ def tiny_differences(episodes: int, seed: int) -> tuple[list, object]:
     from musique_rl.core.warm_start import ensure
     from musique_rl.env.data import load_records
     from musique_rl.env.retrieval import build_retriever
-    from tests.conftest import compose_cfg
+    from tests.conftest import job_cfg
 
-    cfg = compose_cfg(["tracking.enabled=false", f"seed={seed}"])
+    cfg = job_cfg(["tracking.enabled=false", f"seed={seed}"])
     model, tok = load_model(cfg, warm_start=ensure(cfg))
     records = load_records(cfg.env.data, cfg.env, seed)[:episodes]
     engine = RolloutEngine(cfg, tok, build_retriever(cfg.env, records), {r["id"]: r for r in records})

@@ -39,10 +39,10 @@ def main() -> None:
     from musique_rl.core.warm_start import ensure
     from musique_rl.env.data import load_records
     from musique_rl.env.retrieval import build_retriever
-    from tests.conftest import compose_cfg
+    from tests.conftest import job_cfg
 
     cpu_threads_for_tiny()
-    cfg = compose_cfg(["tracking.enabled=false"])
+    cfg = job_cfg(["tracking.enabled=false"])
     model, tok = load_model(cfg, warm_start=ensure(cfg))
     recs = load_records(cfg.env.data, cfg.env, 1)[: args.prompts]
     batch = [r for r in recs for _ in range(args.generations)]  # B x G, as TRL hands them over

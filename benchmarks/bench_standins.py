@@ -28,7 +28,7 @@ from musique_rl.diagnostics.ledger import sources_tensor  # noqa: E402
 from musique_rl.env import prompts  # noqa: E402
 from musique_rl.env.data import load_records  # noqa: E402
 from tests import tokenizer_fixtures as tf  # noqa: E402
-from tests.conftest import TEST_OVERRIDES, compose_cfg  # noqa: E402
+from tests.conftest import TEST_OVERRIDES, job_cfg  # noqa: E402
 from tests.test_real_tokenizers import _rendered, _scripted_episodes  # noqa: E402
 
 
@@ -66,7 +66,7 @@ def labelling() -> None:
 def generation_config_leak() -> None:
     from transformers import GenerationConfig
 
-    cfg = compose_cfg(TEST_OVERRIDES)
+    cfg = job_cfg(TEST_OVERRIDES)
     model, tok = load_model(cfg, warm_start=ensure(cfg))
     stops = [tok.eos_token_id, tok.pad_token_id]
     model.generation_config = GenerationConfig(do_sample=True, eos_token_id=stops, pad_token_id=tok.pad_token_id,

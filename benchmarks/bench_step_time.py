@@ -58,7 +58,7 @@ def run_arm(arm: str, cfg, model, tok, records, steps: int, profile: bool = Fals
             args.save_strategy = "no"
             tr = GRPOTrainer(
                 model=copy.deepcopy(model), reward_funcs=[reward_fn], args=args,
-                train_dataset=prompt_dataset(cfg, records), processing_class=tok,
+                train_dataset=prompt_dataset(cfg.env, records), processing_class=tok,
             )
         tr.args.save_strategy = "no"
         prof = cProfile.Profile() if profile else None
@@ -87,10 +87,10 @@ def main() -> None:
     from musique_rl.core.tiny_model import cpu_threads_for_tiny
     from musique_rl.core.warm_start import ensure
     from musique_rl.env.data import load_records
-    from tests.conftest import compose_cfg
+    from tests.conftest import job_cfg
 
     cpu_threads_for_tiny()
-    cfg = compose_cfg(
+    cfg = job_cfg(
         ["env.supporting_in_prompt=true", "tracking.enabled=false", "diagnostics.enabled=false",
          f"train.max_steps={args.steps}", "train.save_steps=100000", "env.synthetic.num_train=400"]
     )

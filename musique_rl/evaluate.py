@@ -20,9 +20,16 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
+
+    from musique_rl.schema import Config
+
+from musique_rl.env.config import RewardConfig
 from musique_rl.env.data import load_records
 from musique_rl.env.rewards import (
     COMPONENTS,
+    RewardSpec,
     as_spec,
     check_weights,
     max_total,
@@ -48,12 +55,13 @@ def default_run_dir() -> Path:
         return Path.cwd()
 
 
-def policy_episodes(cfg: Any, records: list[dict]) -> Iterator[dict]:
+def policy_episodes(cfg: Config, records: list[dict]) -> Iterator[dict]:
     """Episodes of ``cfg.policy`` over ``records`` (replay: over the stored file)."""
-    if str(cfg.policy) != "model":
+    if cfg.policy != "model":
         from musique_rl.env.policies import POLICIES
 
-        return POLICIES[cfg.policy](cfg, records)
+        return POLICIES[cfg.policy](cfg.env, records, tool_call_format=cfg.model.tool_call_format,
+                                    replay_path=cfg.replay_path)
     from musique_rl.core.devices import place, shard_and_gather
     from musique_rl.core.models import load_model
     from musique_rl.core.rollout import run_model_episodes
@@ -70,7 +78,7 @@ def _mean(xs: Iterable[float]) -> float:
     return sum(xs) / len(xs) if xs else 0.0
 
 
-def score_episodes(episodes: Iterable[dict], records_by_id: dict[str, dict], reward_cfg: Any, total_hint: int | None = None) -> tuple[list[dict], int]:
+def score_episodes(episodes: Iterable[dict], records_by_id: dict[str, dict], reward_cfg: RewardConfig | RewardSpec, total_hint: int | None = None) -> tuple[list[dict], int]:
     """Score every episode; a failure is logged, counted and kept out of the means (never a 0)."""
     rows, errors = [], 0
     reward_cfg = as_spec(reward_cfg)
@@ -94,11 +102,11 @@ def score_episodes(episodes: Iterable[dict], records_by_id: dict[str, dict], rew
     return rows, errors
 
 
-def summarize(rows: list[dict], errors: int, n_records: int, data_stats: dict, cfg: Any) -> dict:
+def summarize(rows: list[dict], errors: int, n_records: int, data_stats: dict, cfg: Config) -> dict:
     m: dict[str, Any] = {
-        "policy": str(cfg.policy),
-        "retriever": str(cfg.env.retriever),
-        "scope": str(cfg.env.scope),
+        "policy": cfg.policy.value,
+        "retriever": cfg.env.retriever.value,
+        "scope": cfg.env.scope.value,
         "reward_name": cfg.reward.name,
         "n_records": n_records,
         "n_episodes": len(rows) + errors,
@@ -132,15 +140,18 @@ def _track(tracker: Tracker, metrics: dict, out: Path) -> None:
     tracker.log_artifact(out / "episodes.jsonl")
 
 
-def evaluate(cfg: Any, tracker: Tracker | None = None, run_dir: Path | None = None) -> JobResult:
+def evaluate(cfg: DictConfig | Config, tracker: Tracker | None = None, run_dir: Path | None = None) -> JobResult:
     """Run ``cfg.policy`` over ``cfg.env.data``; save the metrics into ``run_dir`` (default: Hydra's
     run dir, else the working directory) and ``tracker``'s run; return them, the mean reward as the
     objective. The caller checks the config first (``app.run``: ``rewards.check_task``)."""
+    from musique_rl.schema import job_config
+
+    cfg = job_config(cfg)  # the one place an eval job's composed DictConfig becomes its typed, read-only Config
     check_weights(cfg.reward)
     data_stats: dict = {}
-    records = load_records(cfg.env.data, cfg.env, int(cfg.seed), stats=data_stats)
+    records = load_records(cfg.env.data, cfg.env, cfg.seed, stats=data_stats)
     records_by_id = {r["id"]: r for r in records}
-    policy = str(cfg.policy)
+    policy = cfg.policy
     hint = len(records) if policy in ("oracle", "no_tool", "model") else None
     rows, errors = score_episodes(policy_episodes(cfg, records), records_by_id, cfg.reward, hint)
     metrics = summarize(rows, errors, len(records), data_stats, cfg)

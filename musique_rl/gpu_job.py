@@ -24,7 +24,7 @@ or a plain run on a GPU workstation) does not train in its own process. ``app.ru
    its own process group, log in ``<job dir>/vllm_server.log``;
 2. health check: GET ``http://<train.vllm_server_host>:<port>/health`` (the endpoint TRL's
    ``VLLMClient.check_server`` polls) until 200, failing early with the log's tail if the server
-   exits, or after ``MUSIQUE_RL_VLLM_HEALTH_TIMEOUT_S`` (default 900 s: weights load from disk);
+   exits, or after ``gpu.vllm_health_timeout_s`` (default 900 s: weights load from disk);
 3. ``accelerate launch --config_file <accelerate config> --num_processes <trainers> -m musique_rl
    <this job's overrides> hydra.run.dir=<this job's dir>`` on the remaining GPUs, with
    ``MUSIQUE_RL_GPU_ROLE=trainer`` so that process trains instead of starting another topology.
@@ -33,11 +33,10 @@ or a plain run on a GPU workstation) does not train in its own process. ``app.ru
 4. stop the server (SIGTERM to its process group, SIGKILL after 30 s) however the trainer ended,
    also when submitit's preemption handler exits the job.
 
-Settings that depend on the cluster, from the environment:
-``MUSIQUE_RL_ACCELERATE_CONFIG`` (default musique_rl/launchers/accelerate/zero3.yaml: DeepSpeed ZeRO-3),
-``MUSIQUE_RL_VLLM_GPU_MEMORY_UTILIZATION`` (0.9), ``MUSIQUE_RL_VLLM_MAX_MODEL_LEN`` (default the
-env's prompt + completion + one turn; a smaller value is refused), ``MUSIQUE_RL_VLLM_HEALTH_TIMEOUT_S``
-(900). Ports: the server's (``train.vllm_server_port``), TRL's
+Settings that depend on the cluster are the ``gpu`` config group (schema.GpuSettings):
+``gpu.accelerate_config`` (default musique_rl/launchers/accelerate/zero3.yaml: DeepSpeed ZeRO-3),
+``gpu.vllm_gpu_memory_utilization`` (0.9), ``gpu.vllm_max_model_len`` (default the env's prompt +
+completion + one turn; a smaller value is refused), ``gpu.vllm_health_timeout_s`` (900). Ports: the server's (``train.vllm_server_port``), TRL's
 weight-sync group (``train.vllm_group_port``) and accelerate's rendezvous are chosen free when the
 job starts (an explicit port in the config is kept), so two GPU jobs can share a node. A port is
 free when chosen; another process could still take it before the server binds it (no tool closes
@@ -62,11 +61,13 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+
+from omegaconf import DictConfig
 
 # the process and port rules the trainer (RL core) applies too; here re-exported for the topology
 from musique_rl.core.devices import ROLE_ENV, free_port, resolve_vllm_mode, visible_gpus  # noqa: F401
 from musique_rl.result import JobResult
+from musique_rl.schema import Config, job_config
 
 # Package data, so an installed wheel launches with them too (launchers/accelerate in the checkout links here).
 ACCELERATE_DIR = Path(__file__).resolve().parent / "launchers" / "accelerate"
@@ -78,7 +79,6 @@ class TopologyError(RuntimeError):
 
 
 H100_GIB = 79.2  # torch.cuda.get_device_properties(0).total_memory of an H100 80 GB HBM3, in GiB
-SERVER_GPU_MEMORY_UTILIZATION = "0.9"  # vLLM's share of each of its own GPUs in server mode
 
 
 @dataclass
@@ -128,8 +128,8 @@ def _zero3(accelerate_config: Path) -> bool:
     return str(c.get("distributed_type")) == "DEEPSPEED" and int((c.get("deepspeed_config") or {}).get("zero_stage", 0)) == 3
 
 
-def layout(cfg: Any, gpus: int, mode: str, *, card_gib: float | None, accelerate_config: Path,
-           env: dict[str, str] | None = None, zero3: bool | None = None) -> Layout:
+def layout(cfg: Config, gpus: int, mode: str, *, card_gib: float | None, accelerate_config: Path,
+           zero3: bool | None = None) -> Layout:
     """The layout of a ``train.backend=vllm`` job on ``gpus`` GPUs of ``card_gib`` GiB (None: memory
     not checked), or a TopologyError naming the config keys to change and their nearest valid values.
 
@@ -137,19 +137,18 @@ def layout(cfg: Any, gpus: int, mode: str, *, card_gib: float | None, accelerate
     micro-batches (``trainer.batch_layout``); in server mode the trainer count is the largest that
     divides the batch, the spare GPUs serving vLLM as more data-parallel replicas; (2) the context:
     ``trainer.vllm_context_length`` within the model's positions and the server's
-    ``MUSIQUE_RL_VLLM_MAX_MODEL_LEN``; (3) memory, from ``memory.estimate_gb`` (the training peak
+    ``gpu.vllm_max_model_len``; (3) memory, from ``memory.estimate_gb`` (the training peak
     at the env's full budgets) and the model's weights and KV cache: vLLM's share must hold the
     weights and one full-length sequence, and in colocate mode that share plus the training peak
     must fit the card."""
     from musique_rl import memory
     from musique_rl.core.trainer import batch_layout, vllm_context_length
 
-    env = os.environ if env is None else env
     if mode == "server" and gpus < 2:
         raise TopologyError(
             f"train.vllm_mode=server needs at least 2 GPUs in the allocation (1 vLLM server + >= 1 trainer); "
             f"this job sees {gpus}. On one GPU use train.vllm_mode=colocate (or auto); for a server ask for more: "
-            "hydra.launcher.gpus_per_node=N (or MUSIQUE_RL_SLURM_GPUS_PER_NODE)."
+            "hydra.launcher.gpus_per_node=N."
         )
     if gpus < 1:
         raise TopologyError("train.backend=vllm needs a GPU; this job sees none (use train.backend=hf on a CPU)")
@@ -157,7 +156,7 @@ def layout(cfg: Any, gpus: int, mode: str, *, card_gib: float | None, accelerate
     chosen, errors = None, []
     for world in candidates:
         try:
-            chosen = (world, *batch_layout(cfg, world))
+            chosen = (world, *batch_layout(cfg.train, world))
             break
         except ValueError as e:
             errors.append(str(e))
@@ -166,7 +165,7 @@ def layout(cfg: Any, gpus: int, mode: str, *, card_gib: float | None, accelerate
         raise TopologyError(f"no trainer layout on {gpus} GPU(s) in {mode} mode{tried}: {errors[0]}")
     world, micro, accumulation = chosen
     zero3 = world > 1 and (_zero3(accelerate_config) if zero3 is None else zero3)
-    context = vllm_context_length(cfg)
+    context = vllm_context_length(cfg.env)
     out = Layout(mode=mode, gpus=gpus, trainer_processes=world, vllm_gpus=gpus - world if mode == "server" else 0,
                  episodes_per_process=micro * accumulation, micro_batch=micro, accumulation=accumulation,
                  max_model_len=context, zero3=zero3)
@@ -175,13 +174,13 @@ def layout(cfg: Any, gpus: int, mode: str, *, card_gib: float | None, accelerate
                          f"into whole groups; {world} train and vLLM takes the other {gpus - world} GPUs")
     budgets = (f"env.max_prompt_tokens={cfg.env.max_prompt_tokens} + env.max_completion_tokens="
                f"{cfg.env.max_completion_tokens} + env.max_tokens_per_turn={cfg.env.max_tokens_per_turn}")
-    server_len = env.get("MUSIQUE_RL_VLLM_MAX_MODEL_LEN")
-    if mode == "server" and server_len and int(server_len) < context:
+    server_len = cfg.gpu.vllm_max_model_len
+    if mode == "server" and server_len is not None and server_len < context:
         raise TopologyError(
-            f"MUSIQUE_RL_VLLM_MAX_MODEL_LEN={server_len} is below the longest request a turn can send, {context} "
-            f"tokens ({budgets}): the server would refuse it. Unset it (the plan sets {context}) or lower those budgets."
+            f"gpu.vllm_max_model_len={server_len} is below the longest request a turn can send, {context} "
+            f"tokens ({budgets}): the server would refuse it. Leave it null (the plan sets {context}) or lower those budgets."
         )
-    arch = memory.architecture(str(cfg.model.name_or_path))
+    arch = memory.architecture(cfg.model.name_or_path)
     if arch is None:
         out.notes.append(f"memory and positions not checked: no architecture known for model.name_or_path="
                          f"{cfg.model.name_or_path} (a musique_rl/conf/model hub id or a local directory with config.json)")
@@ -193,9 +192,9 @@ def layout(cfg: Any, gpus: int, mode: str, *, card_gib: float | None, accelerate
         out.notes.append("memory not checked: card size unknown (--gpu-memory-gib)")
         return out
     t = cfg.train
-    tokens = int(cfg.env.max_prompt_tokens) + int(cfg.env.max_completion_tokens)
-    lora_r = int(cfg.lora.r) if cfg.lora.enabled else 0
-    ckpt = bool(t.gradient_checkpointing)
+    tokens = cfg.env.max_prompt_tokens + cfg.env.max_completion_tokens
+    lora_r = cfg.lora.r if cfg.lora.enabled else 0
+    ckpt = t.gradient_checkpointing
     shards = world if zero3 else 1
 
     def peak(m: int) -> float:
@@ -208,7 +207,7 @@ def layout(cfg: Any, gpus: int, mode: str, *, card_gib: float | None, accelerate
             f"{'LoRA r' + str(lora_r) if lora_r else 'full fine-tuning'}, checkpointing {'on' if ckpt else 'off'}"
             f"{', ZeRO-3 over ' + str(shards) if shards > 1 else ''})")
     if mode == "colocate":
-        util = float(t.vllm_gpu_memory_utilization)
+        util = t.vllm_gpu_memory_utilization
         share = util * card_gib
         if share < vllm_need:
             raise TopologyError(
@@ -228,9 +227,10 @@ def layout(cfg: Any, gpus: int, mode: str, *, card_gib: float | None, accelerate
         out.memory.append(f"each GPU: vLLM {share:.1f} GiB ({util} of {card_gib:.1f}) + {what} = "
                           f"{share + peak(micro):.1f} GiB of {card_gib:.1f}")
         return out
-    share = float(env.get("MUSIQUE_RL_VLLM_GPU_MEMORY_UTILIZATION", SERVER_GPU_MEMORY_UTILIZATION)) * card_gib
+    share = cfg.gpu.vllm_gpu_memory_utilization * card_gib
     if share < vllm_need:
-        raise TopologyError(f"the vLLM server's {share:.1f} GiB (MUSIQUE_RL_VLLM_GPU_MEMORY_UTILIZATION) cannot hold "
+        raise TopologyError(f"the vLLM server's {share:.1f} GiB (gpu.vllm_gpu_memory_utilization="
+                            f"{cfg.gpu.vllm_gpu_memory_utilization}) cannot hold "
                             f"the weights and one {context}-token sequence ({vllm_need:.1f} GiB)")
     if peak(micro) > card_gib:
         ok = [m for m in fitting if peak(m) <= card_gib]
@@ -274,14 +274,14 @@ class Topology:
         ])
 
 
-def wants_topology(cfg: Any, env: dict[str, str] | None = None) -> bool:
+def wants_topology(cfg: Config, env: dict[str, str] | None = None) -> bool:
     """True for a vLLM training job whose processes this job must start: server mode, or colocate
     mode in one process that sees several GPUs (one trainer process per GPU); never inside one of
     the trainer processes."""
     env = os.environ if env is None else env
-    if str(cfg.train.backend) != "vllm" or str(cfg.mode) != "train" or env.get(ROLE_ENV) == "trainer":
+    if cfg.train.backend != "vllm" or cfg.mode != "train" or env.get(ROLE_ENV) == "trainer":
         return False
-    mode = resolve_vllm_mode(cfg, env=env)
+    mode = resolve_vllm_mode(cfg.train, env=env)
     if mode == "server":
         return True
     return int(env.get("WORLD_SIZE", "1") or 1) == 1 and len(visible_gpus(env)) >= 2
@@ -291,21 +291,21 @@ def wants_topology(cfg: Any, env: dict[str, str] | None = None) -> bool:
 _TRAINER_KEYS = ("train.vllm_mode", "train.vllm_server_port", "train.vllm_group_port")
 
 
-def plan(cfg: Any, *, gpus: list[str], job_dir: Path, overrides: list[str],
+def plan(cfg: Config, *, gpus: list[str], job_dir: Path, overrides: list[str],
          env: dict[str, str] | None = None, mode: str | None = None, card_gib: float | None = None) -> Topology:
     """The processes this job starts for ``cfg`` on ``gpus`` (``mode``: server | colocate, default
     ``train.vllm_mode`` resolved for these GPUs), after ``layout`` checked batch, context and memory
     on cards of ``card_gib``; pure (tests check it as strings)."""
     env = os.environ if env is None else env
-    mode = mode or resolve_vllm_mode(cfg, gpus=gpus, env={k: v for k, v in env.items() if k != ROLE_ENV})
-    accelerate_config = Path(env.get("MUSIQUE_RL_ACCELERATE_CONFIG", str(DEFAULT_ACCELERATE_CONFIG)))
-    lay = layout(cfg, len(gpus), mode, card_gib=card_gib, accelerate_config=accelerate_config, env=env)
+    mode = mode or resolve_vllm_mode(cfg.train, gpus=gpus, env={k: v for k, v in env.items() if k != ROLE_ENV})
+    accelerate_config = Path(cfg.gpu.accelerate_config or DEFAULT_ACCELERATE_CONFIG)
+    lay = layout(cfg, len(gpus), mode, card_gib=card_gib, accelerate_config=accelerate_config)
     notes = []
     if lay.trainer_processes > 1 and not accelerate_config.exists():
-        notes.append(f"accelerate config {accelerate_config} does not exist (MUSIQUE_RL_ACCELERATE_CONFIG)")
+        notes.append(f"gpu.accelerate_config={accelerate_config}: no such file")
     kept = [o for o in overrides if o.lstrip("+~").split("=", 1)[0] not in _TRAINER_KEYS]
     t = cfg.train
-    host = str(t.vllm_server_host)
+    host = t.vllm_server_host
     if mode == "colocate":
         launch = (["python", "-m", "musique_rl"] if lay.trainer_processes == 1 else
                   ["accelerate", "launch", "--config_file", str(accelerate_config), "--num_processes",
@@ -316,24 +316,23 @@ def plan(cfg: Any, *, gpus: list[str], job_dir: Path, overrides: list[str],
                         health_url="", job_dir=job_dir, notes=notes, layout=lay)
     from trl.scripts.vllm_serve import ScriptArguments, build_command
 
-    port = int(t.vllm_server_port) if t.vllm_server_port is not None else free_port(host)
-    group_port = int(t.vllm_group_port) if t.vllm_group_port is not None else free_port(host)
+    port = t.vllm_server_port if t.vllm_server_port is not None else free_port(host)
+    group_port = t.vllm_group_port if t.vllm_group_port is not None else free_port(host)
     while group_port == port:  # the two are chosen independently: never the same one
         group_port = free_port(host)
     main_port = free_port()
     while main_port in (port, group_port):
         main_port = free_port()
-    max_len = env.get("MUSIQUE_RL_VLLM_MAX_MODEL_LEN")
     args = ScriptArguments(
-        model=str(cfg.model.name_or_path),
+        model=cfg.model.name_or_path,
         host=host,
         port=port,
         tensor_parallel_size=1,  # the 7B/8B configs fit one GPU: spare GPUs add replicas
         data_parallel_size=lay.vllm_gpus,
-        gpu_memory_utilization=float(env.get("MUSIQUE_RL_VLLM_GPU_MEMORY_UTILIZATION", SERVER_GPU_MEMORY_UTILIZATION)),
-        dtype=str(cfg.model.dtype),
-        # the longest request a turn sends fits (trainer.vllm_context_length); layout refused a smaller override
-        max_model_len=int(max_len) if max_len else lay.max_model_len,
+        gpu_memory_utilization=cfg.gpu.vllm_gpu_memory_utilization,
+        dtype=cfg.model.dtype.value,
+        # the longest request a turn sends fits (trainer.vllm_context_length); layout refused a smaller one
+        max_model_len=cfg.gpu.vllm_max_model_len or lay.max_model_len,
     )
     server_cmd = build_command(args)
     server_cmd[0] = "python"  # the job's interpreter at run time; a stable string for the plan
@@ -372,7 +371,7 @@ def card_gib() -> float | None:
     return torch.cuda.get_device_properties(0).total_memory / 2**30
 
 
-def preflight(cfg: Any, processes: int) -> None:
+def preflight(cfg: Config, processes: int) -> None:
     """In each training process, before the model loads: the attention implementation can be met,
     the batch splits over ``processes``, and
     on a GPU in colocate mode vLLM's share and the training peak fit the card (``layout``), so a
@@ -380,10 +379,10 @@ def preflight(cfg: Any, processes: int) -> None:
     from musique_rl.core.models import resolve_attention
     from musique_rl.core.trainer import batch_layout
 
-    if str(cfg.model.name_or_path) != "tiny":
-        resolve_attention(str(cfg.model.attn_implementation))  # flash-attn asked for and absent: fail now
-    batch_layout(cfg, processes)
-    if str(cfg.train.backend) != "vllm" or resolve_vllm_mode(cfg) != "colocate":
+    if cfg.model.name_or_path != "tiny":
+        resolve_attention(cfg.model.attn_implementation)  # flash-attn asked for and absent: fail now
+    batch_layout(cfg.train, processes)
+    if cfg.train.backend != "vllm" or resolve_vllm_mode(cfg.train) != "colocate":
         return
     # launched: accelerate says whether these processes run ZeRO-3 (whatever config file launched them)
     zero3 = os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE") == "3"
@@ -409,7 +408,7 @@ def wait_healthy(url: str, server: subprocess.Popen, log_path: Path, timeout_s: 
                                 f"last lines of {log_path}:\n{_tail(log_path)}")
         if time.monotonic() - t0 > timeout_s:
             raise TopologyError(f"vLLM server not healthy at {url} after {timeout_s:.0f} s "
-                                f"(MUSIQUE_RL_VLLM_HEALTH_TIMEOUT_S); last lines of {log_path}:\n{_tail(log_path)}")
+                                f"(gpu.vllm_health_timeout_s); last lines of {log_path}:\n{_tail(log_path)}")
         time.sleep(every_s)
 
 
@@ -434,7 +433,7 @@ def stop(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
         pass
 
 
-def execute(topo: Topology, *, health_timeout_s: float | None = None, poll_s: float = 5.0) -> int:
+def execute(topo: Topology, *, health_timeout_s: float, poll_s: float = 5.0) -> int:
     """Start the server, wait for health, run the trainer, always stop the server. Trainer's exit code."""
     if topo.notes:
         raise TopologyError("; ".join(topo.notes))
@@ -445,7 +444,6 @@ def execute(topo: Topology, *, health_timeout_s: float | None = None, poll_s: fl
             return trainer.wait()
         finally:
             stop(trainer)
-    timeout = health_timeout_s or float(os.environ.get("MUSIQUE_RL_VLLM_HEALTH_TIMEOUT_S", "900"))
     log_path = topo.job_dir / "vllm_server.log"
     server_cmd = [sys.executable, *topo.server_cmd[1:]] if topo.server_cmd[0] == "python" else topo.server_cmd
     with open(log_path, "ab") as log:
@@ -453,7 +451,7 @@ def execute(topo: Topology, *, health_timeout_s: float | None = None, poll_s: fl
                                   stderr=subprocess.STDOUT, start_new_session=True)
     trainer: subprocess.Popen | None = None
     try:
-        waited = wait_healthy(topo.health_url, server, log_path, timeout, every_s=poll_s)
+        waited = wait_healthy(topo.health_url, server, log_path, health_timeout_s, every_s=poll_s)
         print(f"vLLM server healthy at {topo.health_url} after {waited:.0f} s", flush=True)
         trainer = subprocess.Popen(topo.trainer_cmd, env={**os.environ, **topo.trainer_env}, start_new_session=True)
         return trainer.wait()
@@ -463,18 +461,19 @@ def execute(topo: Topology, *, health_timeout_s: float | None = None, poll_s: fl
         stop(server)
 
 
-def run(cfg: Any, job_dir: Path) -> JobResult:
+def run(cfg: DictConfig | Config, job_dir: Path) -> JobResult:
     """The topology for this Hydra job in ``job_dir`` (called by app.run inside the job's MLflow run).
     The trainer processes run the job's pipe themselves (``python -m musique_rl`` in ``job_dir``:
     they adopt its MLflow run, diagnose their metrics.jsonl and print the result line); this process
     hands the sweeper their ``train/reward_gain`` from ``metrics.json``."""
     from hydra.core.hydra_config import HydraConfig
 
+    cfg = job_config(cfg)  # the one place a GPU job's composed DictConfig becomes its typed, read-only Config
     hc = HydraConfig.get()
     topo = plan(cfg, gpus=visible_gpus(), job_dir=job_dir, overrides=list(hc.overrides.task), card_gib=card_gib())
     for line in topo.layout.lines():
         print(line, flush=True)
-    code = execute(topo)
+    code = execute(topo, health_timeout_s=cfg.gpu.vllm_health_timeout_s)
     if code != 0:
         raise TopologyError(f"trainer exited with code {code}: {shlex.join(topo.trainer_cmd)}")
     summary = job_dir / "metrics.json"
@@ -495,7 +494,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     from hydra import compose, initialize_config_dir
 
-    from musique_rl.schema import CONF_DIR  # registers the schema and resolvers too
+    from musique_rl.schema import CONF_DIR  # noqa: F401  (registers the schema and resolvers too)
 
     overrides = list(args.overrides)
     if not any(o.startswith("train.backend=") for o in overrides):
@@ -503,7 +502,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.mode is not None:
         overrides = [o for o in overrides if not o.startswith("train.vllm_mode=")] + [f"train.vllm_mode={args.mode}"]
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose("train", overrides=overrides)
+        cfg = job_config(compose("train", overrides=overrides))
     gpus = [str(i) for i in range(args.gpus)]
     try:
         topo = plan(cfg, gpus=gpus, job_dir=args.job_dir, overrides=overrides, env={**os.environ, "WORLD_SIZE": "1"},

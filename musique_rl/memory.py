@@ -239,7 +239,7 @@ def probe(cfg: Any, model: Any, tokenizer: Any, micro_batches: list[int], prompt
     from musique_rl.env.data import load_records
     from musique_rl.env.retrieval import build_retriever
 
-    records = load_records(cfg.env.data, cfg.env, int(cfg.seed))[:16]
+    records = load_records(cfg.env.data, cfg.env, cfg.seed)[:16]
     reward_fn = rewards.RewardFunction(cfg.reward, {r["id"]: r for r in records})
     trainer = build_trainer(cfg, model, tokenizer, records, build_retriever(cfg.env, records), reward_fn, out_dir)
     _enable_checkpointing(trainer)
@@ -292,13 +292,13 @@ def compose(name: str, micro: int, extra: list[str] | None = None) -> Any:
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    import musique_rl.schema  # noqa: F401
+    from musique_rl.schema import job_config  # importing it registers the schema too
 
     overrides = [f"model={name}", "model.attn_implementation=sdpa", "lora=r16", "tracking.enabled=false",
                  "diagnostics.enabled=false", f"train.micro_batch_size={micro}", "env.synthetic.num_train=64",
                  "env.synthetic.num_eval=8", *(extra or [])]
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return hydra_compose("train", overrides=overrides)
+        return job_config(hydra_compose("train", overrides=overrides))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,12 +11,36 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, OmegaConf
+from omegaconf import MISSING, DictConfig, OmegaConf
 
+from musique_rl.core import config as core_config
+from musique_rl.core.config import (  # noqa: F401  (the groups' types and enums, as schema.<name>)
+    Backend,
+    Console,
+    Dtype,
+    ImportanceSampling,
+    LoraConfig,
+    LossConfig,
+    LossType,
+    ScaleRewards,
+    TinyModelConfig,
+    TrainSettings,
+    VllmMode,
+)
 from musique_rl.core.faults import FAULTS
+from musique_rl.diagnostics.config import DiagnosticsConfig
+from musique_rl.env import config as env_config
+from musique_rl.env.config import (  # noqa: F401
+    CONF_DIR,
+    ArithConfig,
+    ReadOnly,
+    RetrievalScope,
+    RewardConfig,
+    SyntheticConfig,
+)
 from musique_rl.env.policies import POLICIES
 from musique_rl.env.retrieval import RETRIEVERS
 from musique_rl.env.tasks import TASKS
@@ -31,63 +55,10 @@ class Mode(StrEnum):
 
 # Plug-ins: their names come from the registry where each is written (musique_rl/env/registry.py).
 Policy = POLICIES.choices("Policy", __name__, extra=("model",))  # model = the configured LLM; the rest scripted
-Retriever = RETRIEVERS.choices("Retriever", __name__)
+Retriever = RETRIEVERS.choices("Retriever", __name__)  # env.retriever's allowed values: env/retrieval.py
 Fault = FAULTS.choices("Fault", __name__)  # planted defects (docs/failure_modes.md), proving the instruments only
 Task = TASKS.choices("Task", __name__)  # musique (the default), arith (the control task): env/tasks/
 ToolCallFormat = TOOL_FORMATS.choices("ToolCallFormat", __name__)  # hermes (Qwen), llama3_json (Llama 3.1): env/tool_formats/
-
-
-class Dtype(StrEnum):
-    auto = "auto"
-    float32 = "float32"
-    bfloat16 = "bfloat16"
-    float16 = "float16"
-
-
-class LossType(StrEnum):  # TRL 1.16 GRPOConfig.loss_type
-    grpo = "grpo"
-    bnpo = "bnpo"
-    dr_grpo = "dr_grpo"
-    dapo = "dapo"
-    cispo = "cispo"
-    sapo = "sapo"
-
-
-class ScaleRewards(StrEnum):  # TRL 1.16 GRPOConfig.scale_rewards
-    group = "group"
-    batch = "batch"
-    none = "none"
-
-
-class ImportanceSampling(StrEnum):  # TRL 1.16 GRPOConfig.vllm_importance_sampling_mode, plus auto and off
-    auto = "auto"  # token_truncate on the vLLM backend (not TRL's sequence_mask: core/trainer.py); off on HF
-    off = "off"  # no correction
-    sequence_mask = "sequence_mask"  # one ratio a sequence; outside [clip_min, clip_max] -> weight 0
-    sequence_truncate = "sequence_truncate"  # one ratio a sequence, clamped to the bounds
-    token_mask = "token_mask"
-    token_truncate = "token_truncate"
-
-
-class RetrievalScope(StrEnum):
-    question = "question"  # the record's own paragraphs (as the original researcher's vf_musique)
-    corpus = "corpus"  # every paragraph of the corpus file / dataset
-
-
-class Backend(StrEnum):
-    hf = "hf"  # transformers generate, in-process (CPU, tests, small GPUs)
-    paged = "paged"  # transformers continuous batching (paged KV cache), in-process, no vLLM (core/generation_paged.py)
-    vllm = "vllm"  # TRL's vLLM integration (train.vllm_mode: colocate on one GPU, server on several)
-
-
-class VllmMode(StrEnum):  # TRL 1.16 GRPOConfig.vllm_mode, plus auto
-    auto = "auto"  # colocate when the job sees one GPU, server when it sees two or more
-    colocate = "colocate"  # vLLM inside each training process, sharing its GPU
-    server = "server"  # `vllm serve` on the first GPU, the trainer on the others (musique_rl/gpu_job.py)
-
-
-class Console(StrEnum):
-    compact = "compact"  # one line per logging step (musique_rl/console.py); every metric in metrics.jsonl
-    full = "full"  # TRL's whole metrics dict per logging step, as transformers prints it
 
 
 class Arm(StrEnum):
@@ -107,125 +78,34 @@ class Priority(StrEnum):
 
 
 # ---------------------------------------------------------------- groups
+# Each layer declares the groups it reads (env/config.py, core/config.py, diagnostics/config.py),
+# naming a plug-in as a str; here each plug-in field is narrowed to its registry's enum, so a typo
+# fails at composition naming the allowed values.
 @dataclass
-class TinyModelConfig:
-    """Architecture and warm start of the locally built Qwen2-architecture model."""
-
-    hidden_size: int = 64
-    intermediate_size: int = 256
-    num_hidden_layers: int = 2
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 2
-    max_position_embeddings: int = 2048
-    vocab_size: int = 512  # byte-level BPE trained on the synthetic corpus
-    sft_records: int = 512  # oracle trajectories used for the warm start
-    sft_epochs: float = 3.0
-    sft_learning_rate: float = 3e-3
-    sft_noise: float = 0.5  # share of SFT trajectories that take a plausible wrong decision
-    sft_single_step_share: float = 0.25  # of SFT episodes posed single-step (gold paragraphs, no tool: h07)
-    sft_max_rounds: int = 3  # extra SFT epochs while the quality gate fails
-    sft_extra_lr_scale: float = 1.0  # an extra epoch's peak rate / sft_learning_rate (then linear decay to 0)
-    # episode shapes the warm start must pass the gate for (tool | single_step); others are measured
-    gate_shapes: List[str] = field(default_factory=lambda: ["tool"])
-    cache_dir: str = "${oc.env:MUSIQUE_RL_CACHE,${oc.env:HOME}/.cache/musique_rl}"
-
-
-@dataclass
-class ModelConfig:
-    name_or_path: str = MISSING  # hub id, local dir, or "tiny" (built locally)
-    dtype: Dtype = Dtype.auto  # auto: bf16 where the hardware supports it, else fp32
-    # auto | sdpa | eager | flash_attention_2 | flash_attention_3 (transformers names; core/models.resolve_attention)
-    attn_implementation: str = "auto"
-    tool_call_format: ToolCallFormat = ToolCallFormat["hermes"]
-    learning_rate: float = MISSING  # recommended LR for this model (loss.learning_rate reads it)
-    tiny: Optional[TinyModelConfig] = None
-
-
-@dataclass
-class LoraConfig:  # PEFT LoraConfig names
-    enabled: bool = False  # false = full fine-tuning
-    r: int = 16
-    lora_alpha: int = 32
-    lora_dropout: float = 0.0
-    target_modules: List[str] = field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    )
-    bias: str = "none"
-
-
-@dataclass
-class LossConfig:  # TRL GRPOConfig names, except adv_epsilon (see musique_rl/core/trainer.py)
-    loss_type: LossType = MISSING
-    scale_rewards: ScaleRewards = ScaleRewards.group
-    adv_epsilon: float = 1e-4  # added to the std before dividing; TRL hard-codes 1e-4
-    beta: float = 0.0  # KL coefficient (k3 estimator); reference = adapter disabled under PEFT
-    epsilon: float = 0.2
-    epsilon_high: Optional[float] = None  # None = same as epsilon
-    num_iterations: int = 1
-    learning_rate: float = MISSING
-    max_grad_norm: float = 1.0
-    warmup_steps: int = 10
-
-
-@dataclass
-class RewardConfig:
-    """Weighted sum of reward components (musique_rl/env/rewards.py documents each one's range)."""
-
-    name: str = MISSING  # preset name, logged as a tag
-    weights: Dict[str, float] = MISSING  # component -> weight
-    normalizer: float = 1.0  # the sum of weighted components is divided by this
-    hop_scale: bool = False  # multiply by n_hops/2 (the original researcher's combined reward)
-    shuffle_within_batch: bool = False  # negative control: permute rewards inside each batch
-
-
-@dataclass
-class SyntheticConfig:
-    """The embedded generator of MuSiQue-schema records (musique_rl/env/synthetic.py)."""
-
-    num_train: int = 2000
-    num_eval: int = 200
-    hops: List[int] = field(default_factory=lambda: [2])
-    num_paragraphs: int = 6  # supporting + distractors per record
-
-
-@dataclass
-class ArithConfig:
-    """The control task's generator (musique_rl/env/arith.py; env=arith)."""
-
-    num_train: int = 2000
-    num_eval: int = 200
-    max_operand: int = 9  # operands 1..max_operand, results 0..2*max_operand (every number one token)
-    ops: List[str] = field(default_factory=lambda: ["+", "-"])
-
-
-@dataclass
-class EnvConfig:
-    # musique: multi-hop QA with the retrieval tool; arith: the single-turn control task (no tool,
-    # no documents, its own prompt, warm start and reward check: docs/warm_start.md)
+class EnvConfig(env_config.EnvConfig):
     task: Task = Task["musique"]
-    data: str = MISSING  # dataset spec(s): "path,name,split[slice]" joined by ";"
-    eval_data: Optional[str] = None  # held-out spec; None = no held-out eval
-    hops: Optional[List[int]] = None  # keep only these hop counts; None = all
-    answerable_only: bool = True
-    noise_rate: float = 1.0  # P(keep) of each non-supporting paragraph; supporting always kept
-    max_paragraphs: Optional[int] = None
-    skip_invalid: bool = False  # skip (and count) invalid records instead of failing
     retriever: Retriever = Retriever["bm25"]
-    scope: RetrievalScope = RetrievalScope.question
-    corpus: Optional[str] = None  # corpus json for scope=corpus; None = all records' paragraphs
-    top_n: int = 1  # documents per retrieve_documents call (the original runs: 1)
-    get_document_tool: bool = False
-    max_turns: int = 10
-    max_prompt_tokens: int = 8192
-    max_tokens_per_turn: int = 1024
-    max_completion_tokens: int = 4096  # all assistant + tool tokens of one episode
-    supporting_in_prompt: bool = False  # single-step mode (h07): gold paragraphs in the prompt, no tools
-    synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
-    arith: ArithConfig = field(default_factory=ArithConfig)
 
 
 @dataclass
-class HypothesisConfig:
+class ModelConfig(core_config.ModelConfig):
+    tool_call_format: ToolCallFormat = ToolCallFormat["hermes"]
+
+
+@dataclass
+class GpuSettings(ReadOnly):
+    """A GPU job's launch settings (musique_rl/gpu_job.py): the vLLM server's and accelerate's."""
+
+    # the server's context length; None = the env's prompt + completion + one turn (a smaller one is refused)
+    vllm_max_model_len: Optional[int] = None
+    vllm_gpu_memory_utilization: float = 0.9  # the server's share of its own GPU
+    vllm_health_timeout_s: float = 900.0  # the server must answer /health within this (weights load from disk)
+    # accelerate's config for the trainer processes; None = musique_rl/launchers/accelerate/zero3.yaml (DeepSpeed ZeRO-3)
+    accelerate_config: Optional[str] = None
+
+
+@dataclass
+class HypothesisConfig(ReadOnly):
     id: str = MISSING
     title: str = MISSING
     priority: Priority = Priority.medium
@@ -240,68 +120,21 @@ class HypothesisConfig:
 
 # ---------------------------------------------------------------- top level
 @dataclass
-class TrainSettings:
-    max_steps: int = 60
-    prompts_per_step: int = 8  # distinct questions per optimizer step
-    num_generations: int = 8  # group size G
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 = off; sampler and trainer must agree on the distribution
-    mask_env_tokens: bool = True  # tool results and template tokens out of loss and KL (h02)
-    # TRL's correction for a sampler whose log-probs differ from the trainer's: each sequence's (or
-    # token's) loss is weighted by exp(trainer logp - sampler logp), masked or clamped outside the
-    # bounds. auto = on with vLLM as token_truncate (clip_max 3), not TRL's sequence_mask, which drops
-    # about a third of 4096-token sequences under ordinary bf16 noise (core/trainer.py
-    # AUTO_IMPORTANCE_SAMPLING); off with the HF sampler, which is the trained model itself. A mode
-    # name applies it on either backend (the case study replays the original researcher's vLLM runs on CPU this
-    # way: docs/case_study/case_study.md). h06/is_* report what it did each step.
-    importance_sampling: ImportanceSampling = ImportanceSampling.auto
-    importance_sampling_clip_max: Optional[float] = 3.0  # TRL's vllm_importance_sampling_clip_max
-    importance_sampling_clip_min: Optional[float] = None  # TRL's vllm_importance_sampling_clip_min
-    backend: Backend = Backend.hf
-    vllm_mode: VllmMode = VllmMode.auto
-    vllm_server_host: str = "127.0.0.1"
-    vllm_server_port: Optional[int] = None  # None = a free port chosen when the job starts
-    vllm_group_port: Optional[int] = None  # TRL's weight-sync NCCL port; None = a free one at start
-    vllm_gpu_memory_utilization: float = 0.3  # colocate: the GPU share vLLM may take (TRL's default)
-    gradient_checkpointing: bool = False
-    # Episodes per forward/backward on each process; None = the whole per-process batch at once.
-    # The optimizer step still covers prompts_per_step x num_generations episodes (TRL's gradient
-    # accumulation over micro-batches of one generation batch).
-    micro_batch_size: Optional[int] = None
-    logging_steps: int = 1
-    console: Console = Console.compact
-    save_steps: int = 20
-    resume: str = "auto"  # auto (last checkpoint in the run dir) | never | <checkpoint path>
-    eval_episodes: int = 64  # held-out episodes before and after training
-    eval_temperature: Optional[float] = None  # None = train.temperature
-
-
-@dataclass
-class DiagnosticsConfig:
-    enabled: bool = True
-    near_zero_std: float = 0.05  # a group whose reward std is below this carries ~no signal
-    parity_probe_every: int = 10  # steps between sampler/trainer/base parity probes
-    reward_audit_size: int = 4  # episodes a step re-scored by the independent reward audit (h05/reward_audit_*)
-    trajectory_views: int = 4  # episodes rendered to the HTML token view per logged step
-
-
-@dataclass
-class TrackingConfig:
+class TrackingConfig(ReadOnly):
     enabled: bool = True
     tracking_uri: Optional[str] = None  # None = $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db
     experiment: Optional[str] = None  # None = hypothesis id, else "musique_rl"
 
 
 @dataclass
-class SweepSettings:
+class SweepSettings(ReadOnly):
     # a multirun's directory to finish: its jobs with a metrics.json are kept (their MLflow runs
     # too), the others run again, each resuming from its own checkpoint and MLflow run
     resume: Optional[str] = None
 
 
 @dataclass
-class Config:
+class Config(ReadOnly):  # a core.config.JobConfig (and diagnostics.config.InstrumentedJobConfig)
     model: ModelConfig = MISSING
     lora: LoraConfig = MISSING
     loss: LossConfig = MISSING
@@ -317,6 +150,21 @@ class Config:
     diagnostics: DiagnosticsConfig = field(default_factory=DiagnosticsConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     sweep: SweepSettings = field(default_factory=SweepSettings)
+    gpu: GpuSettings = field(default_factory=GpuSettings)
+
+
+def job_config(cfg: DictConfig | Config) -> Config:
+    """The composed config as typed read-only objects: ``Config`` and its groups (``ReadOnly``),
+    every interpolation resolved. Called once where a job starts (train, evaluate, the GPU
+    topology); each layer then receives the groups it reads. Tracking keeps the DictConfig (the
+    MLflow params are its flattened keys). A ``Config`` passes through: a caller that holds the
+    typed config already (app.run, a test) hands it on as is."""
+    if isinstance(cfg, Config):
+        return cfg
+    if not OmegaConf.is_config(cfg):
+        raise TypeError(f"schema.job_config takes a composed DictConfig, not {type(cfg).__name__}")
+    typed = cfg if OmegaConf.get_type(cfg) is Config else OmegaConf.merge(OmegaConf.structured(Config), cfg)
+    return OmegaConf.to_object(typed)
 
 
 # ---------------------------------------------------------------- values that cannot work
@@ -390,6 +238,9 @@ _RULES: list[tuple[str, Any, str]] = [
     ("diagnostics.parity_probe_every", _at_least(1), ">= 1"),
     ("diagnostics.reward_audit_size", _at_least(0), ">= 0"),
     ("diagnostics.trajectory_views", _at_least(0), ">= 0"),
+    ("gpu.vllm_max_model_len", _at_least(1), ">= 1 or null"),
+    ("gpu.vllm_gpu_memory_utilization", _unit_open_closed, "in (0, 1]"),
+    ("gpu.vllm_health_timeout_s", _positive, "> 0"),
 ]
 
 
@@ -434,10 +285,9 @@ def _arm(control: Any, treatment: Any, *, _root_: Any) -> Any:
     return treatment if str(arm) == "treatment" else control
 
 
-# The one place every config lookup starts from (entrypoint, tools, tests): the configs are package
-# data, so a wheel installed anywhere finds them. A user's own configs go on top with Hydra's
-# `--config-dir DIR` (searched first), never by editing this tree.
-CONF_DIR = Path(__file__).resolve().parent / "conf"
+# CONF_DIR (env/config.py) is where every config lookup starts from (entrypoint, tools, tests): the
+# configs are package data, so a wheel installed anywhere finds them. A user's own configs go on
+# top with Hydra's `--config-dir DIR` (searched first), never by editing this tree.
 
 
 def register_sweeps(conf_dir: Path = CONF_DIR) -> list[str]:

@@ -205,8 +205,10 @@ def train(cfg: Any, tracker: Tracker | None = None, run_dir: str | Path | None =
     from musique_rl.env import data, rewards
     from musique_rl.env.retrieval import build_retriever
     from musique_rl.redact import redact
+    from musique_rl.schema import job_config
     from musique_rl.tracking.provenance import git_string, origin_tags
 
+    cfg = job_config(cfg)  # the one place a training job's composed DictConfig becomes its typed, read-only Config
     t0 = time.time()
     rewards.check_weights(cfg.reward)
     _quiet_library_deprecations()
@@ -216,16 +218,16 @@ def train(cfg: Any, tracker: Tracker | None = None, run_dir: str | Path | None =
 
     preflight(cfg, int(state.num_processes))  # batch split and colocate memory, before anything loads
     out_dir = run_directory(run_dir)
-    transformers.set_seed(int(cfg.seed))
-    if str(cfg.model.name_or_path) == "tiny":
+    transformers.set_seed(cfg.seed)
+    if cfg.model.name_or_path == "tiny":
         from musique_rl.core.tiny_model import cpu_threads_for_tiny
 
         cpu_threads_for_tiny()
 
-    records = data.load_records(cfg.env.data, cfg.env, int(cfg.seed))
+    records = data.load_records(cfg.env.data, cfg.env, cfg.seed)
     eval_records: list[dict] = []
     if cfg.env.eval_data:
-        eval_records = data.load_records(cfg.env.eval_data, cfg.env, int(cfg.seed))[: int(cfg.train.eval_episodes)]
+        eval_records = data.load_records(cfg.env.eval_data, cfg.env, cfg.seed)[: cfg.train.eval_episodes]
     log.info("records: %d train, %d held-out", len(records), len(eval_records))
     start = ensure(cfg)  # builds the tiny warm start first if it is neither shipped nor cached
     origin = provenance(cfg, start)
@@ -233,7 +235,7 @@ def train(cfg: Any, tracker: Tracker | None = None, run_dir: str | Path | None =
     model = place(model)  # the held-out eval samples before the trainer exists
     retriever = build_retriever(cfg.env, records + eval_records)
     by_id = {r["id"]: r for r in records}
-    reward_fn = rewards.RewardFunction(cfg.reward, by_id, read_turn=faults.of(cfg).reward_read_turn("last"), seed=int(cfg.seed))
+    reward_fn = rewards.RewardFunction(cfg.reward, by_id, read_turn=faults.of(cfg).reward_read_turn("last"), seed=cfg.seed)
 
     eval_rng: list = []  # the random state the held-out evaluations replay (same_random_numbers)
 
@@ -271,7 +273,7 @@ def train(cfg: Any, tracker: Tracker | None = None, run_dir: str | Path | None =
     trainer = build_trainer(
         cfg, model, tokenizer, records, retriever, reward_fn, ckpt_dir, instruments=instruments, callbacks=callbacks
     )
-    resume = last_checkpoint(ckpt_dir, str(cfg.train.resume))
+    resume = last_checkpoint(ckpt_dir, cfg.train.resume)
     if resume:
         print(f"resuming from {resume}", flush=True)
     from transformers.trainer_callback import ProgressCallback
@@ -281,8 +283,8 @@ def train(cfg: Any, tracker: Tracker | None = None, run_dir: str | Path | None =
     if state.is_main_process:  # metrics.jsonl: the steps up to the checkpoint kept on resume, the rest dropped
         start_metrics_file(out_dir / METRICS_FILE, resume)
     trainer.pop_callback(ProgressCallback)  # TRL's dict per step; StepLog keeps the bar, writes one line
-    trainer.add_callback(StepLog(out_dir / METRICS_FILE, full=str(cfg.train.console) == "full",
-                                 warmup_steps=int(cfg.loss.warmup_steps)))
+    trainer.add_callback(StepLog(out_dir / METRICS_FILE, full=cfg.train.console == "full",
+                                 warmup_steps=cfg.loss.warmup_steps))
     trainer.train(resume_from_checkpoint=resume)
     after, after_g = evaluate("after", trainer_model_source(trainer))  # every rank gathers ZeRO-3 shards
 

@@ -20,18 +20,19 @@ from musique_rl.core.warm_start import WarmStartGateError, _build_into, ensure
 
 # The warm starts committed to musique_rl/warm_starts/ (`make warm-start`), each as overrides of
 # musique_rl/conf/train.yaml: the default's and the arith control task's (env=arith; its key follows
-# its task's warm_start_env, env/tasks/arith.py, not the multi-hop one). A single-step warm start for h07's treatment
+# its task's musique_rl/conf/warm_start/arith.yaml, not the multi-hop one). A single-step warm start for h07's treatment
 # does not pass its gate on this model (docs/warm_start.md), and a start that fails is never shipped.
 SHIPPED_CONFIGS: dict[str, list[str]] = {"default": [], "arith": ["env=arith", "reward=answer_em"]}
 
 
 def compose_config(overrides: list[str]) -> Any:
+    """The typed config (``schema.job_config``) of ``python -m musique_rl <overrides>``."""
     from hydra import compose, initialize_config_dir
 
-    from musique_rl.schema import CONF_DIR  # registers the schema too
+    from musique_rl.schema import CONF_DIR, job_config  # registers the schema too
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return compose("train", overrides=["tracking.enabled=false", *overrides])
+        return job_config(compose("train", overrides=["tracking.enabled=false", *overrides]))
 
 
 def ship(force: bool = False) -> list[Path]:

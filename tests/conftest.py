@@ -57,6 +57,27 @@ def compose_cfg(overrides: list[str] | None = None):
         return compose(config_name="train", overrides=list(overrides or []))
 
 
+def job_cfg(overrides: list[str] | None = None):
+    """``compose_cfg`` as the job's typed, read-only config (``schema.job_config``): what the core,
+    the env and the diagnostics take."""
+    from musique_rl.schema import job_config
+
+    return job_config(compose_cfg(overrides))
+
+
+def with_keys(cfg, updates: dict):
+    """A typed config with ``updates`` (dotted keys -> values) applied through the schema, as a
+    command-line override would be (a wrong type or name fails naming the key)."""
+    from omegaconf import OmegaConf
+
+    from musique_rl.schema import job_config
+
+    node = OmegaConf.structured(cfg)
+    for key, value in updates.items():
+        OmegaConf.update(node, key, value, force_add=False)
+    return job_config(node)
+
+
 # Small data and no tracking for tests; the model settings stay the defaults so the tests load the
 # warm start `python -m musique_rl` uses (the one shipped in musique_rl/warm_starts/).
 TEST_OVERRIDES = [
@@ -73,7 +94,7 @@ def tiny_cfg():
     import torch
 
     torch.set_num_threads(1)  # see musique_rl.core.tiny_model.cpu_threads_for_tiny
-    return compose_cfg(TEST_OVERRIDES)
+    return job_cfg(TEST_OVERRIDES)
 
 
 @pytest.fixture(scope="session")
@@ -92,5 +113,4 @@ def raw_tiny():
     tokenizer in seconds, for tests of token bookkeeping that need no skill."""
     from musique_rl.core.tiny_model import build_untrained
 
-    cfg = compose_cfg([*TEST_OVERRIDES, "model.tiny.sft_records=120"])
-    return build_untrained(cfg)
+    return build_untrained(job_cfg([*TEST_OVERRIDES, "model.tiny.sft_records=120"]))

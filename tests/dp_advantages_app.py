@@ -39,10 +39,10 @@ def main(out: Path) -> None:
     from musique_rl.core.tiny_model import build_untrained
     from musique_rl.core.trainer import build_trainer
     from musique_rl.env.data import load_records
-    from tests.conftest import TEST_OVERRIDES, compose_cfg
+    from tests.conftest import TEST_OVERRIDES, job_cfg
 
     state = process_state()
-    cfg = compose_cfg(
+    cfg = job_cfg(
         [*TEST_OVERRIDES, "model.tiny.sft_records=60", "train.prompts_per_step=4", f"train.num_generations={G}",
          "loss.adv_epsilon=0.5", "diagnostics.enabled=false"]
     )

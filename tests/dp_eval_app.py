@@ -37,9 +37,9 @@ def main(out: Path, rank0_only: bool) -> None:
     from musique_rl.env.data import load_records
     from musique_rl.env.retrieval import build_retriever
     from musique_rl.train import held_out_eval
-    from tests.conftest import TEST_OVERRIDES, compose_cfg
+    from tests.conftest import TEST_OVERRIDES, job_cfg
 
-    cfg = compose_cfg([*TEST_OVERRIDES, "diagnostics.enabled=false"])
+    cfg = job_cfg([*TEST_OVERRIDES, "diagnostics.enabled=false"])
     model, tok = load_model(cfg, warm_start=ensure(cfg))  # the shipped warm start: real multi-turn episodes
     records = load_records(cfg.env.eval_data, cfg.env, 1)[:RECORDS]
     retriever = build_retriever(cfg.env, records)

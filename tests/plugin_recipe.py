@@ -21,11 +21,12 @@ from musique_rl.core.generation import Sample
 
 
 def compose_cfg(overrides):
+    """The job's typed config (schema.job_config) of ``python -m musique_rl <overrides>``."""
     from hydra import compose, initialize_config_dir
     import musique_rl.schema as schema
 
     with initialize_config_dir(config_dir=str(schema.CONF_DIR), version_base="1.3"):
-        return compose("train", overrides=overrides)
+        return schema.job_config(compose("train", overrides=overrides))
 
 
 def typo_listed(override, name):

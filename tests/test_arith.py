@@ -11,7 +11,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from conftest import compose_cfg
+from conftest import job_cfg
 
 from musique_rl.env import arith, policies, prompts, rewards
 from musique_rl.env.data import InvalidRecordError, load_records, parse_spec, validate_record
@@ -23,7 +23,7 @@ ARITH = ["tracking.enabled=false", "env=arith", "reward=answer_em"]
 
 @pytest.fixture(scope="module")
 def arith_cfg():
-    return compose_cfg(ARITH)
+    return job_cfg(ARITH)
 
 
 def test_generator_is_deterministic_and_its_splits_are_disjoint():
@@ -69,9 +69,9 @@ def test_the_data_spec_loads_arith_records_with_the_env_settings(arith_cfg):
 
 def test_a_typo_in_the_arith_settings_names_the_key():
     with pytest.raises(Exception, match="max_oprand"):
-        compose_cfg([*ARITH, "env.arith.max_oprand=3"])
+        job_cfg([*ARITH, "env.arith.max_oprand=3"])
     with pytest.raises(Exception, match="task"):
-        compose_cfg([*ARITH, "env.task=gsm8k"])
+        job_cfg([*ARITH, "env.task=gsm8k"])
 
 
 def test_the_prompt_offers_no_tool_and_asks_for_the_answer_format(arith_cfg):
@@ -87,7 +87,7 @@ def test_the_prompt_offers_no_tool_and_asks_for_the_answer_format(arith_cfg):
 
 
 def _score(rec: dict, text: str, reward: str = "answer_em") -> float:
-    fn = rewards.RewardFunction(compose_cfg([*ARITH[:2], f"reward={reward}"]).reward, {rec["id"]: rec})
+    fn = rewards.RewardFunction(job_cfg([*ARITH[:2], f"reward={reward}"]).reward, {rec["id"]: rec})
     msgs = [{"role": "user", "content": rec["question"]}, {"role": "assistant", "content": text}]
     return fn(episode=[{"id": rec["id"], "messages": msgs}])[0]
 
@@ -106,14 +106,14 @@ def test_answer_em_scores_a_correct_a_wrong_and_a_malformed_answer():
 
 def test_a_reward_the_task_cannot_score_fails_naming_reward_and_env():
     for reward in ("combined", "shuffled", "citation_f1", "retrieval_recall", "format"):
-        cfg = compose_cfg(["tracking.enabled=false", "env=arith", f"reward={reward}"])
+        cfg = job_cfg(["tracking.enabled=false", "env=arith", f"reward={reward}"])
         with pytest.raises(ValueError, match=rf"reward={reward} weighs .*env.task=arith") as e:
             rewards.check_task(cfg.reward, cfg.env)
         assert "reward=answer_em" in str(e.value)
     for reward in ("answer_em", "answer_f1", "answer_only", "shuffled_em"):
-        cfg = compose_cfg(["tracking.enabled=false", "env=arith", f"reward={reward}"])
+        cfg = job_cfg(["tracking.enabled=false", "env=arith", f"reward={reward}"])
         rewards.check_task(cfg.reward, cfg.env)
-    rewards.check_task(compose_cfg(["reward=combined"]).reward, compose_cfg([]).env)  # musique: anything goes
+    rewards.check_task(job_cfg(["reward=combined"]).reward, job_cfg([]).env)  # musique: anything goes
 
 
 def test_the_command_refuses_a_document_reward_before_any_compute():
@@ -125,7 +125,7 @@ def test_the_command_refuses_a_document_reward_before_any_compute():
 
 
 def test_the_shuffled_control_permutes_answer_em():
-    cfg = compose_cfg(["tracking.enabled=false", "env=arith", "reward=shuffled_em"])
+    cfg = job_cfg(["tracking.enabled=false", "env=arith", "reward=shuffled_em"])
     assert cfg.reward.shuffle_within_batch and dict(cfg.reward.weights) == {"answer_em": 1.0}
 
 
@@ -163,11 +163,11 @@ def test_the_arith_warm_start_follows_the_task_and_leaves_musique_alone(arith_cf
     from musique_rl.core import tiny_model
 
     key = tiny_model.build_key(arith_cfg)
-    assert key != tiny_model.build_key(compose_cfg(["tracking.enabled=false"]))
-    assert tiny_model.build_settings(arith_cfg)["env"] == arith_task.Arith.warm_start_env
-    assert "task" not in tiny_model.build_settings(compose_cfg(["tracking.enabled=false"]))  # musique's key unchanged
+    assert key != tiny_model.build_key(job_cfg(["tracking.enabled=false"]))
+    assert tiny_model.build_settings(arith_cfg)["env"] == arith_task.Arith().warm_start().env
+    assert "task" not in tiny_model.build_settings(job_cfg(["tracking.enabled=false"]))  # musique's key unchanged
     # the run's seed, data size or reward are not build inputs
-    assert tiny_model.build_key(compose_cfg([*ARITH, "seed=7", "env.arith.num_train=31", "reward=shuffled_em"])) == key
+    assert tiny_model.build_key(job_cfg([*ARITH, "seed=7", "env.arith.num_train=31", "reward=shuffled_em"])) == key
 
 
 def test_the_arith_warm_start_is_shipped_gated_and_unaltered(arith_cfg):

@@ -6,6 +6,7 @@ broken interpolation, a key missing from the typed schema or a wrong enum value 
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -14,8 +15,11 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from musique_rl import schema
+from musique_rl.core.config import TrainSettings
 from musique_rl.core.faults import FAULTS as FAULT_REGISTRY
-from musique_rl.schema import CONF_DIR  # importing it registers the schema and resolvers
+from musique_rl.env.config import EnvConfig
+from musique_rl.schema import CONF_DIR, job_config  # importing it registers the schema and resolvers
 
 ROOT = Path(__file__).resolve().parent.parent
 GROUPS = ["model", "lora", "loss", "reward", "env"]
@@ -51,6 +55,8 @@ def test_every_group_has_options():
 def test_option_composes_alone_and_with_every_hypothesis(group, option):
     base = resolved([f"{group}={option}"])
     assert base["hypothesis"] is None
+    typed = job_config(compose(config_name="train", overrides=[f"{group}={option}"]))  # what a job receives
+    assert dataclasses.asdict(getattr(typed, group)) == base[group]
     for hyp in HYPOTHESES:
         cfg = resolved([f"{group}={option}", f"+hypothesis={hyp}"])
         assert cfg["hypothesis"]["id"] == hyp
@@ -91,6 +97,39 @@ def test_hypothesis_header_states_everything(hyp):
 def test_fault_composes_and_names_itself(fault):
     assert resolved([f"+fault={fault}"])["fault"] == fault
     assert resolved([])["fault"] == "none"  # never on by default
+
+
+def test_the_job_config_is_typed_and_read_only():
+    """schema.job_config: the groups as their dataclasses, every value of its field's type (enums
+    included), and an assignment refused naming the field."""
+    cfg = job_config(compose(config_name="train", overrides=["+hypothesis=h04", "hypothesis.arm=treatment"]))
+    assert isinstance(cfg, schema.Config) and isinstance(cfg.env, EnvConfig) and isinstance(cfg.train, TrainSettings)
+    assert cfg.env.max_turns == resolved(["+hypothesis=h04", "hypothesis.arm=treatment"])["env"]["max_turns"]
+    assert cfg.loss.loss_type is schema.LossType.dapo and cfg.env.task == "musique"
+    assert isinstance(cfg.model.tiny.cache_dir, str) and "${" not in cfg.model.tiny.cache_dir  # resolved
+    with pytest.raises(dataclasses.FrozenInstanceError, match="EnvConfig.top_n"):
+        cfg.env.top_n = 3
+    assert job_config(cfg) is cfg  # already typed: handed on as it is
+    with pytest.raises(TypeError, match="DictConfig"):
+        job_config({"seed": 1})
+
+
+def test_a_warm_start_setting_is_typed_by_the_schema_of_its_group():
+    """conf/warm_start/<task>.yaml: env.* and model.tiny.* keys merged through their schema, so a
+    value takes its field's type (the key hashes what a composed config holds) and a typo fails
+    naming the key."""
+    from musique_rl.env.config import overlay, warm_start_config
+
+    cfg = job_config(compose(config_name="train", overrides=[]))
+    assert overlay(cfg.model.tiny, {"sft_epochs": 6}).sft_epochs == 6.0
+    assert overlay(cfg.env, {"synthetic": {"num_paragraphs": 4}}).synthetic.hops == cfg.env.synthetic.hops
+    with pytest.raises(Exception, match="max_turn"):
+        overlay(cfg.env, {"max_turn": 3})
+    with pytest.raises(FileNotFoundError, match="env.task=nosuch"):
+        warm_start_config("nosuch")
+    for task in ("musique", "arith"):
+        setting = warm_start_config(task)
+        overlay(cfg.env, setting.env), overlay(cfg.model.tiny, setting.tiny)  # every key is a key of its group
 
 
 def test_lora_alpha_is_twice_r_unless_set():

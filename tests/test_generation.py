@@ -15,6 +15,7 @@ import types
 
 import pytest
 import torch
+from conftest import with_keys
 
 from musique_rl.core.generation import (
     HFGenerator,
@@ -116,8 +117,7 @@ def test_bad_sampling_settings_name_the_key():
 
 
 def test_vllm_backend_needs_the_trainer(tiny_cfg, raw_tiny):
-    cfg = copy.deepcopy(tiny_cfg)
-    cfg.train.backend = "vllm"
+    cfg = with_keys(tiny_cfg, {"train.backend": "vllm"})
     with pytest.raises(ValueError, match="train.backend=vllm"):
         build_generator(cfg, raw_tiny[1], model=raw_tiny[0])
 
@@ -197,8 +197,7 @@ def test_vllm_colocate_generator_samples_token_ids_in_process(tiny_cfg, monkeypa
     llm = FakeLLM([[5, 6, 99, 7], [8, 9, 10, 11]])
     trainer = types.SimpleNamespace(args=types.SimpleNamespace(vllm_mode="colocate"),
                                     vllm_generation=types.SimpleNamespace(llm=llm))
-    cfg = copy.deepcopy(tiny_cfg)
-    cfg.train.backend, cfg.train.temperature, cfg.train.top_k = "vllm", 0.7, 20
+    cfg = with_keys(tiny_cfg, {"train.backend": "vllm", "train.temperature": 0.7, "train.top_k": 20})
     tok = types.SimpleNamespace(eos_token_id=99, pad_token_id=98)
     gen = build_generator(cfg, tok, trainer=trainer)
     assert isinstance(gen, VLLMColocateGenerator) and not gen.collective

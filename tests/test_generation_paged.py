@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from omegaconf import OmegaConf
+from conftest import with_keys
 
 from musique_rl.core.generation import PagedGenerator, SamplingSettings, build_generator
 from musique_rl.core.generation_paged import _cache_settings
@@ -72,8 +72,7 @@ def test_paged_rollouts_are_token_exact(warm_tiny, tiny_cfg):
     from musique_rl.env.data import load_records
 
     model, tok = warm_tiny
-    cfg = copy.deepcopy(tiny_cfg)
-    cfg.train.backend = "paged"
+    cfg = with_keys(tiny_cfg, {"train.backend": "paged"})
     recs = load_records(cfg.env.eval_data, cfg.env, 1)[:4]
     engine = RolloutEngine(cfg, tok, build_retriever(cfg.env, recs), {r["id"]: r for r in recs})
     gen = build_generator(cfg, tok, model=model)
@@ -91,10 +90,8 @@ def test_paged_sampler_and_trainer_agree_at_step_0(tiny_cfg, warm_tiny, tmp_path
     from test_trainer import _batch, _trainer, _trainer_logps
 
     model, tok = warm_tiny
-    cfg = copy.deepcopy(tiny_cfg)
-    for k, v in {"train.max_steps": 1, "train.prompts_per_step": 2, "train.num_generations": 4,
-                 "train.save_steps": 1000, "train.backend": "paged", "train.temperature": 0.8}.items():
-        OmegaConf.update(cfg, k, v, force_add=False)
+    cfg = with_keys(tiny_cfg, {"train.max_steps": 1, "train.prompts_per_step": 2, "train.num_generations": 4,
+                               "train.save_steps": 1000, "train.backend": "paged", "train.temperature": 0.8})
     tr = _trainer(cfg, copy.deepcopy(model), tok, tmp_path)
     assert isinstance(tr.musique_generator, PagedGenerator)
     torch.manual_seed(1)
@@ -112,11 +109,9 @@ def test_paged_backend_trains(tiny_cfg, warm_tiny, tmp_path):
     from test_trainer import _trainer
 
     model, tok = warm_tiny
-    cfg = copy.deepcopy(tiny_cfg)
-    for k, v in {"train.max_steps": 2, "train.prompts_per_step": 2, "train.num_generations": 4,
-                 "train.save_steps": 1000, "train.logging_steps": 1, "train.backend": "paged",
-                 "train.importance_sampling": "token_truncate", "loss.warmup_steps": 0}.items():
-        OmegaConf.update(cfg, k, v, force_add=False)
+    cfg = with_keys(tiny_cfg, {"train.max_steps": 2, "train.prompts_per_step": 2, "train.num_generations": 4,
+                               "train.save_steps": 1000, "train.logging_steps": 1, "train.backend": "paged",
+                               "train.importance_sampling": "token_truncate", "loss.warmup_steps": 0})
     tr = _trainer(cfg, copy.deepcopy(model), tok, tmp_path)
     torch.manual_seed(0)
     tr.train()

@@ -3,7 +3,6 @@ and the start / health-check / stop machinery run on loopback with stand-in proc
 
 from __future__ import annotations
 
-import copy
 import os
 import socket
 import sys
@@ -13,7 +12,8 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from musique_rl import gpu_job
-from musique_rl.schema import CONF_DIR  # importing it registers the schema and resolvers
+from musique_rl.schema import CONF_DIR, job_config  # importing it registers the schema and resolvers
+from tests.conftest import with_keys
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -21,8 +21,8 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.fixture(scope="module")
 def cfg7b():
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return compose("train", overrides=["model=qwen2.5-7b-instruct", "lora=r16", "train.backend=vllm",
-                                           "+hypothesis=h02", "hypothesis.arm=control", "seed=2"])
+        return job_config(compose("train", overrides=["model=qwen2.5-7b-instruct", "lora=r16", "train.backend=vllm",
+                                                      "+hypothesis=h02", "hypothesis.arm=control", "seed=2"]))
 
 
 def test_plan_puts_vllm_on_the_first_gpus_and_trains_on_the_rest(cfg7b, tmp_path):
@@ -30,10 +30,9 @@ def test_plan_puts_vllm_on_the_first_gpus_and_trains_on_the_rest(cfg7b, tmp_path
     from the other 2 as two data-parallel replicas."""
     overrides = ["model=qwen2.5-7b-instruct", "lora=r16", "train.backend=vllm", "+hypothesis=h02",
                  "hypothesis.arm=control", "seed=2", "train.vllm_server_port=8000", "train.vllm_group_port=51216"]
-    cfg = copy.deepcopy(cfg7b)
-    cfg.train.vllm_server_port, cfg.train.vllm_group_port = 8000, 51216  # explicit ports are kept
-    env = {"MUSIQUE_RL_ACCELERATE_CONFIG": str(tmp_path / "zero3.yaml"), "MUSIQUE_RL_VLLM_MAX_MODEL_LEN": "16384"}
-    topo = gpu_job.plan(cfg, gpus=["4", "5", "6", "7"], job_dir=tmp_path / "job", overrides=overrides, env=env)
+    cfg = with_keys(cfg7b, {"train.vllm_server_port": 8000, "train.vllm_group_port": 51216,  # explicit ports are kept
+                            "gpu.accelerate_config": str(tmp_path / "zero3.yaml"), "gpu.vllm_max_model_len": 16384})
+    topo = gpu_job.plan(cfg, gpus=["4", "5", "6", "7"], job_dir=tmp_path / "job", overrides=overrides, env={})
     server = " ".join(topo.server_cmd)
     assert server.startswith("python -m vllm.entrypoints.cli.main serve Qwen/Qwen2.5-7B-Instruct --host 127.0.0.1 --port 8000")
     for part in ("--tensor-parallel-size 1", "--data-parallel-size 2", "--dtype bfloat16", "--max-model-len 16384",
@@ -49,7 +48,7 @@ def test_plan_puts_vllm_on_the_first_gpus_and_trains_on_the_rest(cfg7b, tmp_path
                    f"hydra.run.dir={tmp_path / 'job'}"]
     assert int(main_port) not in (8000, 51216)
     assert topo.trainer_env == {"CUDA_VISIBLE_DEVICES": "6,7", "MUSIQUE_RL_GPU_ROLE": "trainer"}
-    assert topo.notes == [f"accelerate config {tmp_path / 'zero3.yaml'} does not exist (MUSIQUE_RL_ACCELERATE_CONFIG)"]
+    assert topo.notes == [f"gpu.accelerate_config={tmp_path / 'zero3.yaml'}: no such file"]
     shell = topo.shell()
     assert "CUDA_VISIBLE_DEVICES=6,7 MUSIQUE_RL_GPU_ROLE=trainer accelerate launch" in shell
     assert "until curl -sf http://127.0.0.1:8000/health" in shell
@@ -85,8 +84,7 @@ def test_ports_are_chosen_free_at_start_so_two_jobs_share_a_node(cfg7b, tmp_path
 
 
 def test_a_port_given_on_the_command_line_is_replaced_by_the_chosen_one_once(cfg7b, tmp_path):
-    cfg = copy.deepcopy(cfg7b)
-    cfg.train.vllm_server_port = 8123
+    cfg = with_keys(cfg7b, {"train.vllm_server_port": 8123})
     topo = gpu_job.plan(cfg, gpus=["0", "1"], job_dir=tmp_path, overrides=["train.vllm_server_port=8123", "seed=2"], env={})
     assert [o for o in topo.trainer_cmd if o.startswith("train.vllm_server_port")] == ["train.vllm_server_port=8123"]
     assert "seed=2" in topo.trainer_cmd and "--port" in topo.server_cmd
@@ -98,21 +96,21 @@ def test_one_gpu_is_refused_in_server_mode_with_the_fix_named(cfg7b, tmp_path):
 
 
 def test_auto_mode_colocates_on_one_gpu_and_serves_on_several(cfg7b, monkeypatch):
-    cfg = copy.deepcopy(cfg7b)
-    assert str(cfg.train.vllm_mode.value) == "auto"
-    assert gpu_job.resolve_vllm_mode(cfg, env={"CUDA_VISIBLE_DEVICES": "0"}) == "colocate"
-    assert gpu_job.resolve_vllm_mode(cfg, env={"CUDA_VISIBLE_DEVICES": "0,1"}) == "server"
+    cfg = cfg7b
+    assert cfg.train.vllm_mode == "auto"
+    assert gpu_job.resolve_vllm_mode(cfg.train, env={"CUDA_VISIBLE_DEVICES": "0"}) == "colocate"
+    assert gpu_job.resolve_vllm_mode(cfg.train, env={"CUDA_VISIBLE_DEVICES": "0,1"}) == "server"
     # inside `accelerate launch` of several processes: one engine per process, never a nested topology
-    assert gpu_job.resolve_vllm_mode(cfg, env={"CUDA_VISIBLE_DEVICES": "0,1", "WORLD_SIZE": "2"}) == "colocate"
-    cfg.train.vllm_mode = "colocate"
-    assert gpu_job.resolve_vllm_mode(cfg, env={"CUDA_VISIBLE_DEVICES": "0,1,2,3"}) == "colocate"
+    assert gpu_job.resolve_vllm_mode(cfg.train, env={"CUDA_VISIBLE_DEVICES": "0,1", "WORLD_SIZE": "2"}) == "colocate"
+    cfg = with_keys(cfg7b, {"train.vllm_mode": "colocate"})
+    assert gpu_job.resolve_vllm_mode(cfg.train, env={"CUDA_VISIBLE_DEVICES": "0,1,2,3"}) == "colocate"
     monkeypatch.delenv(gpu_job.ROLE_ENV, raising=False)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
     assert not gpu_job.wants_topology(cfg7b)  # one GPU, auto: this process trains with vLLM colocated
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
     assert gpu_job.wants_topology(cfg7b)
     with pytest.raises(ValueError, match="(?s)nope.*auto, colocate, server.*train.vllm_mode"):
-        cfg.train.vllm_mode = "nope"  # the typed schema refuses it, naming the key
+        with_keys(cfg7b, {"train.vllm_mode": "nope"})  # the typed schema refuses it, naming the key
 
 
 def test_only_the_outer_vllm_training_job_starts_a_topology(cfg7b, monkeypatch):
@@ -193,13 +191,13 @@ SEEDS = ["model=qwen2.5-7b-instruct", "lora=r16", "env=musique", "env.data=unuse
 
 
 def _cfg(*extra: str):
-    from tests.conftest import compose_cfg
+    from tests.conftest import job_cfg
 
-    return compose_cfg([*SEEDS, *extra])
+    return job_cfg([*SEEDS, *extra])
 
 
 def _layout(cfg, gpus: int, mode: str, card=H100):
-    return gpu_job.layout(cfg, gpus, mode, card_gib=card, accelerate_config=gpu_job.DEFAULT_ACCELERATE_CONFIG, env={})
+    return gpu_job.layout(cfg, gpus, mode, card_gib=card, accelerate_config=gpu_job.DEFAULT_ACCELERATE_CONFIG)
 
 
 # GPUs, mode -> (trainer processes, vLLM GPUs, episodes per process, micro-batches) at the defaults
@@ -268,9 +266,9 @@ def test_colocate_memory_is_checked_and_the_fix_named():
 
 def test_the_server_context_fits_every_request_a_turn_sends(tmp_path):
     cfg = _cfg()
-    with pytest.raises(gpu_job.TopologyError, match="MUSIQUE_RL_VLLM_MAX_MODEL_LEN=12288 is below .* 17408"):
-        gpu_job.layout(cfg, 2, "server", card_gib=H100, accelerate_config=tmp_path / "none.yaml",
-                       env={"MUSIQUE_RL_VLLM_MAX_MODEL_LEN": "12288"})
+    with pytest.raises(gpu_job.TopologyError, match="gpu.vllm_max_model_len=12288 is below .* 17408"):
+        gpu_job.layout(_cfg("gpu.vllm_max_model_len=12288"), 2, "server", card_gib=H100,
+                       accelerate_config=tmp_path / "none.yaml")
     topo = gpu_job.plan(cfg, gpus=["0", "1"], job_dir=tmp_path, overrides=[], env={}, card_gib=H100)
     assert topo.server_cmd[topo.server_cmd.index("--max-model-len") + 1] == "17408"
     with pytest.raises(gpu_job.TopologyError, match="exceeds the model's 32768 positions"):
@@ -287,7 +285,7 @@ def test_a_longest_turn_request_never_exceeds_the_context():
     per_turn, budget, prompt = int(env.max_tokens_per_turn), int(env.max_completion_tokens), int(env.max_prompt_tokens)
     used = [0, budget - 1, budget - per_turn, 5000]  # completion tokens so far of four live episodes
     limits = [min(per_turn, budget - u) for u in used]
-    assert max(prompt + u for u in used) + max(limits) <= vllm_context_length(cfg)
+    assert max(prompt + u for u in used) + max(limits) <= vllm_context_length(cfg.env)
     assert prompt + budget - 1 + max(limits) > prompt + budget  # the old context length was too short
 
 

@@ -68,8 +68,8 @@ def test_the_recomputed_weights_are_trls_and_the_step_logs_them(tiny_cfg, warm_t
 
 
 def test_auto_is_token_truncate_with_vllm_and_off_on_the_hf_backend(tiny_cfg):
-    assert trainer_mod.importance_sampling_settings(_cfg(tiny_cfg, {})) == {}
-    on = trainer_mod.importance_sampling_settings(_cfg(tiny_cfg, {"train.backend": "vllm"}))
+    assert trainer_mod.importance_sampling_settings(_cfg(tiny_cfg, {}).train) == {}
+    on = trainer_mod.importance_sampling_settings(_cfg(tiny_cfg, {"train.backend": "vllm"}).train)
     assert on["vllm_importance_sampling_mode"] == "token_truncate" and on["vllm_importance_sampling_correction"]
     assert on["vllm_importance_sampling_clip_max"] == 3.0
 

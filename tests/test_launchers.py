@@ -1,5 +1,6 @@
-"""Launcher configs: the sbatch script a sweep submits, per-cluster settings from the environment,
-and the pinned upstream code our launcher subclass mirrors."""
+"""Launcher configs: the sbatch script a sweep submits, per-cluster settings as config keys (the
+command line or a launcher config of the user's own), and the pinned upstream code our launcher
+subclass mirrors."""
 
 from __future__ import annotations
 
@@ -14,9 +15,6 @@ from omegaconf import OmegaConf
 from musique_rl.schema import CONF_DIR  # importing it registers the schema and resolvers
 
 ROOT = Path(__file__).resolve().parent.parent
-CLUSTER_ENV = ["MUSIQUE_RL_SLURM_" + k for k in
-               ("PARTITION", "ACCOUNT", "QOS", "GPUS_PER_NODE", "CPUS_PER_TASK", "MEM_GB", "TIMEOUT_MIN",
-                "ARRAY_PARALLELISM", "MAX_NUM_TIMEOUT")]
 
 
 def test_upstream_launch_is_the_version_we_mirror():
@@ -40,12 +38,12 @@ def no_cluster_here(monkeypatch):
     monkeypatch.setattr(SlurmExecutor, "affinity", classmethod(lambda cls: 2))
 
 
-def sbatch_script(tmp_path: Path, overrides: list[str], n_jobs: int = 6) -> str:
+def sbatch_script(tmp_path: Path, overrides: list[str], n_jobs: int = 6, launcher: str = "slurm") -> str:
     from hydra_plugins.musique_rl_launchers.launchers import SlurmLauncher
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose("train", overrides=["+sweep=h02", "hydra/launcher=slurm", f"hydra.sweep.dir={tmp_path}", *overrides],
-                      return_hydra_config=True)
+        cfg = compose("train", overrides=["+sweep=h02", f"hydra/launcher={launcher}", f"hydra.sweep.dir={tmp_path}",
+                                          *overrides], return_hydra_config=True)
     params = OmegaConf.to_container(cfg.hydra.launcher, resolve=True)
     assert params.pop("_target_") == "hydra_plugins.musique_rl_launchers.launchers.SlurmLauncher"
     launcher = SlurmLauncher(**params)
@@ -57,9 +55,7 @@ def sbatch_script(tmp_path: Path, overrides: list[str], n_jobs: int = 6) -> str:
     return slurm._make_submission_file_text("python -u -m submitit.core._submit X", "uid")
 
 
-def test_sbatch_defaults_leave_cluster_choices_to_the_cluster(tmp_path, monkeypatch):
-    for k in CLUSTER_ENV:
-        monkeypatch.delenv(k, raising=False)
+def test_sbatch_defaults_leave_cluster_choices_to_the_cluster(tmp_path):
     text = sbatch_script(tmp_path, [])
     for absent in ("--partition", "--account", "--qos", "--gpus-per-node"):
         assert absent not in text
@@ -70,23 +66,23 @@ def test_sbatch_defaults_leave_cluster_choices_to_the_cluster(tmp_path, monkeypa
     assert f"#SBATCH --output={tmp_path}/.submitit/%A_%a/%A_%a_0_log.out" in text
 
 
-def test_sbatch_takes_cluster_settings_from_the_environment(tmp_path, monkeypatch):
-    env = {"PARTITION": "gpu", "ACCOUNT": "proj42", "QOS": "high", "GPUS_PER_NODE": "4", "CPUS_PER_TASK": "16",
-           "MEM_GB": "200", "TIMEOUT_MIN": "720", "ARRAY_PARALLELISM": "2"}
-    for k, v in env.items():
-        monkeypatch.setenv("MUSIQUE_RL_SLURM_" + k, v)
-    text = sbatch_script(tmp_path, ["+hydra.launcher.additional_parameters.requeue=true"])
-    for line in ("#SBATCH --partition=gpu", "#SBATCH --account=proj42", "#SBATCH --qos=high",
-                 "#SBATCH --gpus-per-node=4", "#SBATCH --cpus-per-task=16", "#SBATCH --mem=200GB",
-                 "#SBATCH --time=720", "#SBATCH --array=0-5%2", "#SBATCH --requeue",
-                 "export OMP_NUM_THREADS=16 MKL_NUM_THREADS=16"):
+def test_a_clusters_own_launcher_config_sets_the_sbatch_flags_and_the_command_line_wins(tmp_path):
+    """launchers/cluster.yaml.example, copied into a config dir of the user's (``--config-dir``; here
+    hydra.searchpath, its compose-API form), starts from slurm.yaml and sets the cluster's values;
+    an override on the command line still beats it."""
+    import shutil
+
+    own = tmp_path / "my_conf"
+    (own / "hydra" / "launcher").mkdir(parents=True)
+    shutil.copy(ROOT / "launchers" / "cluster.yaml.example", own / "hydra" / "launcher" / "mycluster.yaml")
+    text = sbatch_script(tmp_path, [f"hydra.searchpath=[file://{own}]", "hydra.launcher.partition=debug",
+                                    "+hydra.launcher.additional_parameters.requeue=true"], launcher="mycluster")
+    for line in ("#SBATCH --partition=debug", "#SBATCH --account=my_project", "#SBATCH --qos=normal",
+                 "#SBATCH --gpus-per-node=4", "#SBATCH --cpus-per-task=32", "#SBATCH --mem=256GB",
+                 "#SBATCH --time=720", "#SBATCH --array=0-5%6", "#SBATCH --requeue",
+                 "#SBATCH --signal=USR2@120", "export OMP_NUM_THREADS=32 MKL_NUM_THREADS=32"):
         assert line in text, line
-
-
-def test_command_line_beats_the_environment(tmp_path, monkeypatch):
-    monkeypatch.setenv("MUSIQUE_RL_SLURM_PARTITION", "gpu")
-    text = sbatch_script(tmp_path, ["hydra.launcher.partition=debug"])
-    assert "#SBATCH --partition=debug" in text and "--partition=gpu" not in text
+    assert "--partition=gpu" not in text
 
 
 @pytest.mark.parametrize("launcher", ["local", "slurm"])

@@ -14,7 +14,6 @@ import json
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 
 from musique_rl.core.generation import HFGenerator, SamplingSettings, sampling_settings, stop_ids
 from musique_rl.core.rollout import ChatTokens, RolloutEngine
@@ -24,7 +23,7 @@ from musique_rl.diagnostics.ledger import sources_tensor
 from musique_rl.env import policies, prompts, rewards
 from musique_rl.env.retrieval import build_retriever
 from tests import tokenizer_fixtures as tf
-from tests.conftest import TEST_OVERRIDES, compose_cfg
+from tests.conftest import TEST_OVERRIDES, job_cfg, with_keys
 from tests.scripted import ScriptedGenerator, sampled_runs
 
 ROLLOUT_SPECS = [tf.QWEN25, tf.LLAMA31]
@@ -43,11 +42,9 @@ def _tok(standins, spec):
 
 
 def _cfg(spec, **over):
-    cfg = compose_cfg([*TEST_OVERRIDES, f"model={spec.model_config}", "env.max_prompt_tokens=4096",
-                       "env.max_completion_tokens=4096", "env.max_tokens_per_turn=256"])
-    for k, v in over.items():
-        OmegaConf.update(cfg, k, v)
-    return cfg
+    cfg = job_cfg([*TEST_OVERRIDES, f"model={spec.model_config}", "env.max_prompt_tokens=4096",
+                   "env.max_completion_tokens=4096", "env.max_tokens_per_turn=256"])
+    return with_keys(cfg, over)
 
 
 # ---------------------------------------------------------------- the stand-ins are the real tokenizers

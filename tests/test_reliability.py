@@ -39,7 +39,7 @@ FAST = [*TEST_OVERRIDES, "train.prompts_per_step=2", "train.num_generations=2", 
 
 def _env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
-    env.update(PYTHONPATH=str(ROOT), MUSIQUE_RL_LOCAL_PARALLEL="2", **extra)
+    env.update(PYTHONPATH=str(ROOT), **extra)
     return env
 
 
@@ -461,6 +461,9 @@ def test_a_tracking_server_that_dies_mid_run_costs_nothing(tmp_path, mlflow_serv
     ("train.prompts_per_step=0", "train.prompts_per_step"), ("train.temperature=0", "train.temperature"),
     ("train.top_p=1.5", "train.top_p"), ("env.max_completion_tokens=0", "env.max_completion_tokens"),
     ("train.save_steps=0", "train.save_steps"), ("loss.epsilon=0", "loss.epsilon"),
+    ("train.vllm_gpu_memory_utilization=1.5", "train.vllm_gpu_memory_utilization"),
+    ("gpu.vllm_gpu_memory_utilization=0", "gpu.vllm_gpu_memory_utilization"),
+    ("gpu.vllm_max_model_len=0", "gpu.vllm_max_model_len"), ("gpu.vllm_health_timeout_s=0", "gpu.vllm_health_timeout_s"),
 ])
 def test_impossible_values_are_refused_naming_the_key(override, key):
     with pytest.raises(schema.ConfigValueError, match=rf"{key}=\S+: must be"):

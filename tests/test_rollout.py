@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
-from omegaconf import OmegaConf
+from conftest import with_keys
 
 from musique_rl.core.generation import build_generator
 from musique_rl.core.rollout import ChatTokens, RolloutEngine
@@ -16,10 +14,7 @@ from tests.scripted import ScriptedGenerator, sampled_runs
 
 
 def _cfg(tiny_cfg, **env):
-    cfg = copy.deepcopy(tiny_cfg)
-    for k, v in env.items():
-        OmegaConf.update(cfg, k, v)
-    return cfg
+    return with_keys(tiny_cfg, env)
 
 
 def _scripted_run(raw_tiny, cfg, n=6):
@@ -119,7 +114,7 @@ def test_rollout_func_returns_what_trl_needs_in_order(raw_tiny, tiny_cfg):
     model, tok, records, _, _ = raw_tiny
     recs = records[:2]
     engine = RolloutEngine(tiny_cfg, tok, build_retriever(tiny_cfg.env, recs), {r["id"]: r for r in recs})
-    batch = [row["prompt"] for row in prompt_dataset(tiny_cfg, recs) for _ in range(3)]  # B x G, repeated in order
+    batch = [row["prompt"] for row in prompt_dataset(tiny_cfg.env, recs) for _ in range(3)]  # B x G, repeated in order
 
     class Trainer:
         musique_generator = build_generator(tiny_cfg, tok, model=model)

@@ -5,7 +5,7 @@ module (the recipe of docs/architecture.md, done here in a copy of the package).
 from __future__ import annotations
 
 import pytest
-from conftest import compose_cfg
+from conftest import job_cfg
 from plugin_recipe import assert_printed, composition_error, run_in_copy
 
 from musique_rl.env import prompts, rewards
@@ -64,7 +64,7 @@ except ValueError as e:
 rewards.check_task(cfg.reward, cfg.env)
 records = load_records(cfg.env.data, cfg.env, 1)  # validated: no documents is fine for this task
 score = rewards.RewardFunction(cfg.reward, {r["id"]: r for r in records})
-oracle = list(POLICIES["oracle"](cfg, records))
+oracle = list(POLICIES["oracle"](cfg.env, records, tool_call_format=cfg.model.tool_call_format))
 print("ORACLE:", len(records), score(episode=oracle))
 
 # a rollout through the real engine and chat template (a scripted sampler, as no model knows echo)
@@ -93,13 +93,13 @@ def test_the_schema_offers_every_registered_task():
 
 
 def test_each_task_answers_for_its_prompt_tools_and_rewards(toy_record):
-    musique, arith = compose_cfg([]).env, compose_cfg(["env=arith"]).env
+    musique, arith = job_cfg([]).env, job_cfg(["env=arith"]).env
     assert task_for(musique).name == "musique" and task_for(arith).name == "arith"
     assert [s["function"]["name"] for s in prompts.tool_schemas(musique)] == ["retrieve_documents"]
     assert prompts.tool_schemas(arith) == []
     assert "retrieve_documents" in prompts.build_messages(toy_record, musique)[0]["content"]
     assert "arithmetic" in prompts.build_messages(toy_record, arith)[0]["content"]
-    combined = compose_cfg(["reward=combined"]).reward
+    combined = job_cfg(["reward=combined"]).reward
     rewards.check_task(combined, musique)  # the multi-hop task scores every component
     with pytest.raises(ValueError, match="env.task=arith"):
         rewards.check_task(combined, arith)
@@ -109,7 +109,8 @@ def test_every_task_declares_a_complete_warm_start():
     """What core/warm_start.py reads of a task: a shape per gate, bounds the gate can check, and the
     SFT recipe's required shapes among the task's shapes."""
     for task in TASKS.values():
-        assert task.gate_shapes and task.warm_start_env, task.name
+        setting = task.warm_start()  # musique_rl/conf/warm_start/<task>.yaml, through its schema
+        assert task.gate_shapes and setting.env, task.name
         assert {"sampled_em", "pass8_minus_pass1_min", "records_per_shape", "split"} <= set(task.gate), task.name
         assert {"greedy_em_min", "greedy_over_sampled_min"} & set(task.gate), task.name
-        assert set(task.warm_start_sft.get("gate_shapes", [])) <= set(task.gate_shapes), task.name
+        assert set(setting.tiny.get("gate_shapes", [])) <= set(task.gate_shapes), task.name

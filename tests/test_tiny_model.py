@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import copy
 import json
 import time
 
 import numpy as np
 import pytest
 import torch
+from conftest import with_keys
 
 from musique_rl.core import tiny_model, warm_start
 from musique_rl.env import prompts
@@ -77,12 +77,9 @@ def test_noisy_oracle_takes_context_dependent_wrong_decisions(raw_tiny):
 
 def test_build_key_follows_the_build_inputs_not_the_seed(tiny_cfg, monkeypatch):
     key = tiny_model.build_key(tiny_cfg)
-    other = copy.deepcopy(tiny_cfg)
-    other.seed = 7
-    other.env.synthetic.num_train = 31  # the run's data size is not a build input
+    other = with_keys(tiny_cfg, {"seed": 7, "env.synthetic.num_train": 31})  # the run's data size is not a build input
     assert tiny_model.build_key(other) == key
-    other.model.tiny.sft_noise = 0.3
-    assert tiny_model.build_key(other) != key
+    assert tiny_model.build_key(with_keys(other, {"model.tiny.sft_noise": 0.3})) != key
     # what the SFT data says is a build input, whichever code path changes it
     monkeypatch.setattr(musique, "SYSTEM_PROMPT", musique.SYSTEM_PROMPT + " Be brief.")
     assert tiny_model.build_key(tiny_cfg) != key
@@ -91,14 +88,14 @@ def test_build_key_follows_the_build_inputs_not_the_seed(tiny_cfg, monkeypatch):
 def test_both_arms_of_every_hypothesis_start_from_the_same_warm_start(tiny_cfg):
     """The warm start is built in a fixed environment, not the run's: h04's small budgets or any
     env knob must not hand one arm other starting weights (a confound, and a build that fails)."""
-    from conftest import compose_cfg
+    from conftest import job_cfg
 
     key = tiny_model.build_key(tiny_cfg)
     for h in ("h02", "h04", "h07"):
         for arm in ("control", "treatment"):
-            cfg = compose_cfg(["tracking.enabled=false", f"+hypothesis={h}", f"hypothesis.arm={arm}"])
+            cfg = job_cfg(["tracking.enabled=false", f"+hypothesis={h}", f"hypothesis.arm={arm}"])
             assert tiny_model.build_key(cfg) == key, (h, arm)
-    assert tiny_model.build_key(compose_cfg(["env.top_n=3", "env.max_turns=2"])) == key
+    assert tiny_model.build_key(job_cfg(["env.top_n=3", "env.max_turns=2"])) == key
 
 
 def test_the_default_warm_start_is_shipped_gated_and_unaltered(tiny_cfg):
@@ -123,8 +120,7 @@ def test_the_default_warm_start_is_shipped_gated_and_unaltered(tiny_cfg):
 
 
 def test_loading_the_shipped_warm_start_builds_nothing(tiny_cfg, warm_tiny, tmp_path, monkeypatch):
-    cfg = copy.deepcopy(tiny_cfg)
-    cfg.model.tiny.cache_dir = str(tmp_path)  # an empty cache: a bare machine
+    cfg = with_keys(tiny_cfg, {"model.tiny.cache_dir": str(tmp_path)})  # an empty cache: a bare machine
     monkeypatch.setattr(warm_start, "build", lambda *a: pytest.fail("a shipped warm start must not be rebuilt"))
     t = time.time()
     path = warm_start.ensure(cfg)
@@ -151,11 +147,11 @@ def test_warm_start_is_decent_but_improvable(tiny_cfg, warm_tiny):
 def test_a_run_refuses_a_shape_whose_gate_failed(tiny_cfg, warm_tiny):
     """Every shape is measured and recorded; a job on a shape the shipped start did not pass
     (single-step, h07's treatment, on the tiny model) stops with the numbers instead of training."""
-    cfg = copy.deepcopy(tiny_cfg)
+    cfg = tiny_cfg
     report = json.loads((tiny_model.locate(cfg) / "build.json").read_text())
     assert set(report["shape_passed"]) == {"tool", "single_step"} and report["shape_passed"]["tool"]
     assert warm_start.provenance(cfg)["warm_start/hash"] == report["weights_hash"]
-    cfg.env.supporting_in_prompt = True
+    cfg = with_keys(cfg, {"env.supporting_in_prompt": True})
     if report["shape_passed"]["single_step"]:
         assert warm_start.provenance(cfg)["warm_start/hash"] == report["weights_hash"]
     else:
@@ -179,18 +175,16 @@ def test_gate_names_each_failing_criterion():
 def test_a_warm_start_that_fails_its_gate_raises_with_the_numbers_and_saves_nothing(tiny_cfg, tmp_path, monkeypatch):
     """The machine-dependent weak start of the last release (sampled 0.22 / greedy 0.22) must stop
     the build loudly after the allowed extra rounds, never reach training."""
-    cfg = copy.deepcopy(tiny_cfg)
-    cfg.model.tiny.sft_records = 40
-    cfg.model.tiny.sft_max_rounds = 2
+    cfg = with_keys(tiny_cfg, {"model.tiny.sft_records": 40, "model.tiny.sft_max_rounds": 2,
+                               "model.tiny.cache_dir": str(tmp_path / "cache")})
     stages = []
     monkeypatch.setattr(warm_start, "sft", lambda *a, **k: stages.append(k) or {"steps": 0})
     weak = {"sampled_em": 0.22, "pass8": 0.4, "greedy_em": 0.22}
     monkeypatch.setattr(warm_start, "measure", lambda *a, **k: {"tool": weak, "single_step": weak})
     monkeypatch.setattr(tiny_model, "SHIPPED_DIR", tmp_path / "shipped")
-    cfg.model.tiny.cache_dir = str(tmp_path / "cache")
     with pytest.raises(warm_start.WarmStartGateError, match=r"greedy answer EM 0.220 < 0.8.*Numbers per round"):
         warm_start.ensure(cfg)
-    scale = float(cfg.model.tiny.sft_extra_lr_scale)
+    scale = cfg.model.tiny.sft_extra_lr_scale
     assert len(stages) == 3 and [s["lr"] for s in stages[1:]] == [stages[0]["lr"] * scale] * 2
     assert tiny_model.locate(cfg) is None  # nothing a job could load
     kept = list((tmp_path / "cache").glob("tiny-*.failed"))  # the weak model is kept for inspection
@@ -213,8 +207,7 @@ def test_concurrent_jobs_build_a_missing_warm_start_once(tiny_cfg, raw_tiny, tmp
 
     monkeypatch.setattr(warm_start, "build", fake_build)
     monkeypatch.setattr(tiny_model, "SHIPPED_DIR", tmp_path / "shipped")  # nothing shipped for these settings
-    cfg = copy.deepcopy(tiny_cfg)
-    cfg.model.tiny.cache_dir = str(tmp_path / "cache")
+    cfg = with_keys(tiny_cfg, {"model.tiny.cache_dir": str(tmp_path / "cache")})
     results = []
     threads = [threading.Thread(target=lambda: results.append(warm_start.ensure(cfg))) for _ in range(3)]
     for t in threads:

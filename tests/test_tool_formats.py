@@ -55,7 +55,7 @@ cfg = compose_cfg(overrides)
 print("TYPO:", typo_listed("model.tool_call_format=mistrl", "mistral"))
 records = load_records(cfg.env.data, cfg.env, 1)
 score = rewards.RewardFunction(cfg.reward, {r["id"]: r for r in records})
-oracle = list(POLICIES["oracle"](cfg, records))
+oracle = list(POLICIES["oracle"](cfg.env, records, tool_call_format=cfg.model.tool_call_format))
 comps = [rewards.score_episode(r, e["messages"]) for r, e in zip(records, oracle)]
 print("ORACLE:", oracle[0]["messages"][2]["content"].startswith("[TOOL_CALLS]"),
       all(e["tool_calls"] == len(r["question_decomposition"]) and e["tool_errors"] == 0 for r, e in zip(records, oracle)),

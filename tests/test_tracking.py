@@ -179,7 +179,7 @@ def test_multirun_nests_jobs_survives_a_failure_and_never_logs_a_secret(tmp_path
     from mlflow.tracking import MlflowClient
 
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
-    env.update(PYTHONPATH=str(ROOT), HF_TOKEN=TOKEN, TRACKING_APP_FAIL="2", MUSIQUE_RL_LOCAL_PARALLEL="2")
+    env.update(PYTHONPATH=str(ROOT), HF_TOKEN=TOKEN, TRACKING_APP_FAIL="2")
     cmd = [sys.executable, str(ROOT / "tests" / "tracking_app.py"), "-m", "seed=1,2",
            f"hydra.sweep.dir={tmp_path / 'sweep'}", f"env.corpus={URI_WITH_PASSWORD}",
            f"model.name_or_path={TOKEN}"]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import json
 import math
 import subprocess
@@ -10,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from omegaconf import OmegaConf
+from conftest import with_keys
 
 from musique_rl.train import reward_curve, same_random_numbers, summarise
 
@@ -62,11 +61,8 @@ def test_a_short_run_compares_disjoint_halves_and_never_reports_a_silent_zero():
 def test_train_runs_end_to_end_and_returns_the_summary(tiny_cfg, warm_tiny, tmp_path, capsys):
     from musique_rl.train import train
 
-    cfg = copy.deepcopy(tiny_cfg)
-    OmegaConf.update(cfg, "train.max_steps", 2)
-    OmegaConf.update(cfg, "train.prompts_per_step", 2)
-    OmegaConf.update(cfg, "train.num_generations", 4)
-    OmegaConf.update(cfg, "train.eval_episodes", 8)
+    cfg = with_keys(tiny_cfg, {"train.max_steps": 2, "train.prompts_per_step": 2, "train.num_generations": 4,
+                               "train.eval_episodes": 8})
     result = train(cfg, run_dir=tmp_path)  # no tracker: not tracked
     out = capsys.readouterr().out.strip().splitlines()
     summary = result.summary

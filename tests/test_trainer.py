@@ -7,7 +7,7 @@ import inspect
 
 import pytest
 import torch
-from omegaconf import OmegaConf
+from conftest import with_keys
 
 from musique_rl.core import trainer as trainer_mod
 from musique_rl.core.faults import FAULTS
@@ -18,11 +18,8 @@ from musique_rl.env.retrieval import build_retriever
 
 
 def _cfg(tiny_cfg, overrides: dict):
-    cfg = copy.deepcopy(tiny_cfg)
     base = {"train.max_steps": 1, "train.prompts_per_step": 2, "train.num_generations": 4, "train.save_steps": 1000}
-    for k, v in {**base, **overrides}.items():
-        OmegaConf.update(cfg, k, v, force_add=False)
-    return cfg
+    return with_keys(tiny_cfg, {**base, **overrides})
 
 
 def _trainer(cfg, model, tok, out, instruments=None):
@@ -162,21 +159,21 @@ def test_the_context_defect_acts_in_multi_turn_environments_only(tiny_cfg):
 
     cfg = _cfg(tiny_cfg, {"fault": "blind_context"})
     assert scored_blind(cfg)
-    OmegaConf.update(cfg, "env.supporting_in_prompt", True)
+    cfg = with_keys(cfg, {"env.supporting_in_prompt": True})
     assert not scored_blind(cfg)
     assert not scored_blind(_cfg(tiny_cfg, {}))
 
 
 def test_importance_sampling_settings_map_onto_trl_names(tiny_cfg):
-    assert trainer_mod.importance_sampling_settings(_cfg(tiny_cfg, {})) == {}  # auto: TRL's own defaults
-    assert trainer_mod.importance_sampling_settings(_cfg(tiny_cfg, {"train.importance_sampling": "off"})) == {
+    assert trainer_mod.importance_sampling_settings(_cfg(tiny_cfg, {}).train) == {}  # auto: TRL's own defaults
+    assert trainer_mod.importance_sampling_settings(_cfg(tiny_cfg, {"train.importance_sampling": "off"}).train) == {
         "vllm_importance_sampling_correction": False}
     on = trainer_mod.importance_sampling_settings(_cfg(tiny_cfg, {"train.importance_sampling": "token_truncate",
-                                                                   "train.importance_sampling_clip_min": 0.5}))
+                                                                   "train.importance_sampling_clip_min": 0.5}).train)
     assert on == {"vllm_importance_sampling_correction": True, "vllm_importance_sampling_mode": "token_truncate",
                   "vllm_importance_sampling_clip_max": 3.0, "vllm_importance_sampling_clip_min": 0.5}
     with pytest.raises(Exception, match="importance_sampling"):
-        OmegaConf.update(_cfg(tiny_cfg, {}), "train.importance_sampling", "sequence_clip")
+        _cfg(tiny_cfg, {"train.importance_sampling": "sequence_clip"})
 
 
 @pytest.mark.parametrize("fault", ["none", "blind_context"])
@@ -273,17 +270,38 @@ def test_config_reaches_grpo_config(tiny_cfg, tmp_path):
     assert args.per_device_train_batch_size == 8 and args.num_generations == 4
 
 
+def test_every_loss_and_lora_key_reaches_trl_and_peft_by_name(tiny_cfg, tmp_path):
+    """The loss and lora groups are TRL's / PEFT's fields by name (passed through, not copied one by
+    one): every key but our own (adv_epsilon, enabled) arrives with the configured value, and a plain
+    string, not our enum, so a checkpoint's training arguments load without this package."""
+    import dataclasses
+    from enum import Enum
+
+    cfg = _cfg(tiny_cfg, {"loss.epsilon": 0.15, "loss.learning_rate": 3e-4, "loss.warmup_steps": 3,
+                          "lora.enabled": True, "lora.r": 4, "lora.lora_alpha": 8, "lora.lora_dropout": 0.05,
+                          "lora.target_modules": ["q_proj", "v_proj"]})
+    args = trainer_mod.grpo_config(cfg, tmp_path)
+    for key, value in dataclasses.asdict(cfg.loss).items():
+        if key not in trainer_mod.LOSS_OWN_KEYS:
+            assert getattr(args, key) == value and not isinstance(getattr(args, key), Enum), key
+    assert not hasattr(args, "adv_epsilon")
+    peft = trainer_mod.lora_config(cfg.lora)
+    assert (peft.r, peft.lora_alpha, peft.lora_dropout, set(peft.target_modules), peft.bias) == (
+        4, 8, 0.05, {"q_proj", "v_proj"}, "none")
+    assert trainer_mod.lora_config(_cfg(tiny_cfg, {}).lora) is None  # lora.enabled=false: full fine-tuning
+
+
 def test_micro_batch_size_sets_trls_accumulation_and_bad_values_name_the_key(tiny_cfg, tmp_path):
     cfg = _cfg(tiny_cfg, {"train.prompts_per_step": 4, "train.num_generations": 4, "train.micro_batch_size": 4})
     args = trainer_mod.grpo_config(cfg, tmp_path)
     assert (args.per_device_train_batch_size, args.gradient_accumulation_steps, args.steps_per_generation) == (4, 4, 4)
     assert args.generation_batch_size == 16  # one rollout of the whole step, then 4 micro-batches
-    OmegaConf.update(cfg, "train.micro_batch_size", None)
-    assert trainer_mod.batch_layout(cfg, 1) == (16, 1)
-    OmegaConf.update(cfg, "train.micro_batch_size", 64)  # more than the batch: the batch in one pass
-    assert trainer_mod.batch_layout(cfg, 1) == (16, 1)
+    cfg = with_keys(cfg, {"train.micro_batch_size": None})
+    assert trainer_mod.batch_layout(cfg.train, 1) == (16, 1)
+    cfg = with_keys(cfg, {"train.micro_batch_size": 64})  # more than the batch: the batch in one pass
+    assert trainer_mod.batch_layout(cfg.train, 1) == (16, 1)
     for bad in (3, 0, -2):
-        OmegaConf.update(cfg, "train.micro_batch_size", bad)
+        cfg = with_keys(cfg, {"train.micro_batch_size": bad})
         with pytest.raises(ValueError, match=f"train.micro_batch_size={bad}: .*divide the 16 episodes"):
             trainer_mod.grpo_config(cfg, tmp_path)
 
@@ -298,18 +316,14 @@ def test_vllm_modes_reach_grpo_config(tiny_cfg, tmp_path, monkeypatch):
     assert args.use_vllm and args.vllm_mode == "colocate" and args.vllm_gpu_memory_utilization == 0.45
     # the longest request a turn sends: prompt + completion so far + that turn's max_tokens
     assert args.vllm_max_model_length == cfg.env.max_prompt_tokens + cfg.env.max_completion_tokens + 48
-    assert args.vllm_max_model_length == trainer_mod.vllm_context_length(cfg)
-    OmegaConf.update(cfg, "train.vllm_mode", "server")
+    assert args.vllm_max_model_length == trainer_mod.vllm_context_length(cfg.env)
+    cfg = with_keys(cfg, {"train.vllm_mode": "server"})
     with pytest.raises(ValueError, match="train.vllm_server_port"):
         trainer_mod.grpo_config(cfg, tmp_path)
-    OmegaConf.update(cfg, "train.vllm_server_port", 8123)
+    cfg = with_keys(cfg, {"train.vllm_server_port": 8123})
     args = trainer_mod.grpo_config(cfg, tmp_path)
     assert (args.vllm_mode, args.vllm_server_port) == ("server", 8123)
     assert args.vllm_group_port not in (8123, 51216) and args.vllm_group_port > 0  # a free one, not TRL's fixed default
-    OmegaConf.update(cfg, "train.vllm_gpu_memory_utilization", 1.5)
-    OmegaConf.update(cfg, "train.vllm_mode", "colocate")
-    with pytest.raises(ValueError, match="train.vllm_gpu_memory_utilization=1.5"):
-        trainer_mod.grpo_config(cfg, tmp_path)
 
 
 class _StepRecorder:

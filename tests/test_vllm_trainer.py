@@ -19,6 +19,7 @@ import sys
 
 import pytest
 import torch
+from conftest import with_keys
 from fake_vllm import (
     FakeEngine,
     FakeServer,
@@ -29,7 +30,6 @@ from fake_vllm import (
     fake_vllm_module,
     patch_vllm_client,
 )
-from omegaconf import OmegaConf
 
 from musique_rl.core import trainer as trainer_mod
 from musique_rl.env import rewards
@@ -40,7 +40,6 @@ STEPS = 2
 
 
 def _cfg(base, mode: str, top_p: float = 1.0):
-    cfg = copy.deepcopy(base)
     settings = {
         "train.max_steps": STEPS, "train.prompts_per_step": 2, "train.num_generations": 4, "train.save_steps": 1000,
         "train.logging_steps": 1, "train.backend": "vllm", "train.vllm_mode": mode,
@@ -49,9 +48,7 @@ def _cfg(base, mode: str, top_p: float = 1.0):
     }
     if mode == "server":
         settings["train.vllm_server_port"] = 8000
-    for k, v in settings.items():
-        OmegaConf.update(cfg, k, v, force_add=False)
-    return cfg
+    return with_keys(base, settings)
 
 
 def _eos_ids(model, tok) -> set[int]:

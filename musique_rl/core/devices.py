@@ -13,7 +13,13 @@ from __future__ import annotations
 import os
 from typing import Any
 
-ROLE_ENV = "MUSIQUE_RL_GPU_ROLE"  # "trainer" inside the accelerate-launched processes (gpu_job.py)
+from musique_rl.core.config import TrainSettings
+
+# "trainer" inside the accelerate-launched processes (gpu_job.py). An environment variable, not a
+# config key: it is no setting of the run but the role a parent process gives the processes it
+# spawns (accelerate launch passes the environment to every rank), so that they train instead of
+# starting another topology; a user never sets it.
+ROLE_ENV = "MUSIQUE_RL_GPU_ROLE"
 
 
 def place(model: Any) -> Any:
@@ -48,11 +54,9 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def resolve_vllm_mode(cfg: Any, gpus: list[str] | None = None, env: dict[str, str] | None = None) -> str:
+def resolve_vllm_mode(t: TrainSettings, gpus: list[str] | None = None, env: dict[str, str] | None = None) -> str:
     """``train.vllm_mode`` with ``auto`` decided: colocate on one GPU, server on two or more."""
-    mode = str(cfg.train.vllm_mode)
-    if mode not in ("auto", "colocate", "server"):
-        raise ValueError(f"train.vllm_mode={mode!r}: expected auto, colocate or server")
+    mode = t.vllm_mode
     if mode != "auto":
         return mode
     env = os.environ if env is None else env

@@ -35,6 +35,8 @@ from typing import Any
 
 import torch
 
+from musique_rl.core.config import JobConfig
+
 log = logging.getLogger(__name__)
 
 
@@ -415,15 +417,15 @@ def _policy_of(trainer: Any) -> Any:
     return accelerator.unwrap_model(model) if model is not None and accelerator is not None else model
 
 
-def sampling_settings(cfg: Any, tokenizer: Any, generation_config: Any = None) -> SamplingSettings:
+def sampling_settings(cfg: JobConfig, tokenizer: Any, generation_config: Any = None) -> SamplingSettings:
     return SamplingSettings(
-        temperature=float(cfg.train.temperature), top_p=float(cfg.train.top_p), top_k=int(cfg.train.top_k),
+        temperature=cfg.train.temperature, top_p=cfg.train.top_p, top_k=cfg.train.top_k,
         stop_ids=stop_ids(tokenizer, generation_config),
     )
 
 
 def build_generator(
-    cfg: Any,
+    cfg: JobConfig,
     tokenizer: Any,
     *,
     model: Any = None,
@@ -439,7 +441,7 @@ def build_generator(
     settings = sampling_settings(cfg, tokenizer, generation_config_of(model if model is not None else _policy_of(trainer)))
     if temperature is not None:
         settings.temperature = float(temperature)
-    backend = backend or str(cfg.train.backend)
+    backend = backend or cfg.train.backend
     if backend == "vllm":
         if trainer is None:
             raise ValueError("train.backend=vllm samples through the trainer's vLLM server; evaluation uses hf")

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from musique_rl.core.config import JobConfig, ModelConfig
+
 log = logging.getLogger(__name__)
 
 
@@ -32,7 +34,7 @@ def bf16_supported() -> bool:
     return bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
 
 
-def resolve_dtype(model_cfg: Any) -> torch.dtype:
+def resolve_dtype(model_cfg: ModelConfig) -> torch.dtype:
     """``model.dtype`` as a torch dtype; 'auto' = bf16 where supported, else float32.
 
     An explicit bfloat16 runs on a CPU too (torch has bf16 CPU kernels): that is how the doctor's
@@ -41,7 +43,7 @@ def resolve_dtype(model_cfg: Any) -> torch.dtype:
     kernels are incomplete, and fp16 training needs the loss scaling only CUDA AMP provides.
     A CUDA GPU without bf16 (pre-Ampere) is refused: it would silently emulate it.
     """
-    name = str(model_cfg.dtype)
+    name = model_cfg.dtype
     if name == "auto":
         return torch.bfloat16 if bf16_supported() else torch.float32
     if name == "bfloat16" and torch.cuda.is_available() and not bf16_supported():
@@ -81,11 +83,11 @@ def resolve_attention(name: str, cuda: bool | None = None) -> str:
     return name
 
 
-def load_model(cfg: Any, warm_start: Any = None) -> tuple[Any, Any]:
+def load_model(cfg: JobConfig, warm_start: Any = None) -> tuple[Any, Any]:
     """(model, tokenizer) for ``cfg.model``. The tiny model's warm start must exist (shipped, or built by
     ``musique_rl.core.warm_start.ensure``, which jobs call first and whose result they pass as
     ``warm_start``, saving a second key computation): this layer loads, it does not train."""
-    name = str(cfg.model.name_or_path)
+    name = cfg.model.name_or_path
     if name == "tiny":
         from musique_rl.core import tiny_model
 
@@ -101,7 +103,7 @@ def load_model(cfg: Any, warm_start: Any = None) -> tuple[Any, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dtype = resolve_dtype(cfg.model)
-    attention = resolve_attention(str(cfg.model.attn_implementation))
+    attention = resolve_attention(cfg.model.attn_implementation)
     try:
         tokenizer = AutoTokenizer.from_pretrained(name)
         model = AutoModelForCausalLM.from_pretrained(

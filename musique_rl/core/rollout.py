@@ -40,7 +40,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from musique_rl.core import faults
+from musique_rl.core.config import JobConfig
 from musique_rl.env import parsing, prompts, tools
+from musique_rl.env.config import EnvConfig
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +53,7 @@ SOURCE_ASSISTANT, SOURCE_TOOL, SOURCE_TEMPLATE = "assistant", "tool", "template"
 class ChatTokens:
     """Prompt ids and tool-turn ids from the tokenizer's own chat template."""
 
-    def __init__(self, tokenizer: Any, env_cfg: Any):
+    def __init__(self, tokenizer: Any, env_cfg: EnvConfig):
         self.tokenizer = tokenizer
         self.env_cfg = env_cfg
         self.tools = prompts.tool_schemas(env_cfg) or None
@@ -217,20 +219,17 @@ class Episode:
 class RolloutEngine:
     """Runs episodes for records with a generation backend (musique_rl/core/generation.py)."""
 
-    def __init__(self, cfg: Any, tokenizer: Any, retriever: Any, records_by_id: dict[str, dict]):
+    def __init__(self, cfg: JobConfig, tokenizer: Any, retriever: Any, records_by_id: dict[str, dict]):
         self.cfg = cfg
         self.env = cfg.env
         self.tokenizer = tokenizer
         self.retriever = retriever
         self.records_by_id = records_by_id
         self.chat = ChatTokens(tokenizer, cfg.env)
-        self.fmt = str(cfg.model.tool_call_format)
+        self.fmt = cfg.model.tool_call_format
         # env_mask of tool-result and template tokens: 0 keeps them out of loss and KL; 1 under
         # train.mask_env_tokens=false (hypothesis h02's treatment) or the planted fault's choice
-        self.env_token_mask = faults.of(cfg).env_mask_value(0 if bool(cfg.train.mask_env_tokens) else 1)
-        for key in ("max_turns", "max_tokens_per_turn", "max_completion_tokens", "max_prompt_tokens"):
-            if int(self.env[key]) < 1:
-                raise ValueError(f"env.{key}={self.env[key]}: must be >= 1")
+        self.env_token_mask = faults.of(cfg).env_mask_value(0 if cfg.train.mask_env_tokens else 1)
         self.last_episodes: list[Episode] = []
 
     # -- construction of one episode
@@ -354,7 +353,7 @@ def record_id_of(prompt: Any) -> str:
 
 # ---------------------------------------------------------------- evaluation entry point
 def run_model_episodes(
-    cfg: Any,
+    cfg: JobConfig,
     records: list[dict],
     *,
     model: Any,

@@ -9,7 +9,7 @@ Nothing is downloaded:
   2. a ``Qwen2ForCausalLM`` built from ``model.tiny`` (hidden size, layers, heads);
   3. its warm start, a directory ``tiny-<key>`` holding ``model/``, ``tokenizer/`` and
      ``build.json`` (quality gate, weights hash). ``<key>`` (``build_key``) hashes every input of
-     the build: the ``model.tiny`` settings, the task's fixed warm-start environment (``Task.warm_start_env``),
+     the build: the ``model.tiny`` settings, the task's fixed warm-start setting (musique_rl/conf/warm_start/<task>.yaml),
      the chat template, and the rendered text of the first warm-start conversations (so a change
      to prompts, tools or the synthetic world changes the key, while a refactor does not).
 
@@ -25,6 +25,7 @@ replaces the saved pre-tokenizer (a warm model fell from 0.45 to 0.00; docs/warm
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -32,8 +33,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from omegaconf import OmegaConf
-
+from musique_rl.core.config import JobConfig, TinyModelConfig
+from musique_rl.env.config import EnvConfig, overlay
 from musique_rl.env.tasks import DEFAULT_TASK, TASKS, Task, task_for
 
 log = logging.getLogger(__name__)
@@ -156,7 +157,7 @@ def load_tokenizer(path: str | Path) -> Any:
     return tok
 
 
-def build_model(tiny: Any, tokenizer: Any, seed: int = 0) -> Any:
+def build_model(tiny: TinyModelConfig, tokenizer: Any, seed: int = 0) -> Any:
     """A fresh ``Qwen2ForCausalLM`` from ``model.tiny`` (tied embeddings: the copy mechanism a
     tiny model needs works best when reading and writing a token share one vector)."""
     import torch
@@ -165,12 +166,12 @@ def build_model(tiny: Any, tokenizer: Any, seed: int = 0) -> Any:
     vocab = (len(tokenizer) + 63) // 64 * 64
     config = Qwen2Config(
         vocab_size=vocab,
-        hidden_size=int(tiny.hidden_size),
-        intermediate_size=int(tiny.intermediate_size),
-        num_hidden_layers=int(tiny.num_hidden_layers),
-        num_attention_heads=int(tiny.num_attention_heads),
-        num_key_value_heads=int(tiny.num_key_value_heads),
-        max_position_embeddings=int(tiny.max_position_embeddings),
+        hidden_size=tiny.hidden_size,
+        intermediate_size=tiny.intermediate_size,
+        num_hidden_layers=tiny.num_hidden_layers,
+        num_attention_heads=tiny.num_attention_heads,
+        num_key_value_heads=tiny.num_key_value_heads,
+        max_position_embeddings=tiny.max_position_embeddings,
         tie_word_embeddings=True,
         attention_dropout=0.0,
         bos_token_id=None,
@@ -196,35 +197,34 @@ def cpu_threads_for_tiny() -> None:
 
 # ---------------------------------------------------------------- the warm-start data
 # The environment the warm start is trained and gated in, whatever the run's ``env``, is its task's
-# (``Task.warm_start_env``, and ``Task.warm_start_sft`` in place of model.tiny's sft_* settings): a
-# warm start is a fixed artifact (like a downloaded checkpoint), so both arms of a sweep that changes
-# the env (h04's small budgets, another retriever) start from the same weights.
-def task_of(cfg: Any) -> Task:
+# (musique_rl/conf/warm_start/<task>.yaml: env.* and, for a task with its own SFT recipe,
+# model.tiny.* in place of the configured sft_* settings): a warm start is a fixed artifact (like a
+# downloaded checkpoint), so both arms of a sweep that changes the env (h04's small budgets, another
+# retriever) start from the same weights.
+def task_of(cfg: JobConfig) -> Task:
     """The run's task (``env.task``); it holds the warm start's environment and recipe."""
-    return task_for(cfg.get("env") if hasattr(cfg, "get") else None)
+    return task_for(cfg.env)
 
 
-def warm_start_config(cfg: Any) -> Any:
+def warm_start_config(cfg: JobConfig) -> JobConfig:
     """``cfg`` with its task's fixed warm-start environment (and SFT recipe) in place of the run's."""
-    task = task_of(cfg)
-    overlay: dict = {"env": task.warm_start_env}
-    if task.warm_start_sft:
-        overlay["model"] = {"tiny": task.warm_start_sft}
-    return OmegaConf.merge(cfg, overlay)
+    setting = task_of(cfg).warm_start()
+    tiny = overlay(cfg.model.tiny, setting.tiny)
+    return dataclasses.replace(cfg, env=overlay(cfg.env, setting.env), model=dataclasses.replace(cfg.model, tiny=tiny))
 
 
-def tools_for(env_cfg: Any) -> list[dict] | None:
+def tools_for(env_cfg: EnvConfig) -> list[dict] | None:
     from musique_rl.env import prompts
 
     return prompts.tool_schemas(env_cfg) or None
 
 
-def warm_start_conversations(cfg: Any, n_records: int | None = None) -> tuple[list[dict], list[list[dict]], list]:
+def warm_start_conversations(cfg: JobConfig, n_records: int | None = None) -> tuple[list[dict], list[list[dict]], list]:
     """(records, message lists, env config per episode) of the noisy-oracle SFT data (the first
     ``n_records`` of it: the generator, the retriever and the rng stream are prefix-stable)."""
     cfg = warm_start_config(cfg)
     tiny = cfg.model.tiny
-    n = int(n_records if n_records is not None else tiny.sft_records)
+    n = n_records if n_records is not None else tiny.sft_records
     return task_of(cfg).warm_start_dataset(cfg.env, n, tiny, WARM_START_WORLDS)
 
 
@@ -235,28 +235,28 @@ def render_texts(episodes: list[list[dict]], envs: list) -> list[str]:
 
 
 # ---------------------------------------------------------------- where a warm start lives
-def build_settings(cfg: Any) -> dict:
+def build_settings(cfg: JobConfig) -> dict:
     """Every setting the built warm start depends on: ``model.tiny`` (with the task's SFT recipe),
     the task and its fixed warm-start environment (not the run's env or seed: seeds and arms vary
     the RL run, never its start)."""
     task = task_of(cfg)
-    tiny = OmegaConf.to_container(warm_start_config(cfg).model.tiny, resolve=True)
+    tiny = dataclasses.asdict(warm_start_config(cfg).model.tiny)
     tiny.pop("cache_dir", None)
-    return {"build": BUILD_VERSION, **task.key_fields(), "tiny": tiny, "env": task.warm_start_env}
+    return {"build": BUILD_VERSION, **task.key_fields(), "tiny": tiny, "env": task.warm_start().env}
 
 
-def build_key(cfg: Any) -> str:
+def build_key(cfg: JobConfig) -> str:
     """``build_settings`` plus the rendered text of the first warm-start conversations, hashed."""
     _, episodes, envs = warm_start_conversations(cfg, FINGERPRINT_EPISODES)
     parts = {"settings": build_settings(cfg), "template": chat_template(), "texts": render_texts(episodes, envs)}
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
-def cache_root(cfg: Any) -> Path:
-    return Path(str(cfg.model.tiny.cache_dir)).expanduser()
+def cache_root(cfg: JobConfig) -> Path:
+    return Path(cfg.model.tiny.cache_dir).expanduser()
 
 
-def locate(cfg: Any, key: str | None = None) -> Path | None:
+def locate(cfg: JobConfig, key: str | None = None) -> Path | None:
     """The built warm start for ``cfg`` (shipped first, then the cache), or None."""
     name = f"tiny-{key or build_key(cfg)}"
     for path in (SHIPPED_DIR / name, cache_root(cfg) / name):
@@ -284,12 +284,12 @@ def load_tiny(path: str | Path) -> tuple[Any, Any]:
     return model, tokenizer
 
 
-def build_untrained(cfg: Any, n_records: int | None = None) -> tuple[Any, Any, list, list, list]:
+def build_untrained(cfg: JobConfig, n_records: int | None = None) -> tuple[Any, Any, list, list, list]:
     """(model, tokenizer, records, episodes, env configs) before the warm start: a freshly
     initialised model and the tokenizer trained on the warm-start conversations (seconds)."""
     records, episodes, envs = warm_start_conversations(cfg, n_records)
     # 1,000 conversations hold every merge worth having; the names text covers the rest
     texts = render_texts(episodes[:BPE_EPISODES], envs[:BPE_EPISODES])
     task = task_of(cfg)
-    tokenizer = build_tokenizer(texts + [task.names_text()] * 8, int(cfg.model.tiny.vocab_size), task)
+    tokenizer = build_tokenizer(texts + [task.names_text()] * 8, cfg.model.tiny.vocab_size, task)
     return build_model(cfg.model.tiny, tokenizer), tokenizer, records, episodes, envs

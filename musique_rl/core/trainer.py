@@ -32,10 +32,12 @@ with full fine-tuning, TRL loads a reference copy.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
 from contextlib import contextmanager
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +45,7 @@ import torch
 from trl import GRPOTrainer
 
 from musique_rl.core import checkpoints, faults
+from musique_rl.core.config import JobConfig, LoraConfig, TrainSettings
 from musique_rl.core.generation import (
     HFGenerator,
     build_generator,
@@ -52,6 +55,7 @@ from musique_rl.core.generation import (
 )
 from musique_rl.core.importance import importance_metrics
 from musique_rl.core.rollout import RolloutEngine
+from musique_rl.env.config import EnvConfig
 
 log = logging.getLogger(__name__)
 
@@ -109,23 +113,22 @@ def group_advantages(
 AUTO_IMPORTANCE_SAMPLING = "token_truncate"
 
 
-def importance_sampling_settings(cfg: Any) -> dict[str, Any]:
+def importance_sampling_settings(t: TrainSettings) -> dict[str, Any]:
     """GRPOConfig's importance-sampling fields from ``train.importance_sampling`` (schema.py): auto
     is ``AUTO_IMPORTANCE_SAMPLING`` with vLLM (TRL applies it there) and nothing on the HF backend,
     whose sampler is the trained model itself."""
-    t = cfg.train
-    mode = str(t.importance_sampling)
+    mode = t.importance_sampling
     if mode == "auto":
-        if str(t.backend) != "vllm":
+        if t.backend != "vllm":
             return {}
         mode = AUTO_IMPORTANCE_SAMPLING
     if mode == "off":
         return {"vllm_importance_sampling_correction": False}
     return {
         "vllm_importance_sampling_correction": True,
-        "vllm_importance_sampling_mode": mode,
-        "vllm_importance_sampling_clip_max": None if t.importance_sampling_clip_max is None else float(t.importance_sampling_clip_max),
-        "vllm_importance_sampling_clip_min": None if t.importance_sampling_clip_min is None else float(t.importance_sampling_clip_min),
+        "vllm_importance_sampling_mode": _trl_value(mode),
+        "vllm_importance_sampling_clip_max": t.importance_sampling_clip_max,
+        "vllm_importance_sampling_clip_min": t.importance_sampling_clip_min,
     }
 
 
@@ -143,7 +146,7 @@ class MusiqueGRPOTrainer(GRPOTrainer):
     def __init__(
         self,
         *,
-        musique_cfg: Any,
+        musique_cfg: JobConfig,
         engine: Any,
         instruments: Any = None,
         sampler_model: Any = None,
@@ -158,7 +161,7 @@ class MusiqueGRPOTrainer(GRPOTrainer):
         self.instruments = instruments
         self._sampler_model = sampler_model  # None = the sampler is the trained model itself
         self._base_model = base_model  # frozen start (full fine-tuning), for the parity probe
-        self._adv_epsilon = float(cfg.loss.adv_epsilon)
+        self._adv_epsilon = cfg.loss.adv_epsilon
         self._last_rewards: torch.Tensor | None = None
         self._captured_logps: torch.Tensor | None = None
         self._fault = faults.of(cfg)  # the planted fault's hooks (a clean run's leave everything as is)
@@ -166,7 +169,7 @@ class MusiqueGRPOTrainer(GRPOTrainer):
         self._last_attention: torch.Tensor | None = None  # the attention mask of the last scoring pass
         # TRL applies its importance-sampling correction only with use_vllm; on the HF backend with a
         # mode set, _generate_and_score_completions and _compute_loss run with use_vllm raised.
-        self._hf_is = str(cfg.train.backend) != "vllm" and str(cfg.train.importance_sampling) not in ("auto", "off")
+        self._hf_is = cfg.train.backend != "vllm" and cfg.train.importance_sampling not in ("auto", "off")
         tokenizer = self.processing_class
         if sampler_model is not None:
             self.musique_generator = HFGenerator(sampler_model, tokenizer, sampling_settings(cfg, tokenizer, generation_config_of(sampler_model)))
@@ -412,7 +415,7 @@ def num_processes() -> int:
     return int(process_state().num_processes)
 
 
-def batch_layout(cfg: Any, world: int) -> tuple[int, int]:
+def batch_layout(t: TrainSettings, world: int) -> tuple[int, int]:
     """(episodes per forward/backward, micro-batches per optimizer step) on each process.
 
     One optimizer step always covers ``train.prompts_per_step x train.num_generations`` episodes:
@@ -423,23 +426,22 @@ def batch_layout(cfg: Any, world: int) -> tuple[int, int]:
     loss_type dapo (tokens of the whole batch), grpo and dr_grpo (equal micro-batches); bnpo
     normalises per micro-batch by definition (tests/test_trainer.py).
     """
-    t = cfg.train
-    P, G = int(t.prompts_per_step), int(t.num_generations)
+    P, G = t.prompts_per_step, t.num_generations
     if P % world:  # each process must hold whole groups: P x G episodes over `world` = P / world groups each
         raise ValueError(
             f"train.prompts_per_step x train.num_generations = {P} x {G} = {P * G} episodes per step cannot be split "
             f"into whole groups over {world} trainer processes (train.prompts_per_step must be a multiple of "
-            f"{world}). Nearest valid: {'; '.join(nearest_batch_settings(cfg, world))}"
+            f"{world}). Nearest valid: {'; '.join(nearest_batch_settings(t, world))}"
         )
     local = P * G // world
     # At most micro_batch_size episodes per pass: a model config's default (musique_rl/conf/model) may exceed a
     # small batch, which then runs in one pass.
-    micro = local if t.micro_batch_size is None else min(int(t.micro_batch_size), local)
+    micro = local if t.micro_batch_size is None else min(t.micro_batch_size, local)
     if micro < 1 or local % micro:
         raise ValueError(
             f"train.micro_batch_size={t.micro_batch_size}: must be >= 1 and divide the {local} episodes each of the "
             f"{world} process(es) trains per step (train.prompts_per_step x train.num_generations / processes). "
-            f"Nearest valid: {'; '.join(nearest_batch_settings(cfg, world))}"
+            f"Nearest valid: {'; '.join(nearest_batch_settings(t, world))}"
         )
     return micro, local // micro
 
@@ -448,14 +450,13 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def nearest_batch_settings(cfg: Any, world: int) -> list[str]:
-    """Settings closest to ``cfg``'s that ``batch_layout`` accepts on ``world`` processes, as config
+def nearest_batch_settings(t: TrainSettings, world: int) -> list[str]:
+    """Settings closest to ``t``'s (the train group's) that ``batch_layout`` accepts on ``world`` processes, as config
     overrides (what an error proposes): the nearest multiples of ``world`` for
     ``train.prompts_per_step``, a ``train.micro_batch_size`` that divides each process's episodes,
     and the process counts that divide the batch as it is."""
-    t = cfg.train
-    P, G = int(t.prompts_per_step), int(t.num_generations)
-    mb = None if t.micro_batch_size is None else int(t.micro_batch_size)
+    P, G = t.prompts_per_step, t.num_generations
+    mb = None if t.micro_batch_size is None else t.micro_batch_size
     out = []
     below, above = P // world * world, -(-P // world) * world
     for p in dict.fromkeys(x for x in (P, below, above) if x >= world):
@@ -471,67 +472,68 @@ def nearest_batch_settings(cfg: Any, world: int) -> list[str]:
     return out
 
 
-def vllm_context_length(cfg: Any) -> int:
+def vllm_context_length(env: EnvConfig) -> int:
     """vLLM's ``max_model_len`` for this env: every request a turn sends must fit it. A turn sends ONE
     ``max_tokens`` (the largest of its live episodes' remaining budgets, <= env.max_tokens_per_turn)
     for every context, and a context holds up to the prompt plus the episode's completion so far, so
     the longest context plus that max_tokens stays within prompt + completion + one turn's budget."""
-    env = cfg.env
-    turn = min(int(env.max_tokens_per_turn), int(env.max_completion_tokens))
-    return int(env.max_prompt_tokens) + int(env.max_completion_tokens) + turn
+    turn = min(env.max_tokens_per_turn, env.max_completion_tokens)
+    return env.max_prompt_tokens + env.max_completion_tokens + turn
 
 
-def grpo_config(cfg: Any, output_dir: str | Path) -> Any:
-    """TRL ``GRPOConfig`` from the composed config (names map one to one; see schema.py)."""
+# The loss group holds GRPOConfig's fields by their names (core/config.py) except these, ours:
+# adv_epsilon (TRL hard-codes 1e-4 in the advantage's denominator; MusiqueGRPOTrainer applies it).
+LOSS_OWN_KEYS = frozenset({"adv_epsilon"})
+# The train group's keys that are GRPOConfig fields by the same name; its others are ours (batch
+# shape, backend and vLLM topology, importance-sampling mode, console, resume, held-out eval), mapped
+# below or by vllm_settings / importance_sampling_settings.
+TRAIN_TRL_KEYS = ("max_steps", "num_generations", "temperature", "top_p", "top_k", "gradient_checkpointing",
+                  "logging_steps", "save_steps")
+
+
+def _trl_value(value: Any) -> Any:
+    """A config value as TRL/PEFT take it: an enum as its plain string, so a checkpoint's pickled
+    training arguments load without this package."""
+    return value.value if isinstance(value, Enum) else value
+
+
+def grpo_config(cfg: JobConfig, output_dir: str | Path) -> Any:
+    """TRL ``GRPOConfig`` from the composed config: the loss group and ``TRAIN_TRL_KEYS`` pass
+    through by name; the rest is set here or derived (batch layout, dtype, vLLM, importance sampling)."""
     from trl import GRPOConfig
 
     from musique_rl.core.models import resolve_dtype
 
-    t, loss = cfg.train, cfg.loss
-    micro, accumulation = batch_layout(cfg, num_processes())
-    backend = str(t.backend)
-    vllm = vllm_settings(cfg) if backend == "vllm" else {}
-    bf16 = resolve_dtype(cfg.model) == torch.bfloat16
+    t = cfg.train
+    loss = {k: _trl_value(v) for k, v in dataclasses.asdict(cfg.loss).items() if k not in LOSS_OWN_KEYS}
+    train = {k: _trl_value(getattr(t, k)) for k in TRAIN_TRL_KEYS}
+    micro, accumulation = batch_layout(t, num_processes())
+    vllm = vllm_settings(cfg) if t.backend == "vllm" else {}
     return GRPOConfig(
         output_dir=str(output_dir),
-        max_steps=int(t.max_steps),
+        **loss,
+        **train,
         per_device_train_batch_size=micro,
         gradient_accumulation_steps=accumulation,
         steps_per_generation=accumulation,  # one rollout per optimizer step, split into the micro-batches
-        num_generations=int(t.num_generations),
-        loss_type=str(loss.loss_type),
-        scale_rewards=str(loss.scale_rewards),
-        beta=float(loss.beta),
-        epsilon=float(loss.epsilon),
-        epsilon_high=None if loss.epsilon_high is None else float(loss.epsilon_high),
-        num_iterations=int(loss.num_iterations),
-        learning_rate=float(loss.learning_rate),
         # Constant after warmup: the runs are short (tens of steps) and a decay to 0 would halve the
         # effective rate; warmup matters (docs/failure_modes.md: Adam's first step at 1e-3 broke the tiny model).
         lr_scheduler_type="constant_with_warmup",
-        warmup_steps=int(loss.warmup_steps),
-        max_grad_norm=float(loss.max_grad_norm),
         weight_decay=0.0,
-        temperature=float(t.temperature),
-        top_p=float(t.top_p),
-        top_k=int(t.top_k),
-        max_completion_length=int(cfg.env.max_completion_tokens),
+        max_completion_length=cfg.env.max_completion_tokens,
         mask_truncated_completions=False,
-        bf16=bf16,  # GRPOConfig defaults to True, which fails on a CPU
+        bf16=resolve_dtype(cfg.model) == torch.bfloat16,  # GRPOConfig defaults to True, which fails on a CPU
         fp16=False,
         use_cpu=not torch.cuda.is_available(),  # see models.process_state
-        gradient_checkpointing=bool(t.gradient_checkpointing),
         disable_dropout=True,
-        use_vllm=backend == "vllm",
+        use_vllm=t.backend == "vllm",
         **vllm,
-        **importance_sampling_settings(cfg),
-        logging_steps=int(t.logging_steps),
+        **importance_sampling_settings(t),
         save_strategy="steps",
-        save_steps=int(t.save_steps),
         save_total_limit=2,
         report_to="none",  # MLflow through musique_rl.tracking's callback (config params, not TrainingArguments)
-        seed=int(cfg.seed),
-        data_seed=int(cfg.seed),
+        seed=cfg.seed,
+        data_seed=cfg.seed,
         shuffle_dataset=True,
         log_completions=False,
         dataloader_num_workers=0,
@@ -539,7 +541,7 @@ def grpo_config(cfg: Any, output_dir: str | Path) -> Any:
     )
 
 
-def vllm_settings(cfg: Any) -> dict[str, Any]:
+def vllm_settings(cfg: JobConfig) -> dict[str, Any]:
     """GRPOConfig's vLLM fields for ``train.backend=vllm`` (TRL's names).
 
     colocate: vLLM in this process on its GPU, ``train.vllm_gpu_memory_utilization`` of it, context
@@ -551,15 +553,12 @@ def vllm_settings(cfg: Any) -> dict[str, Any]:
     from musique_rl.core.devices import free_port, resolve_vllm_mode
 
     t = cfg.train
-    mode = resolve_vllm_mode(cfg)
+    mode = resolve_vllm_mode(t)
     if mode == "colocate":
-        util = float(t.vllm_gpu_memory_utilization)
-        if not 0 < util <= 1:
-            raise ValueError(f"train.vllm_gpu_memory_utilization={util}: must be in (0, 1]")
         return {
             "vllm_mode": "colocate",
-            "vllm_gpu_memory_utilization": util,
-            "vllm_max_model_length": vllm_context_length(cfg),
+            "vllm_gpu_memory_utilization": t.vllm_gpu_memory_utilization,
+            "vllm_max_model_length": vllm_context_length(cfg.env),
             "vllm_tensor_parallel_size": 1,
         }
     if t.vllm_server_port is None:
@@ -569,28 +568,24 @@ def vllm_settings(cfg: Any) -> dict[str, Any]:
         )
     return {
         "vllm_mode": "server",
-        "vllm_server_host": str(t.vllm_server_host),
-        "vllm_server_port": int(t.vllm_server_port),
-        "vllm_group_port": int(t.vllm_group_port) if t.vllm_group_port is not None else free_port(),
+        "vllm_server_host": t.vllm_server_host,
+        "vllm_server_port": t.vllm_server_port,
+        "vllm_group_port": t.vllm_group_port if t.vllm_group_port is not None else free_port(),
     }
 
 
-def lora_config(cfg: Any) -> Any:
-    if not cfg.lora.enabled:
+def lora_config(lora: LoraConfig) -> Any:
+    """PEFT ``LoraConfig`` from the lora group, whose keys are PEFT's names except ``enabled`` (ours:
+    off = full fine-tuning, no adapter); None when off."""
+    if not lora.enabled:
         return None
     from peft import LoraConfig
 
-    return LoraConfig(
-        r=int(cfg.lora.r),
-        lora_alpha=int(cfg.lora.lora_alpha),
-        lora_dropout=float(cfg.lora.lora_dropout),
-        target_modules=list(cfg.lora.target_modules),
-        bias=str(cfg.lora.bias),
-        task_type="CAUSAL_LM",
-    )
+    settings = {k: _trl_value(v) for k, v in dataclasses.asdict(lora).items() if k != "enabled"}
+    return LoraConfig(**settings, task_type="CAUSAL_LM")
 
 
-def prompt_dataset(cfg: Any, records: list[dict]) -> Any:
+def prompt_dataset(env: EnvConfig, records: list[dict]) -> Any:
     """One row per record: the prompt messages, the user message carrying the record id (the only
     thing that reaches ``rollout_func`` besides the prompt, docs/failure_modes.md)."""
     from datasets import Dataset
@@ -599,7 +594,7 @@ def prompt_dataset(cfg: Any, records: list[dict]) -> Any:
 
     rows = []
     for r in records:
-        messages = prompts.build_messages(r, cfg.env)
+        messages = prompts.build_messages(r, env)
         tagged = [{**m, "record_id": r["id"] if m["role"] == "user" else ""} for m in messages]
         rows.append({"prompt": tagged})
     return Dataset.from_list(rows)
@@ -625,7 +620,7 @@ def last_checkpoint(output_dir: str | Path, resume: str) -> str | None:
 
 
 def build_trainer(
-    cfg: Any,
+    cfg: JobConfig,
     model: Any,
     tokenizer: Any,
     records: list[dict],
@@ -636,7 +631,7 @@ def build_trainer(
     callbacks: list | None = None,
 ) -> Any:
     """The configured MusiqueGRPOTrainer, its rollout engine and generator bound."""
-    peft_config = lora_config(cfg)
+    peft_config = lora_config(cfg.lora)
     # Frozen copies are made BEFORE TRL patches the model's forward (fused LM head) and wraps it.
     sampler_model = faults.of(cfg).sampler_model(model)  # None: the sampler is the trained model
     base_model = None
@@ -652,7 +647,7 @@ def build_trainer(
         model=model,
         reward_funcs=[reward_fn],
         args=grpo_config(cfg, output_dir),
-        train_dataset=prompt_dataset(cfg, records),
+        train_dataset=prompt_dataset(cfg.env, records),
         processing_class=tokenizer,
         peft_config=peft_config,
     )

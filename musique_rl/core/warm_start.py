@@ -26,6 +26,7 @@ The command that builds and ships them is musique_rl/warm_start.py (``python -m 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -37,9 +38,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from omegaconf import OmegaConf
 
 from musique_rl.core import tiny_model
+from musique_rl.core.config import JobConfig
+from musique_rl.env.config import EnvConfig, overlay
 from musique_rl.env.tasks import gate_of
 
 log = logging.getLogger(__name__)
@@ -47,12 +49,12 @@ log = logging.getLogger(__name__)
 GATE_SAMPLES = 8  # samples per question (pass@8)
 
 
-def shapes_for(cfg: Any) -> tuple[str, ...]:
+def shapes_for(cfg: JobConfig) -> tuple[str, ...]:
     """The episode shapes a warm start of ``cfg``'s task is measured in."""
     return tuple(tiny_model.task_of(cfg).gate_shapes)
 
 
-def shape_of(cfg: Any) -> str:
+def shape_of(cfg: JobConfig) -> str:
     """The episode shape a run of ``cfg`` trains."""
     return tiny_model.task_of(cfg).shape_of(cfg.env)
 
@@ -62,7 +64,7 @@ class WarmStartGateError(RuntimeError):
 
 
 # ---------------------------------------------------------------- SFT data
-def episode_tokens(tokenizer: Any, env_cfg: Any, messages: list[dict], chat: Any = None) -> tuple[list[int], list[int]]:
+def episode_tokens(tokenizer: Any, env_cfg: EnvConfig, messages: list[dict], chat: Any = None) -> tuple[list[int], list[int]]:
     """(input_ids, assistant_masks) of a finished episode, assembled exactly as a rollout builds it:
     prompt ids, then each assistant turn's ids + eos (mask 1), then each tool turn's ids (mask 0)."""
     from musique_rl.core.rollout import ChatTokens
@@ -98,7 +100,7 @@ def sft_rows(tokenizer: Any, episodes: list[list[dict]], envs: list) -> list[tup
 
     chats: dict[bool, Any] = {}  # one per shape: ChatTokens renders the constant part of a tool turn once
     rows = [
-        episode_tokens(tokenizer, env, m, chats.setdefault(bool(env.supporting_in_prompt), ChatTokens(tokenizer, env)))
+        episode_tokens(tokenizer, env, m, chats.setdefault(env.supporting_in_prompt, ChatTokens(tokenizer, env)))
         for m, env in zip(episodes, envs, strict=True)
     ]
     for (ids, _), m, env in zip(rows[:16], episodes, envs, strict=False):
@@ -147,11 +149,11 @@ def sft(model: Any, tokenizer: Any, rows: list, out_dir: Path, *, epochs: float,
 
 
 # ---------------------------------------------------------------- the gate
-def gate_records(cfg: Any) -> list[dict]:
+def gate_records(cfg: JobConfig) -> list[dict]:
     return tiny_model.task_of(cfg).gate_records(cfg.env)
 
 
-def measure(cfg: Any, model: Any, tokenizer: Any, records: list[dict] | None = None,
+def measure(cfg: JobConfig, model: Any, tokenizer: Any, records: list[dict] | None = None,
             shapes: Any = None) -> dict[str, dict[str, float]]:
     """Per shape: sampled answer EM (pass@1, at ``train.temperature``), pass@8 and greedy answer EM."""
     import torch
@@ -166,10 +168,10 @@ def measure(cfg: Any, model: Any, tokenizer: Any, records: list[dict] | None = N
     overrides = tiny_model.task_of(cfg).gate_shapes
     out = {}
     for shape in shapes or shapes_for(cfg):
-        shape_cfg = OmegaConf.merge(cfg, {"env": overrides[shape]}) if overrides[shape] else cfg
+        shape_cfg = dataclasses.replace(cfg, env=overlay(cfg.env, overrides[shape])) if overrides[shape] else cfg
         torch.manual_seed(0)
         sampled = run_model_episodes(shape_cfg, records * GATE_SAMPLES, model=model, tokenizer=tokenizer,
-                                     temperature=float(cfg.train.temperature))
+                                     temperature=cfg.train.temperature)
         greedy = run_model_episodes(shape_cfg, records, model=model, tokenizer=tokenizer, greedy=True)
         em = answer_em(records * GATE_SAMPLES, sampled).reshape(GATE_SAMPLES, len(records))
         out[shape] = {
@@ -201,7 +203,7 @@ def gate_failures(numbers: dict[str, dict[str, float]], shapes: Any = None) -> l
     return failures
 
 
-def gate_criteria(cfg: Any) -> dict[str, Any]:
+def gate_criteria(cfg: JobConfig) -> dict[str, Any]:
     """The gate's bounds and sample, as build.json records them."""
     out: dict[str, Any] = {}
     for k, v in tiny_model.task_of(cfg).gate.items():
@@ -227,9 +229,9 @@ def deterministic() -> None:
     transformers.set_seed(0)
 
 
-def build(cfg: Any, out: Path) -> dict:
+def build(cfg: JobConfig, out: Path) -> dict:
     """Build, warm-start and gate the tiny model of ``cfg`` into ``out`` (in its task's fixed
-    warm-start environment, ``Task.warm_start_env``); returns build.json's content."""
+    warm-start environment, musique_rl/conf/warm_start/<task>.yaml); returns build.json's content."""
     import torch
 
     t0 = time.time()
@@ -240,7 +242,7 @@ def build(cfg: Any, out: Path) -> dict:
         torch.use_deterministic_algorithms(False)
 
 
-def _build(cfg: Any, out: Path, t0: float) -> dict:
+def _build(cfg: JobConfig, out: Path, t0: float) -> dict:
     tiny = cfg.model.tiny
     required = [str(x) for x in tiny.gate_shapes]
     unknown = sorted(set(required) - set(shapes_for(cfg)))
@@ -248,16 +250,16 @@ def _build(cfg: Any, out: Path, t0: float) -> dict:
         raise ValueError(f"model.tiny.gate_shapes={required}: unknown shape(s) {unknown}; choose from {sorted(shapes_for(cfg))}")
     model, tokenizer, _, episodes, envs = tiny_model.build_untrained(cfg)
     rows = sft_rows(tokenizer, episodes, envs)
-    lr = float(tiny.sft_learning_rate)
-    stages = [sft(model, tokenizer, rows, out / "sft", epochs=float(tiny.sft_epochs), lr=lr, warmup=30, decay_share=0.25, seed=0)]
+    lr = tiny.sft_learning_rate
+    stages = [sft(model, tokenizer, rows, out / "sft", epochs=tiny.sft_epochs, lr=lr, warmup=30, decay_share=0.25, seed=0)]
     numbers = measure(cfg, model, tokenizer)
     history = [numbers]
     failures = gate_failures(numbers, required)
     log.info("warm start gate after %d SFT steps: %s", stages[-1]["steps"], numbers)
-    for extra in range(1, int(tiny.sft_max_rounds) + 1):
+    for extra in range(1, tiny.sft_max_rounds + 1):
         if not failures:
             break
-        stages.append(sft(model, tokenizer, rows, out / "sft", epochs=1.0, lr=lr * float(tiny.sft_extra_lr_scale),
+        stages.append(sft(model, tokenizer, rows, out / "sft", epochs=1.0, lr=lr * tiny.sft_extra_lr_scale,
                           warmup=0, decay_share=1.0, seed=extra))
         numbers = measure(cfg, model, tokenizer)
         history.append(numbers)
@@ -320,7 +322,7 @@ def machine_string(cpu: Any, threads: Any, device: Any) -> str:
     return f"{cpu} | {threads} threads | {device}"
 
 
-def _build_into(cfg: Any, root: Path, name: str) -> Path:
+def _build_into(cfg: JobConfig, root: Path, name: str) -> Path:
     """Build in a temporary directory renamed into place: a killed build leaves no half model."""
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".building-", dir=root))
@@ -335,11 +337,11 @@ def _build_into(cfg: Any, root: Path, name: str) -> Path:
     return final
 
 
-def ensure(cfg: Any) -> Path | None:
+def ensure(cfg: JobConfig) -> Path | None:
     """The warm start directory for ``cfg`` (shipped, cached, or built now into the cache); None
     for models that are not ``tiny``. Safe for concurrent jobs: one builds, the others wait on a
     lock beside the cache and load its result; under data parallel the main process builds first."""
-    if str(cfg.model.name_or_path) != "tiny":
+    if cfg.model.name_or_path != "tiny":
         return None
     if cfg.model.tiny is None:
         raise ValueError("model=tiny needs model.tiny (the architecture and warm-start settings)")
@@ -361,7 +363,7 @@ def ensure(cfg: Any) -> Path | None:
     return found
 
 
-def provenance(cfg: Any, path: Path | None = None) -> dict[str, Any]:
+def provenance(cfg: JobConfig, path: Path | None = None) -> dict[str, Any]:
     """What a run's figures depend on besides the code: the warm start at ``path`` (default
     ``ensure(cfg)``; hash, gate) and the machine. Keys as in metrics.json: ``warm_start/*``, ``machine/*``."""
     out: dict[str, Any] = {"warm_start/hash": "none"}
@@ -372,7 +374,7 @@ def provenance(cfg: Any, path: Path | None = None) -> dict[str, Any]:
         if not report.get("shape_passed", {}).get(shape, False):
             raise WarmStartGateError(
                 f"the tiny warm start {path.name} did not pass its quality gate for {shape!r} episodes "
-                f"(env.supporting_in_prompt={bool(cfg.env.supporting_in_prompt)}): {report['gate'].get(shape)}; "
+                f"(env.supporting_in_prompt={cfg.env.supporting_in_prompt}): {report['gate'].get(shape)}; "
                 f"criteria {report['gate_criteria']}. A run from it would measure the start, not the RL. "
                 "See docs/warm_start.md"
             )

@@ -28,6 +28,7 @@ import torch
 from musique_rl.core.rollout import rendered_tool_content, turn_text
 from musique_rl.diagnostics.ledger import Source
 from musique_rl.env import rewards, tools
+from musique_rl.env.config import RewardConfig
 
 # |audited - used| above which the reward the trainer used is not the reward of the sample's text.
 # Rewards are deterministic functions of the text: the only legitimate difference is float noise
@@ -46,7 +47,7 @@ def _runs(ids: Sequence[int], sources: Sequence[int], code: int) -> list[list[in
 class RewardAudit:
     """Re-scores a random sample of episodes through an independent call of the reward code."""
 
-    def __init__(self, reward_cfg: Any, records_by_id: Mapping[str, dict], tokenizer: Any,
+    def __init__(self, reward_cfg: RewardConfig, records_by_id: Mapping[str, dict], tokenizer: Any,
                  audit_size: int = 4, seed: int = 0):
         self.spec = rewards.as_spec(reward_cfg)
         self.records_by_id = records_by_id

@@ -28,6 +28,7 @@ import torch
 from musique_rl.diagnostics import preflight
 from musique_rl.diagnostics.batch import Batch, batch_instruments
 from musique_rl.diagnostics.callback import InstrumentsCallback
+from musique_rl.diagnostics.config import InstrumentedJobConfig
 from musique_rl.diagnostics.kl import kl_stats
 from musique_rl.diagnostics.ledger import (
     Source,
@@ -37,6 +38,7 @@ from musique_rl.diagnostics.ledger import (
 )
 from musique_rl.diagnostics.sync import Scorer, logp_gap, model_logits, model_scorer, parity, peft_base_scorer
 from musique_rl.diagnostics.updates import update_metrics
+from musique_rl.env.config import RewardConfig
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +81,7 @@ class Instruments:
         enabled: bool = True,
         probe_size: int = 8,
         records_by_id: Mapping[str, dict] | None = None,
-        reward_cfg: Any = None,
+        reward_cfg: RewardConfig | None = None,
         reward_audit_size: int = 4,
         seed: int = 0,
     ):
@@ -108,20 +110,20 @@ class Instruments:
         self._fit_done = False
 
     @classmethod
-    def from_config(cls, cfg: Any, **kwargs: Any) -> Instruments:
+    def from_config(cls, cfg: InstrumentedJobConfig, **kwargs: Any) -> Instruments:
         """Build from the composed config (`cfg.diagnostics`, `cfg.train`, `cfg.env`)."""
         d = cfg.diagnostics
         return cls(
-            num_generations=int(cfg.train.num_generations),
-            near_zero_std=float(d.near_zero_std),
-            parity_probe_every=int(d.parity_probe_every),
-            trajectory_views=int(d.trajectory_views),
-            max_prompt_tokens=int(cfg.env.max_prompt_tokens),
-            max_completion_tokens=int(cfg.env.max_completion_tokens),
-            enabled=bool(d.enabled),
+            num_generations=cfg.train.num_generations,
+            near_zero_std=d.near_zero_std,
+            parity_probe_every=d.parity_probe_every,
+            trajectory_views=d.trajectory_views,
+            max_prompt_tokens=cfg.env.max_prompt_tokens,
+            max_completion_tokens=cfg.env.max_completion_tokens,
+            enabled=d.enabled,
             reward_cfg=cfg.reward,
-            reward_audit_size=int(d.get("reward_audit_size", 4)),
-            seed=int(cfg.seed),
+            reward_audit_size=d.reward_audit_size,
+            seed=cfg.seed,
             **kwargs,
         )
 

@@ -21,6 +21,7 @@ import random
 from pathlib import Path
 from typing import Any
 
+from musique_rl.env.config import EnvConfig
 from musique_rl.env.tasks import TASKS, generators, task_for
 
 log = logging.getLogger(__name__)
@@ -128,7 +129,7 @@ def _read_hub(path: str, name: str | None, split: str) -> list[dict]:
     return [dict(r) for r in ds]
 
 
-def _read_generator(part: dict, env_cfg: Any, seed: int) -> list[dict]:
+def _read_generator(part: dict, env_cfg: EnvConfig, seed: int) -> list[dict]:
     """Records of a task's embedded generator (``Task.generate``), then the split's slice."""
     base = part["split"].split("[", 1)[0]
     return _slice(generators()[part["kind"]].generate(base, env_cfg, seed), part["split"])
@@ -206,9 +207,9 @@ def hop_count(rec: dict) -> int:
     return len(rec["question_decomposition"])
 
 
-def _subsample_paragraphs(rec: dict, env_cfg: Any, seed: int) -> dict:
+def _subsample_paragraphs(rec: dict, env_cfg: EnvConfig, seed: int) -> dict:
     """Apply noise_rate and max_paragraphs; supporting paragraphs always stay, idx never changes."""
-    noise = float(env_cfg.noise_rate)
+    noise = env_cfg.noise_rate
     cap = env_cfg.max_paragraphs
     if noise >= 1.0 and cap is None:
         return rec
@@ -224,14 +225,14 @@ def _subsample_paragraphs(rec: dict, env_cfg: Any, seed: int) -> dict:
     return {**rec, "paragraphs": kept}
 
 
-def _check_env(env_cfg: Any) -> None:
-    if not 0.0 <= float(env_cfg.noise_rate) <= 1.0:
+def _check_env(env_cfg: EnvConfig) -> None:
+    if not 0.0 <= env_cfg.noise_rate <= 1.0:
         raise ValueError(f"env.noise_rate={env_cfg.noise_rate}: a probability of keeping a distractor, in [0, 1]")
-    if env_cfg.max_paragraphs is not None and int(env_cfg.max_paragraphs) < 1:
+    if env_cfg.max_paragraphs is not None and env_cfg.max_paragraphs < 1:
         raise ValueError(f"env.max_paragraphs={env_cfg.max_paragraphs}: must be >= 1 or null")
 
 
-def load_records(spec: str, env_cfg: Any, seed: int, stats: dict | None = None) -> list[dict]:
+def load_records(spec: str, env_cfg: EnvConfig, seed: int, stats: dict | None = None) -> list[dict]:
     """Load, validate, filter and shuffle the records of ``spec`` (module docstring).
 
     ``stats``, when given, is filled with counts: loaded, invalid, unanswerable, wrong_hops, kept.
@@ -241,7 +242,7 @@ def load_records(spec: str, env_cfg: Any, seed: int, stats: dict | None = None) 
     malformed = {"invalid": 0}  # lines of local files that are not JSON (skipped under env.skip_invalid)
     for part in parse_spec(spec):
         if part["kind"] == "local":
-            recs = _slice(_read_local(part["path"], bool(env_cfg.skip_invalid), malformed), part["split"])
+            recs = _slice(_read_local(part["path"], env_cfg.skip_invalid, malformed), part["split"])
             where = part["path"]
         elif part["kind"] == "hub":
             recs = _read_hub(part["path"], part["name"], part["split"])

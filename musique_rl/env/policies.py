@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from musique_rl.env.config import EnvConfig
 from musique_rl.env.parsing import final_text
 from musique_rl.env.prompts import build_messages
 from musique_rl.env.registry import Registry
@@ -44,13 +45,13 @@ def _episode(record: dict, messages: list[dict], stop_reason: str, tool_calls: i
     }
 
 
-def oracle_episode(record: dict, env_cfg: Any, retriever: Any, tool_call_format: str = "hermes") -> dict:
+def oracle_episode(record: dict, env_cfg: EnvConfig, retriever: Any, tool_call_format: str = "hermes") -> dict:
     """The ceiling: the run's task writes its best episode (musique_rl/env/tasks/)."""
     messages, calls, errors = task_for(env_cfg).oracle(record, env_cfg, retriever, tool_call_format)
     return _episode(record, messages, "answer", calls, errors)
 
 
-def no_tool_episode(record: dict, env_cfg: Any) -> dict:
+def no_tool_episode(record: dict, env_cfg: EnvConfig) -> dict:
     messages = build_messages(record, env_cfg)
     messages.append({"role": "assistant", "content": final_text("I have no documents.", [], "unknown")})
     return _episode(record, messages, "answer", 0, 0)
@@ -102,30 +103,30 @@ def replay_episodes(path: str, records_by_id: dict[str, dict], tool_call_format:
 
 
 # ---------------------------------------------------------------- the registry
-# The scripted policies by the name `policy=` gives them: (cfg, records) -> episodes. The schema's
-# `policy` values are these plus `model`, the configured LLM (rollouts, in the RL core).
+# The scripted policies by the name `policy=` gives them: (env, records, tool_call_format=,
+# replay_path=) -> episodes. The schema's `policy` values are these plus `model`, the configured LLM
+# (rollouts, in the RL core).
 POLICIES = Registry("policy")
 
 
-def _tool_call_format(cfg: Any) -> str:
-    return str(cfg.model.tool_call_format) if "model" in cfg else "hermes"
-
-
 @POLICIES.register("oracle")
-def oracle_episodes(cfg: Any, records: list[dict]) -> Iterator[dict]:
+def oracle_episodes(env_cfg: EnvConfig, records: list[dict], *, tool_call_format: str,
+                    replay_path: str | None = None) -> Iterator[dict]:
     from musique_rl.env.retrieval import build_retriever
 
-    retriever = build_retriever(cfg.env, records)
-    return (oracle_episode(r, cfg.env, retriever, _tool_call_format(cfg)) for r in records)
+    retriever = build_retriever(env_cfg, records)
+    return (oracle_episode(r, env_cfg, retriever, tool_call_format) for r in records)
 
 
 @POLICIES.register("no_tool")
-def no_tool_episodes(cfg: Any, records: list[dict]) -> Iterator[dict]:
-    return (no_tool_episode(r, cfg.env) for r in records)
+def no_tool_episodes(env_cfg: EnvConfig, records: list[dict], *, tool_call_format: str,
+                     replay_path: str | None = None) -> Iterator[dict]:
+    return (no_tool_episode(r, env_cfg) for r in records)
 
 
 @POLICIES.register("replay")
-def replayed_episodes(cfg: Any, records: list[dict]) -> Iterator[dict]:
-    if not cfg.get("replay_path"):
+def replayed_episodes(env_cfg: EnvConfig, records: list[dict], *, tool_call_format: str,
+                      replay_path: str | None = None) -> Iterator[dict]:
+    if not replay_path:
         raise ValueError("policy=replay needs replay_path=<jsonl of {id, messages}> (e.g. an earlier episodes.jsonl)")
-    return replay_episodes(cfg.replay_path, {r["id"]: r for r in records}, _tool_call_format(cfg))
+    return replay_episodes(replay_path, {r["id"]: r for r in records}, tool_call_format)

@@ -5,16 +5,15 @@ ask here, so none of them needs to know which task runs.
 
 from __future__ import annotations
 
-from typing import Any
-
+from musique_rl.env.config import EnvConfig
 from musique_rl.env.tasks import task_for
 
 
-def tool_schemas(env_cfg: Any) -> list[dict]:
+def tool_schemas(env_cfg: EnvConfig) -> list[dict]:
     """OpenAI function schemas offered to the model (none when the task offers no tool)."""
     return task_for(env_cfg).tool_schemas(env_cfg)
 
 
-def build_messages(record: dict, env_cfg: Any) -> list[dict]:
+def build_messages(record: dict, env_cfg: EnvConfig) -> list[dict]:
     """System + user messages for one record."""
     return task_for(env_cfg).messages(record, env_cfg)

@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from musique_rl.env.config import EnvConfig
 from musique_rl.env.registry import Registry
 from musique_rl.env.tools import as_document, content_id
 
@@ -329,7 +330,7 @@ def build_lucene_index(docs: list[dict]) -> Path:
     return target
 
 
-def load_corpus(env_cfg: Any, records: list[dict]) -> list[dict]:
+def load_corpus(env_cfg: EnvConfig, records: list[dict]) -> list[dict]:
     """Corpus-scope documents: env.corpus (json list of {title, text}) or every record paragraph;
     duplicates (same title and text) kept once."""
     if env_cfg.corpus:
@@ -353,11 +354,11 @@ def load_corpus(env_cfg: Any, records: list[dict]) -> list[dict]:
     return list(docs.values())
 
 
-def build_retriever(env_cfg: Any, records: list[dict] | None = None, warm: bool = True) -> Retriever:
+def build_retriever(env_cfg: EnvConfig, records: list[dict] | None = None, warm: bool = True) -> Retriever:
     """The retriever named by env.retriever over env.scope; ``records`` feed the default corpus
     and, with ``warm``, the precomputed per-question indexes."""
     retriever_class = RETRIEVERS[env_cfg.retriever]  # an unknown name fails here, listing the registered ones
-    scope = str(env_cfg.scope)
+    scope = env_cfg.scope
     if scope not in ("question", "corpus"):
         raise ValueError(f"env.scope={scope!r}: choose 'question' or 'corpus'")
     corpus = load_corpus(env_cfg, records or []) if scope == "corpus" else None

@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from musique_rl.env.config import EnvConfig, RewardConfig
 from musique_rl.env.parsing import TAGS, assistant_turn, parse_final
 from musique_rl.env.tasks import task_for
 from musique_rl.env.tools import paragraph_ids, parse_document_ids
@@ -180,8 +181,9 @@ def score_episode(record: dict, messages: Any, read_turn: str = "last") -> dict[
 
 @dataclass(frozen=True)
 class RewardSpec:
-    """The ``reward`` group as plain Python. Why: reading an OmegaConf node costs ~50 us a key,
-    which made ``total`` 100x slower than scoring; build this once per reward function."""
+    """The ``reward`` group as plain Python, its weights a tuple. Why: a caller may still hand an
+    OmegaConf node (reading one costs ~50 us a key, which made ``total`` 100x slower than
+    scoring); build this once per reward function."""
 
     name: str
     weights: tuple[tuple[str, float], ...]
@@ -190,19 +192,19 @@ class RewardSpec:
     shuffle_within_batch: bool = False
 
 
-def as_spec(reward_cfg: Any) -> RewardSpec:
+def as_spec(reward_cfg: RewardConfig) -> RewardSpec:
     if isinstance(reward_cfg, RewardSpec):
         return reward_cfg
     return RewardSpec(
-        name=str(reward_cfg.name),
+        name=reward_cfg.name,
         weights=tuple((str(k), float(v)) for k, v in reward_cfg.weights.items()),
-        normalizer=float(reward_cfg.normalizer),
-        hop_scale=bool(reward_cfg.hop_scale),
-        shuffle_within_batch=bool(getattr(reward_cfg, "shuffle_within_batch", False)),
+        normalizer=reward_cfg.normalizer,
+        hop_scale=reward_cfg.hop_scale,
+        shuffle_within_batch=reward_cfg.shuffle_within_batch,
     )
 
 
-def check_weights(reward_cfg: Any) -> None:
+def check_weights(reward_cfg: RewardConfig) -> None:
     reward_cfg = as_spec(reward_cfg)
     unknown = sorted({k for k, _ in reward_cfg.weights} - set(COMPONENTS))
     if unknown:
@@ -211,7 +213,7 @@ def check_weights(reward_cfg: Any) -> None:
         raise ValueError(f"reward.normalizer={reward_cfg.normalizer}: must be > 0")
 
 
-def check_task(reward_cfg: Any, env_cfg: Any) -> None:
+def check_task(reward_cfg: RewardConfig, env_cfg: EnvConfig) -> None:
     """Fail before any compute when ``reward`` weighs a component the task cannot score
     (``Task.scored_components``: under env.task=arith only the answer; retrieval and citations need
     documents, and ``format`` counts a ``<cite>`` its answer format does not have)."""
@@ -227,7 +229,7 @@ def check_task(reward_cfg: Any, env_cfg: Any) -> None:
         )
 
 
-def total(components: dict[str, float], n_hops: int, reward_cfg: Any) -> float:
+def total(components: dict[str, float], n_hops: int, reward_cfg: RewardConfig) -> float:
     """hop_scale * sum(w_i * c_i) / normalizer, hop_scale = n_hops/2 if reward.hop_scale else 1.
     ``reward_cfg``: the ``reward`` config node or (faster) its ``as_spec``."""
     spec = as_spec(reward_cfg)
@@ -236,7 +238,7 @@ def total(components: dict[str, float], n_hops: int, reward_cfg: Any) -> float:
     return scale * s / spec.normalizer
 
 
-def max_total(n_hops: int, reward_cfg: Any) -> float:
+def max_total(n_hops: int, reward_cfg: RewardConfig) -> float:
     """The documented maximum of ``total`` for a hop count (every component at 1)."""
     return total(dict.fromkeys(COMPONENTS, 1.0), n_hops, reward_cfg)
 
@@ -269,7 +271,7 @@ class RewardFunction:
     totals are permuted within each call by a seeded generator: the negative control.
     """
 
-    def __init__(self, reward_cfg: Any, records_by_id: dict[str, dict], read_turn: str = "last", seed: int = 0):
+    def __init__(self, reward_cfg: RewardConfig, records_by_id: dict[str, dict], read_turn: str = "last", seed: int = 0):
         if read_turn not in ("last", "first"):
             raise ValueError(f"read_turn={read_turn!r}: expected 'last' or 'first'")
         self.reward_cfg = as_spec(reward_cfg)

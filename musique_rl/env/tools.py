@@ -18,6 +18,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from musique_rl.env.config import EnvConfig
 from musique_rl.env.tool_formats import tool_format
 
 TOOL_ARGS = {"retrieve_documents": "query", "get_document": "id"}  # tool -> its one required argument
@@ -130,7 +131,7 @@ def _error(msg: str) -> ToolResult:
     return ToolResult(content=f"Error: {msg}", ok=False, error=msg)
 
 
-def execute(call: ToolCall, record: dict, retriever: Any, env_cfg: Any) -> ToolResult:
+def execute(call: ToolCall, record: dict, retriever: Any, env_cfg: EnvConfig) -> ToolResult:
     """Run one call against ``retriever`` for ``record``. Errors become the tool message; never raises
     for model-caused problems (a bug in a retriever still raises: that is ours, not the model's)."""
     if call.error:
@@ -138,7 +139,7 @@ def execute(call: ToolCall, record: dict, retriever: Any, env_cfg: Any) -> ToolR
     if env_cfg.supporting_in_prompt:
         return _error("no tools are available in this task; answer from the documents given")
     if call.name == "retrieve_documents":
-        docs = retriever.retrieve(call.arguments["query"], record, int(env_cfg.top_n))
+        docs = retriever.retrieve(call.arguments["query"], record, env_cfg.top_n)
         if not docs:
             return ToolResult(content="No documents found.", ok=True)
         return ToolResult(content=format_documents(docs), ok=True, doc_ids=[d["id"] for d in docs])

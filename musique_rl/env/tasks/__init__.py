@@ -3,8 +3,8 @@
 A task declares, in one place, everything that differs between tasks: its records (the embedded
 generator a data spec names, whether records carry documents), what the policy sees (messages, the
 tools offered), which reward components it can score, the scripted oracle's episode, and its warm
-start for ``model=tiny`` (fixed environment, SFT recipe, gate shapes and bounds, the SFT data, the
-tokenizer's isolated pieces). Callers ask ``task_for(env_cfg)``; none tests a task's name.
+start for ``model=tiny`` (gate shapes and bounds, the SFT data, the tokenizer's isolated pieces;
+its fixed environment and SFT recipe are config: musique_rl/conf/warm_start/<task>.yaml). Callers ask ``task_for(env_cfg)``; none tests a task's name.
 
 Defining a ``Task`` subclass with a ``name`` registers it (``TASKS``), and the schema's allowed
 values for ``env.task`` come from that registry; every module here is imported below, so a new
@@ -17,6 +17,7 @@ import importlib
 import pkgutil
 from typing import Any, ClassVar
 
+from musique_rl.env.config import EnvConfig, WarmStartConfig, warm_start_config
 from musique_rl.env.registry import Registry
 
 TASKS = Registry("env.task")
@@ -35,10 +36,8 @@ class Task:
     scored_components: ClassVar[tuple[str, ...] | None] = None
     reward_hint: ClassVar[str] = ""
 
-    # The warm start of model=tiny (core/tiny_model.py, core/warm_start.py). A warm start is a fixed
-    # artifact, so it is built in the task's fixed environment whatever the run's env.
-    warm_start_env: ClassVar[dict] = {}  # env.* the warm start is trained and gated in
-    warm_start_sft: ClassVar[dict] = {}  # model.tiny.* the task's SFT recipe replaces
+    # The warm start of model=tiny (core/tiny_model.py, core/warm_start.py); its fixed environment
+    # and SFT recipe: ``warm_start()``.
     # Gate shapes: name -> env.* overrides of one episode shape the warm start is measured in.
     gate_shapes: ClassVar[dict[str, dict]] = {}
     # The gate's bounds as build.json records them: sampled_em (lo, hi); greedy_em_min and/or
@@ -50,43 +49,47 @@ class Task:
         TASKS.register(cls.name, cls())
 
     # -- records
-    def generate(self, split: str, env_cfg: Any, seed: int) -> list[dict]:
+    def generate(self, split: str, env_cfg: EnvConfig, seed: int) -> list[dict]:
         """Records of ``split`` from the task's embedded generator (sized by its env.* settings)."""
         raise NotImplementedError(f"env.task={self.name} has no embedded generator")
 
     # -- what the policy sees
-    def messages(self, record: dict, env_cfg: Any) -> list[dict]:
+    def messages(self, record: dict, env_cfg: EnvConfig) -> list[dict]:
         """System + user messages of one record."""
         raise NotImplementedError
 
-    def tool_schemas(self, env_cfg: Any) -> list[dict]:
+    def tool_schemas(self, env_cfg: EnvConfig) -> list[dict]:
         """OpenAI function schemas offered to the model (none by default)."""
         return []
 
     # -- scripted policies
-    def oracle(self, record: dict, env_cfg: Any, retriever: Any, fmt: Any) -> tuple[list[dict], int, int]:
+    def oracle(self, record: dict, env_cfg: EnvConfig, retriever: Any, fmt: Any) -> tuple[list[dict], int, int]:
         """(messages, tool calls, tool errors) of the ceiling policy's episode for ``record``; tool
         calls written in the format ``fmt`` (``model.tool_call_format``)."""
         raise NotImplementedError
 
     # -- the warm start
+    def warm_start(self) -> WarmStartConfig:
+        """The fixed setting the task's warm start is built in (musique_rl/conf/warm_start/<task>.yaml)."""
+        return warm_start_config(self.name)
+
     def key_fields(self) -> dict:
         """What names the task in the warm start's build settings (hashed into its key)."""
         return {"task": self.name}
 
-    def warm_start_dataset(self, env_cfg: Any, n_records: int, tiny: Any, worlds: list[int]) -> tuple[list, list, list]:
+    def warm_start_dataset(self, env_cfg: EnvConfig, n_records: int, tiny: Any, worlds: list[int]) -> tuple[list, list, list]:
         """(records, message lists, env config per episode) of the warm start's SFT data:
         prefix-stable (the first k do not depend on ``n_records``)."""
         raise NotImplementedError
 
-    def gate_records(self, env_cfg: Any) -> list[dict]:
+    def gate_records(self, env_cfg: EnvConfig) -> list[dict]:
         """Held-out records the gate measures (never in the SFT data)."""
         raise NotImplementedError
 
-    def shape_of(self, env_cfg: Any) -> str:
+    def shape_of(self, env_cfg: EnvConfig) -> str:
         """The gate shape a run of ``env_cfg`` trains: the first whose overrides it matches."""
         for shape, overrides in self.gate_shapes.items():
-            if all(env_cfg[k] == v for k, v in overrides.items()):
+            if all(getattr(env_cfg, k) == v for k, v in overrides.items()):
                 return shape
         raise ValueError(f"env.task={self.name}: no warm-start shape matches this env ({sorted(self.gate_shapes)})")
 
@@ -99,10 +102,9 @@ class Task:
         raise NotImplementedError
 
 
-def task_for(env_cfg: Any) -> Task:
-    """The task of an ``env`` config (``env.task``; the default task without one)."""
-    name = getattr(env_cfg, "task", None) if env_cfg is not None else None
-    return TASKS[name if name is not None else DEFAULT_TASK]
+def task_for(env_cfg: EnvConfig) -> Task:
+    """The task of an ``env`` config (``env.task``)."""
+    return TASKS[env_cfg.task]
 
 
 def generators() -> dict[str, Task]:

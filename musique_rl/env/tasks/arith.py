@@ -11,13 +11,14 @@ import random
 from typing import Any
 
 from musique_rl.env import arith
+from musique_rl.env.config import EnvConfig
 from musique_rl.env.tasks import Task
 
 ANSWER_FORMAT = "<think>working</think>\n<answer>number</answer>"
 SYSTEM_PROMPT = "Solve the arithmetic word problem. Reply:\n" + ANSWER_FORMAT
 
 
-def build_messages(record: dict, env_cfg: Any) -> list[dict]:
+def build_messages(record: dict, env_cfg: EnvConfig) -> list[dict]:
     """The question alone under the task's own system prompt (no tool)."""
     return [
         {"role": "system", "content": SYSTEM_PROMPT},
@@ -26,7 +27,7 @@ def build_messages(record: dict, env_cfg: Any) -> list[dict]:
 
 
 def noisy_oracle_dataset(
-    env_cfg: Any, n_records: int, noise: float, worlds: list[int], rng_seed: int = 0
+    env_cfg: EnvConfig, n_records: int, noise: float, worlds: list[int], rng_seed: int = 0
 ) -> tuple[list[dict], list[list[dict]], list]:
     """(records, message lists, env config per episode) of ``n_records`` noisy-oracle episodes:
     train-split problems drawn in turn from the generator streams ``worlds`` (none a run's seed),
@@ -34,7 +35,7 @@ def noisy_oracle_dataset(
     wrong decision that depends on the question). Prefix-stable."""
     ar = env_cfg.arith
     per_world = [
-        arith.generate_records("train", -(-n_records // len(worlds)), seed=w, max_operand=int(ar.max_operand), ops=list(ar.ops))
+        arith.generate_records("train", -(-n_records // len(worlds)), seed=w, max_operand=ar.max_operand, ops=ar.ops)
         for w in worlds
     ]
     records = [per_world[i % len(worlds)][i // len(worlds)] for i in range(n_records)]
@@ -56,57 +57,33 @@ class Arith(Task):
     scored_components = ("answer_em", "answer_f1")
     reward_hint = "reward=answer_em, reward=answer_f1, reward=answer_only, or the shuffled control reward=shuffled_em"
 
-    warm_start_env = {
-        "task": "arith",
-        "arith": {"max_operand": 9, "ops": ["+", "-"]},
-        "supporting_in_prompt": False,
-        "max_turns": 1,
-        "max_prompt_tokens": 256,
-        "max_tokens_per_turn": 32,
-        "max_completion_tokens": 32,
-    }
-    # Its own SFT recipe in place of model.tiny's sft_* settings (those are tuned for the multi-hop
-    # task; the architecture settings stay model.tiny's).
-    warm_start_sft = {
-        "sft_records": 4800,
-        # 4800 x 6 / 16 = 1,800 steps (~2 min on one core). Measured: 900 steps had not formed the
-        # operation (sampled EM 0.04 with operands to 20; 0.03 after 2,400 steps); with operands 1-9 a
-        # 1,800-step build passes at sampled/greedy EM 0.54/1.00
-        "sft_epochs": 6,
-        "sft_learning_rate": 2.0e-2,
-        "sft_noise": 0.5,  # share of SFT targets with one wrong decision (the other operation, or off by one)
-        "sft_single_step_share": 0.0,
-        "sft_max_rounds": 3,
-        "sft_extra_lr_scale": 0.25,
-        "gate_shapes": ["arith"],
-    }
     gate_shapes = {"arith": {}}  # one shape: one turn
     # Sampled EM with room to learn, the right answer the mode (greedy clearly above sampled), and
     # groups that see it (pass@8 well above pass@1). More questions: a turn is ~12 tokens.
     gate = {"sampled_em": (0.30, 0.65), "greedy_over_sampled_min": 0.15, "pass8_minus_pass1_min": 0.25,
             "records_per_shape": 96, "generator_seed": 1, "split": "validation"}
 
-    def generate(self, split: str, env_cfg: Any, seed: int) -> list[dict]:
+    def generate(self, split: str, env_cfg: EnvConfig, seed: int) -> list[dict]:
         ar = env_cfg.arith
         n = ar.num_train if split == "train" else ar.num_eval
-        return arith.generate_records(split=split, n=int(n), seed=seed, max_operand=int(ar.max_operand), ops=list(ar.ops))
+        return arith.generate_records(split=split, n=int(n), seed=seed, max_operand=ar.max_operand, ops=ar.ops)
 
-    def messages(self, record: dict, env_cfg: Any) -> list[dict]:
+    def messages(self, record: dict, env_cfg: EnvConfig) -> list[dict]:
         return build_messages(record, env_cfg)
 
-    def oracle(self, record: dict, env_cfg: Any, retriever: Any, fmt: Any) -> tuple[list[dict], int, int]:
+    def oracle(self, record: dict, env_cfg: EnvConfig, retriever: Any, fmt: Any) -> tuple[list[dict], int, int]:
         """One turn: the working and the answer."""
         a, op, b = arith.operation(record)
         answer = arith.answer_text(arith.work_text(a, op, b, int(record["answer"])), record["answer"])
         return [*self.messages(record, env_cfg), {"role": "assistant", "content": answer}], 0, 0
 
-    def warm_start_dataset(self, env_cfg: Any, n_records: int, tiny: Any, worlds: list[int]) -> tuple[list, list, list]:
-        return noisy_oracle_dataset(env_cfg, n_records, float(tiny.sft_noise), worlds=worlds)
+    def warm_start_dataset(self, env_cfg: EnvConfig, n_records: int, tiny: Any, worlds: list[int]) -> tuple[list, list, list]:
+        return noisy_oracle_dataset(env_cfg, n_records, tiny.sft_noise, worlds=worlds)
 
-    def gate_records(self, env_cfg: Any) -> list[dict]:
+    def gate_records(self, env_cfg: EnvConfig) -> list[dict]:
         ar = env_cfg.arith  # held-out questions: the validation split, never in SFT
         return arith.generate_records(self.gate["split"], self.gate["records_per_shape"], seed=self.gate["generator_seed"],
-                                      max_operand=int(ar.max_operand), ops=list(ar.ops))
+                                      max_operand=ar.max_operand, ops=ar.ops)
 
     def tokenizer_pattern(self) -> str:
         """Whole numbers with their leading space: the BPE merges each small number into ONE token
@@ -116,7 +93,7 @@ class Arith(Task):
 
     def names_text(self) -> str:
         """Every number the task can write, the names and the objects."""
-        top = 2 * int(self.warm_start_env["arith"]["max_operand"]) + 1
+        top = 2 * self.warm_start().env["arith"]["max_operand"] + 1
         return " " + " ".join([*(str(i) for i in range(top + 1)), *arith.NAMES, *arith.OBJECTS])
 
 

@@ -10,12 +10,12 @@ model's own format (hermes / llama3_json), the same way when sampling and when t
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import re
 from typing import Any
 
-from omegaconf import OmegaConf
-
+from musique_rl.env.config import EnvConfig
 from musique_rl.env.parsing import final_text
 from musique_rl.env.tasks import Task
 from musique_rl.env.tool_formats import tool_format
@@ -65,7 +65,7 @@ _GET_DOCUMENT = {
 _REF_RE = re.compile(r"#(\d+)")
 
 
-def build_messages(record: dict, env_cfg: Any) -> list[dict]:
+def build_messages(record: dict, env_cfg: EnvConfig) -> list[dict]:
     """System + user messages. With ``env.supporting_in_prompt`` the supporting paragraphs (ids as
     in the tool results) are rendered before the question, and no tool is offered: the whole task
     is one assistant turn."""
@@ -123,7 +123,7 @@ def noisy_final_text(path: list[str], cited: list[str], answer: str) -> str:
     return final_text(" " + " -> ".join(path), cited, " " + answer)
 
 
-def noisy_oracle_episode(record: dict, env_cfg: Any, retriever: Any, rng: Any, noise: float) -> list[dict]:
+def noisy_oracle_episode(record: dict, env_cfg: EnvConfig, retriever: Any, rng: Any, noise: float) -> list[dict]:
     """Messages of one noisy-oracle episode over a SYNTHETIC record: the warm start's SFT data.
 
     With probability ``noise`` the episode takes ONE wrong decision, each depending on the context:
@@ -183,7 +183,7 @@ def noisy_oracle_episode(record: dict, env_cfg: Any, retriever: Any, rng: Any, n
 
 
 def noisy_oracle_dataset(
-    env_cfg: Any, n_records: int, noise: float, single_step_share: float, worlds: list[int], rng_seed: int = 0
+    env_cfg: EnvConfig, n_records: int, noise: float, single_step_share: float, worlds: list[int], rng_seed: int = 0
 ) -> tuple[list[dict], list[list[dict]], list]:
     """(records, message lists, env config per episode) of ``n_records`` noisy-oracle episodes over
     the synthetic train split, taken in turn from each world of ``worlds``; ``single_step_share`` of
@@ -199,12 +199,12 @@ def noisy_oracle_dataset(
 
     syn = env_cfg.synthetic
     per_world = [
-        generate_records("train", -(-n_records // len(worlds)), seed=w, hops=list(syn.hops), num_paragraphs=int(syn.num_paragraphs))
+        generate_records("train", -(-n_records // len(worlds)), seed=w, hops=syn.hops, num_paragraphs=syn.num_paragraphs)
         for w in worlds
     ]
     records = [per_world[i % len(worlds)][i // len(worlds)] for i in range(n_records)]
-    tool_env = OmegaConf.merge(env_cfg, {"supporting_in_prompt": False})
-    single_env = OmegaConf.merge(env_cfg, {"supporting_in_prompt": True})
+    tool_env = dataclasses.replace(env_cfg, supporting_in_prompt=False)
+    single_env = dataclasses.replace(env_cfg, supporting_in_prompt=True)
     retriever = build_retriever(tool_env, records)
     rng = random.Random(rng_seed)
     episodes, envs = [], []
@@ -222,20 +222,6 @@ class Musique(Task):
     documents = True
     generator = "synthetic"
 
-    # musique_mini's defaults: both arms of a sweep that changes the env (h04's small budgets,
-    # another retriever) start from the same weights.
-    warm_start_env = {
-        "synthetic": {"hops": [2], "num_paragraphs": 6},
-        "retriever": "bm25",
-        "scope": "question",
-        "top_n": 1,
-        "get_document_tool": False,
-        "supporting_in_prompt": False,
-        "max_turns": 4,
-        "max_prompt_tokens": 1024,
-        "max_tokens_per_turn": 48,
-        "max_completion_tokens": 512,
-    }
     # With the tool, and single-step with the gold paragraphs in the prompt (h07).
     gate_shapes = {"tool": {"supporting_in_prompt": False}, "single_step": {"supporting_in_prompt": True}}
     # sampled answer EM (pass@1) with room to learn; greedy EM high: the right decision is the
@@ -243,17 +229,17 @@ class Musique(Task):
     gate = {"sampled_em": (0.40, 0.70), "greedy_em_min": 0.80, "pass8_minus_pass1_min": 0.30,
             "records_per_shape": 48, "world_seed": 1, "split": "validation"}
 
-    def generate(self, split: str, env_cfg: Any, seed: int) -> list[dict]:
+    def generate(self, split: str, env_cfg: EnvConfig, seed: int) -> list[dict]:
         from musique_rl.env.synthetic import generate_records
 
         syn = env_cfg.synthetic
         n = syn.num_train if split == "train" else syn.num_eval
-        return list(generate_records(split=split, n=int(n), seed=seed, hops=list(syn.hops), num_paragraphs=int(syn.num_paragraphs)))
+        return list(generate_records(split=split, n=int(n), seed=seed, hops=syn.hops, num_paragraphs=syn.num_paragraphs))
 
-    def messages(self, record: dict, env_cfg: Any) -> list[dict]:
+    def messages(self, record: dict, env_cfg: EnvConfig) -> list[dict]:
         return build_messages(record, env_cfg)
 
-    def tool_schemas(self, env_cfg: Any) -> list[dict]:
+    def tool_schemas(self, env_cfg: EnvConfig) -> list[dict]:
         if env_cfg.supporting_in_prompt:
             return []
         schemas = [_RETRIEVE]
@@ -261,14 +247,14 @@ class Musique(Task):
             schemas.append(_GET_DOCUMENT)
         return [dict(s) for s in schemas]
 
-    def oracle(self, record: dict, env_cfg: Any, retriever: Any, fmt: Any) -> tuple[list[dict], int, int]:
+    def oracle(self, record: dict, env_cfg: EnvConfig, retriever: Any, fmt: Any) -> tuple[list[dict], int, int]:
         """One ``retrieve_documents`` call per hop whose query is that hop's sub-question, then the
         supporting ids cited and the gold answer (through the real parser: the oracle tests it too)."""
         form = tool_format(fmt)
         messages = self.messages(record, env_cfg)
         calls = errors = 0
         if not env_cfg.supporting_in_prompt:
-            for q in sub_questions(record)[: max(int(env_cfg.max_turns) - 1, 0)]:  # leave a turn to answer
+            for q in sub_questions(record)[: max(env_cfg.max_turns - 1, 0)]:  # leave a turn to answer
                 text = form.render("retrieve_documents", {"query": q})
                 messages.append({"role": "assistant", "content": text})
                 for call in parse_tool_calls(text, form.name):
@@ -277,21 +263,21 @@ class Musique(Task):
                     errors += not res.ok
                     messages.append({"role": "tool", "content": res.content})
         think = " -> ".join(s["answer"] for s in record["question_decomposition"])
-        messages.append({"role": "assistant", "content": final_text(think, _supporting_ids(record, str(env_cfg.scope)), record["answer"])})
+        messages.append({"role": "assistant", "content": final_text(think, _supporting_ids(record, env_cfg.scope), record["answer"])})
         return messages, calls, errors
 
     def key_fields(self) -> dict:
         return {}  # the default task's build settings name no task (its shipped warm start's key)
 
-    def warm_start_dataset(self, env_cfg: Any, n_records: int, tiny: Any, worlds: list[int]) -> tuple[list, list, list]:
-        return noisy_oracle_dataset(env_cfg, n_records, float(tiny.sft_noise), float(tiny.sft_single_step_share), worlds=worlds)
+    def warm_start_dataset(self, env_cfg: EnvConfig, n_records: int, tiny: Any, worlds: list[int]) -> tuple[list, list, list]:
+        return noisy_oracle_dataset(env_cfg, n_records, tiny.sft_noise, tiny.sft_single_step_share, worlds=worlds)
 
-    def gate_records(self, env_cfg: Any) -> list[dict]:
+    def gate_records(self, env_cfg: EnvConfig) -> list[dict]:
         from musique_rl.env.synthetic import generate_records
 
         syn = env_cfg.synthetic
         return generate_records(self.gate["split"], self.gate["records_per_shape"], seed=self.gate["world_seed"],
-                                hops=list(syn.hops), num_paragraphs=int(syn.num_paragraphs))
+                                hops=syn.hops, num_paragraphs=syn.num_paragraphs)
 
     def tokenizer_pattern(self) -> str:
         """Capitalised words (names, with their leading space), the relation words of the synthetic

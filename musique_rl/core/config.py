@@ -1,0 +1,180 @@
+"""The typed config groups the RL core reads: ``model`` (and ``model.tiny``), ``lora``, ``loss``,
+``train``, and ``JobConfig``, what the core's functions read of the whole job's config.
+
+Why here and not in schema.py: the layers import only downward (tests/test_layers.py), so the
+types that annotate the core's functions live in the core; schema.py (the experiment layer) gathers
+every group into the root ``Config`` (which is a ``JobConfig``) and registers it with Hydra.
+Field names equal TRL ``GRPOConfig`` / PEFT ``LoraConfig`` names wherever they map to them
+(core/trainer.py passes them through by name).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import List, Optional, Protocol
+
+from omegaconf import MISSING
+
+from musique_rl.env.config import EnvConfig, ReadOnly, RewardConfig
+
+
+class Dtype(StrEnum):
+    auto = "auto"
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
+class LossType(StrEnum):  # TRL 1.16 GRPOConfig.loss_type
+    grpo = "grpo"
+    bnpo = "bnpo"
+    dr_grpo = "dr_grpo"
+    dapo = "dapo"
+    cispo = "cispo"
+    sapo = "sapo"
+
+
+class ScaleRewards(StrEnum):  # TRL 1.16 GRPOConfig.scale_rewards
+    group = "group"
+    batch = "batch"
+    none = "none"
+
+
+class ImportanceSampling(StrEnum):  # TRL 1.16 GRPOConfig.vllm_importance_sampling_mode, plus auto and off
+    auto = "auto"  # token_truncate on the vLLM backend (not TRL's sequence_mask: core/trainer.py); off on HF
+    off = "off"  # no correction
+    sequence_mask = "sequence_mask"  # one ratio a sequence; outside [clip_min, clip_max] -> weight 0
+    sequence_truncate = "sequence_truncate"  # one ratio a sequence, clamped to the bounds
+    token_mask = "token_mask"
+    token_truncate = "token_truncate"
+
+
+class Backend(StrEnum):
+    hf = "hf"  # transformers generate, in-process (CPU, tests, small GPUs)
+    paged = "paged"  # transformers continuous batching (paged KV cache), in-process, no vLLM (core/generation_paged.py)
+    vllm = "vllm"  # TRL's vLLM integration (train.vllm_mode: colocate on one GPU, server on several)
+
+
+class VllmMode(StrEnum):  # TRL 1.16 GRPOConfig.vllm_mode, plus auto
+    auto = "auto"  # colocate when the job sees one GPU, server when it sees two or more
+    colocate = "colocate"  # vLLM inside each training process, sharing its GPU
+    server = "server"  # `vllm serve` on the first GPU, the trainer on the others (musique_rl/gpu_job.py)
+
+
+class Console(StrEnum):
+    compact = "compact"  # one line per logging step (musique_rl/console.py); every metric in metrics.jsonl
+    full = "full"  # TRL's whole metrics dict per logging step, as transformers prints it
+
+
+@dataclass
+class TinyModelConfig(ReadOnly):
+    """Architecture and warm start of the locally built Qwen2-architecture model."""
+
+    hidden_size: int = 64
+    intermediate_size: int = 256
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    max_position_embeddings: int = 2048
+    vocab_size: int = 512  # byte-level BPE trained on the synthetic corpus
+    sft_records: int = 512  # oracle trajectories used for the warm start
+    sft_epochs: float = 3.0
+    sft_learning_rate: float = 3e-3
+    sft_noise: float = 0.5  # share of SFT trajectories that take a plausible wrong decision
+    sft_single_step_share: float = 0.25  # of SFT episodes posed single-step (gold paragraphs, no tool: h07)
+    sft_max_rounds: int = 3  # extra SFT epochs while the quality gate fails
+    sft_extra_lr_scale: float = 1.0  # an extra epoch's peak rate / sft_learning_rate (then linear decay to 0)
+    # episode shapes the warm start must pass the gate for (tool | single_step); others are measured
+    gate_shapes: List[str] = field(default_factory=lambda: ["tool"])
+    # MUSIQUE_RL_CACHE stays an environment variable: it says where this machine keeps caches, not
+    # how a run runs (the same run on another machine caches elsewhere and computes the same).
+    cache_dir: str = "${oc.env:MUSIQUE_RL_CACHE,${oc.env:HOME}/.cache/musique_rl}"
+
+
+@dataclass
+class ModelConfig(ReadOnly):
+    name_or_path: str = MISSING  # hub id, local dir, or "tiny" (built locally)
+    dtype: Dtype = Dtype.auto  # auto: bf16 where the hardware supports it, else fp32
+    # auto | sdpa | eager | flash_attention_2 | flash_attention_3 (transformers names; core/models.resolve_attention)
+    attn_implementation: str = "auto"
+    tool_call_format: str = "hermes"  # a TOOL_FORMATS name (schema.py narrows it to their enum)
+    learning_rate: float = MISSING  # recommended LR for this model (loss.learning_rate reads it)
+    tiny: Optional[TinyModelConfig] = None
+
+
+@dataclass
+class LoraConfig(ReadOnly):  # PEFT LoraConfig names, except enabled (core/trainer.py lora_config)
+    enabled: bool = False  # false = full fine-tuning
+    r: int = 16
+    lora_alpha: int = 32
+    lora_dropout: float = 0.0
+    target_modules: List[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+    bias: str = "none"
+
+
+@dataclass
+class LossConfig(ReadOnly):  # TRL GRPOConfig names, except adv_epsilon (core/trainer.py grpo_config)
+    loss_type: LossType = MISSING
+    scale_rewards: ScaleRewards = ScaleRewards.group
+    adv_epsilon: float = 1e-4  # added to the std before dividing; TRL hard-codes 1e-4
+    beta: float = 0.0  # KL coefficient (k3 estimator); reference = adapter disabled under PEFT
+    epsilon: float = 0.2
+    epsilon_high: Optional[float] = None  # None = same as epsilon
+    num_iterations: int = 1
+    learning_rate: float = MISSING
+    max_grad_norm: float = 1.0
+    warmup_steps: int = 10
+
+
+@dataclass
+class TrainSettings(ReadOnly):
+    max_steps: int = 60
+    prompts_per_step: int = 8  # distinct questions per optimizer step
+    num_generations: int = 8  # group size G
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off; sampler and trainer must agree on the distribution
+    mask_env_tokens: bool = True  # tool results and template tokens out of loss and KL (h02)
+    # TRL's correction for a sampler whose log-probs differ from the trainer's: each sequence's (or
+    # token's) loss is weighted by exp(trainer logp - sampler logp), masked or clamped outside the
+    # bounds. auto = on with vLLM as token_truncate (clip_max 3), not TRL's sequence_mask, which drops
+    # about a third of 4096-token sequences under ordinary bf16 noise (core/trainer.py
+    # AUTO_IMPORTANCE_SAMPLING); off with the HF sampler, which is the trained model itself. A mode
+    # name applies it on either backend (the case study replays the original researcher's vLLM runs on CPU this
+    # way: docs/case_study/case_study.md). h06/is_* report what it did each step.
+    importance_sampling: ImportanceSampling = ImportanceSampling.auto
+    importance_sampling_clip_max: Optional[float] = 3.0  # TRL's vllm_importance_sampling_clip_max
+    importance_sampling_clip_min: Optional[float] = None  # TRL's vllm_importance_sampling_clip_min
+    backend: Backend = Backend.hf
+    vllm_mode: VllmMode = VllmMode.auto
+    vllm_server_host: str = "127.0.0.1"
+    vllm_server_port: Optional[int] = None  # None = a free port chosen when the job starts
+    vllm_group_port: Optional[int] = None  # TRL's weight-sync NCCL port; None = a free one at start
+    vllm_gpu_memory_utilization: float = 0.3  # colocate: the GPU share vLLM may take (TRL's default)
+    gradient_checkpointing: bool = False
+    # Episodes per forward/backward on each process; None = the whole per-process batch at once.
+    # The optimizer step still covers prompts_per_step x num_generations episodes (TRL's gradient
+    # accumulation over micro-batches of one generation batch).
+    micro_batch_size: Optional[int] = None
+    logging_steps: int = 1
+    console: Console = Console.compact
+    save_steps: int = 20
+    resume: str = "auto"  # auto (last checkpoint in the run dir) | never | <checkpoint path>
+    eval_episodes: int = 64  # held-out episodes before and after training
+    eval_temperature: Optional[float] = None  # None = train.temperature
+
+
+class JobConfig(Protocol):
+    """What the core reads of a job's config (schema.Config is one): the groups above and the env's."""
+
+    model: ModelConfig
+    lora: LoraConfig
+    loss: LossConfig
+    reward: RewardConfig
+    env: EnvConfig
+    train: TrainSettings
+    fault: str  # a core.faults.FAULTS name; "none" by default
+    seed: int

@@ -1,0 +1,138 @@
+"""The typed config groups the environment reads: ``env`` and ``reward`` (schema.py composes them
+into the job's config), and the read-only base every config group shares.
+
+Why here and not in schema.py: the layers import only downward (tests/test_layers.py), so the
+types that annotate the env's functions live in the env; schema.py (the experiment layer) gathers
+every group into the root ``Config`` and registers it with Hydra. A plug-in's name (``task``,
+``retriever``) is a ``str`` here, since the plug-ins import these types; schema.py narrows each to
+the enum of its registry's names, so a typo still fails at composition (a StrEnum is a str).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+from typing import Any, Dict, List, Optional, TypeVar
+
+from omegaconf import MISSING, OmegaConf
+
+# The package's config tree (package data, so a wheel installed anywhere finds it).
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+
+G = TypeVar("G")
+
+
+class RetrievalScope(StrEnum):
+    question = "question"  # the record's own paragraphs (as the original researcher's vf_musique)
+    corpus = "corpus"  # every paragraph of the corpus file / dataset
+
+
+class ReadOnly:
+    """Base of every config group: an object refuses assignment once built.
+
+    Why not ``@dataclass(frozen=True)``: OmegaConf marks every node made from a frozen dataclass
+    read-only, and Hydra composes a job by merging the option files INTO the schema's nodes, which
+    then fails (``ReadonlyConfigError`` at model/tiny). So the groups stay plain dataclasses while
+    Hydra composes, and the objects ``schema.job_config`` builds from them (``OmegaConf.to_object``
+    calls the generated ``__init__``, whose last act is ``__post_init__``) are sealed here.
+    ``dataclasses.replace`` makes a changed copy.
+    """
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_sealed", True)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if getattr(self, "_sealed", False):
+            raise dataclasses.FrozenInstanceError(
+                f"cannot assign {type(self).__name__}.{name}: a job's config is read-only "
+                "(dataclasses.replace makes a changed copy)")
+        object.__setattr__(self, name, value)
+
+
+@dataclass
+class SyntheticConfig(ReadOnly):
+    """The embedded generator of MuSiQue-schema records (musique_rl/env/synthetic.py)."""
+
+    num_train: int = 2000
+    num_eval: int = 200
+    hops: List[int] = field(default_factory=lambda: [2])
+    num_paragraphs: int = 6  # supporting + distractors per record
+
+
+@dataclass
+class ArithConfig(ReadOnly):
+    """The control task's generator (musique_rl/env/arith.py; env=arith)."""
+
+    num_train: int = 2000
+    num_eval: int = 200
+    max_operand: int = 9  # operands 1..max_operand, results 0..2*max_operand (every number one token)
+    ops: List[str] = field(default_factory=lambda: ["+", "-"])
+
+
+@dataclass
+class EnvConfig(ReadOnly):
+    # musique: multi-hop QA with the retrieval tool; arith: the single-turn control task (no tool,
+    # no documents, its own prompt, warm start and reward check: docs/warm_start.md)
+    task: str = "musique"  # a TASKS name
+    data: str = MISSING  # dataset spec(s): "path,name,split[slice]" joined by ";"
+    eval_data: Optional[str] = None  # held-out spec; None = no held-out eval
+    hops: Optional[List[int]] = None  # keep only these hop counts; None = all
+    answerable_only: bool = True
+    noise_rate: float = 1.0  # P(keep) of each non-supporting paragraph; supporting always kept
+    max_paragraphs: Optional[int] = None
+    skip_invalid: bool = False  # skip (and count) invalid records instead of failing
+    retriever: str = "bm25"  # a RETRIEVERS name
+    scope: RetrievalScope = RetrievalScope.question
+    corpus: Optional[str] = None  # corpus json for scope=corpus; None = all records' paragraphs
+    top_n: int = 1  # documents per retrieve_documents call (the seeds: 1)
+    get_document_tool: bool = False
+    max_turns: int = 10
+    max_prompt_tokens: int = 8192
+    max_tokens_per_turn: int = 1024
+    max_completion_tokens: int = 4096  # all assistant + tool tokens of one episode
+    supporting_in_prompt: bool = False  # single-step mode (h07): gold paragraphs in the prompt, no tools
+    synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
+    arith: ArithConfig = field(default_factory=ArithConfig)
+
+
+@dataclass
+class RewardConfig(ReadOnly):
+    """Weighted sum of reward components (musique_rl/env/rewards.py documents each one's range)."""
+
+    name: str = MISSING  # preset name, logged as a tag
+    weights: Dict[str, float] = MISSING  # component -> weight
+    normalizer: float = 1.0  # the sum of weighted components is divided by this
+    hop_scale: bool = False  # multiply by n_hops/2 (the original researcher's combined reward)
+    shuffle_within_batch: bool = False  # negative control: permute rewards inside each batch
+
+
+@dataclass
+class WarmStartConfig(ReadOnly):
+    """The fixed setting a task's warm start for ``model=tiny`` is built in, whatever the run's:
+    musique_rl/conf/warm_start/<task>.yaml. A warm start is a fixed artifact (like a downloaded
+    checkpoint), so both arms of a sweep that changes the env (h04's small budgets, another
+    retriever) start from the same weights. Both are hashed into the warm start's key
+    (core/tiny_model.py build_settings), so changing a value here means a new warm start."""
+
+    env: Dict[str, Any] = field(default_factory=dict)  # env.* keys the warm start is trained and gated in
+    tiny: Dict[str, Any] = field(default_factory=dict)  # model.tiny.* keys the task's own SFT recipe replaces
+
+
+def warm_start_config(task: str) -> WarmStartConfig:
+    """The warm-start setting of ``task`` (an ``env.task`` name), from its config file."""
+    path = CONF_DIR / "warm_start" / f"{task}.yaml"
+    if not path.is_file():
+        raise FileNotFoundError(f"env.task={task}: no warm-start config {path} (every task has one: its env.* and "
+                                "model.tiny.* for model=tiny)")
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(WarmStartConfig), OmegaConf.load(path)))
+
+
+def overlay(group: G, changes: Mapping[str, Any]) -> G:
+    """A new read-only ``group`` with ``changes`` (its keys; a nested group's as a dict) merged in
+    through its schema: a value takes the field's type (6 becomes 6.0 in a float field, as in a
+    composed config) and an unknown key fails naming it. For a warm start's or a gate shape's
+    fixed setting over a run's."""
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(group), dict(changes)))
