@@ -61,9 +61,9 @@ def run_once(diagnostics: bool, steps: int, seed: int, store: Path, extra: list[
     from hydra import compose, initialize_config_dir
 
     from musique_rl.core import trainer as trainer_mod
+    from musique_rl.job.train import train
     from musique_rl.schema import CONF_DIR  # importing it registers the schema and resolvers
     from musique_rl.tracking.sink import open_run
-    from musique_rl.train import train
 
     captured = {}
     build = trainer_mod.build_trainer

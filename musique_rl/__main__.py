@@ -10,7 +10,7 @@ CONF_DIR = str(schema.CONF_DIR)
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="train")
 def main(cfg: DictConfig) -> float | None:
-    from musique_rl.app import run  # imported late: `--cfg job` and config errors stay fast
+    from musique_rl.job.app import run  # imported late: `--cfg job` and config errors stay fast
 
     return run(cfg)
 

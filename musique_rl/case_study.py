@@ -613,7 +613,7 @@ def main(argv: list[str] | None = None) -> int:
     dirs = [Path(a) for a in args.paths if "=" not in a]
     rc = 0
     if args.run:
-        from musique_rl.launch import stamp as launch_stamp
+        from musique_rl.job.launch import stamp as launch_stamp
 
         stamp = f"{dt.datetime.now():%Y-%m-%d}_{launch_stamp()}"  # two case studies started together stay apart
         dirs = dirs[:1] or [Path("multirun") / "case_study" / stamp]

@@ -66,7 +66,7 @@ from omegaconf import DictConfig
 
 # the process and port rules the trainer (RL core) applies too; here re-exported for the topology
 from musique_rl.core.devices import ROLE_ENV, free_port, resolve_vllm_mode, visible_gpus  # noqa: F401
-from musique_rl.result import JobResult
+from musique_rl.job.result import JobResult
 from musique_rl.schema import Config, job_config
 
 # Package data, so an installed wheel launches with them too (launchers/accelerate in the checkout links here).

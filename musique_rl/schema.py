@@ -317,7 +317,7 @@ def register() -> None:
     if not OmegaConf.has_resolver("first_set"):  # ${first_set:a,b}: a unless it is null or empty, else b
         OmegaConf.register_new_resolver("first_set", lambda *values: next((v for v in values if v not in (None, "")), None))
     if not OmegaConf.has_resolver("launch_stamp"):  # the unique part of a run / sweep dir name; cached: one per launch
-        from musique_rl.launch import stamp
+        from musique_rl.job.launch import stamp
 
         OmegaConf.register_new_resolver("launch_stamp", stamp, use_cache=True)
     if not OmegaConf.has_resolver("mul"):

@@ -152,8 +152,8 @@ def large_model_dir(root: Path, cuda: bool) -> tuple[Path, float]:
 def run_case(case: Case, steps: int | None, extra: list[str], root: Path, cuda: bool) -> Row:
     import torch
 
-    from musique_rl import train as train_mod
     from musique_rl.core.warm_start import WarmStartGateError
+    from musique_rl.job import train as train_mod
 
     n = int(steps or case.steps)
     overrides = [*COMMON, *([] if cuda else CPU_SHAPES), *case.overrides, f"train.max_steps={n}"]

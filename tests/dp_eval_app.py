@@ -36,7 +36,7 @@ def main(out: Path, rank0_only: bool) -> None:
     from musique_rl.core.warm_start import ensure
     from musique_rl.env.data import load_records
     from musique_rl.env.retrieval import build_retriever
-    from musique_rl.train import held_out_eval
+    from musique_rl.job.train import held_out_eval
     from tests.conftest import TEST_OVERRIDES, job_cfg
 
     cfg = job_cfg([*TEST_OVERRIDES, "diagnostics.enabled=false"])

@@ -5,7 +5,7 @@ and misbehaves on request, so failure isolation and requeue/resume can be tested
 training: SWEEP_APP_FAIL=<arm>:<seed> raises, SWEEP_APP_KILL=<arm>:<seed> SIGKILLs itself,
 SWEEP_APP_STEPS=N with SWEEP_APP_STEP_S=seconds runs N resumable steps (progress.json in the job
 dir: a requeued job continues from it, like train.resume=auto).
-Jobs run through the job pipe as real jobs do (musique_rl.app.run; tracking.enabled=false skips MLflow).
+Jobs run through the job pipe as real jobs do (musique_rl.job.app.run; tracking.enabled=false skips MLflow).
 Run: PYTHONPATH=. python tests/sweep_app.py -m +sweep=h02 seed=1,2 hydra.sweep.dir=/tmp/x
 """
 
@@ -20,8 +20,8 @@ import hydra
 from omegaconf import DictConfig
 
 from musique_rl import schema  # the configs' directory, the typed schema and ${arm:..}
-from musique_rl.app import run
-from musique_rl.result import JobResult
+from musique_rl.job.app import run
+from musique_rl.job.result import JobResult
 
 CONF = str(schema.CONF_DIR)
 

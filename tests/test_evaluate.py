@@ -1,4 +1,4 @@
-"""mode=eval (musique_rl/evaluate.py): the metrics it returns (the last output line of the command), metrics.json, episodes.jsonl."""
+"""mode=eval (musique_rl/job/evaluate.py): the metrics it returns (the last output line of the command), metrics.json, episodes.jsonl."""
 
 import json
 import subprocess
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from musique_rl.evaluate import evaluate
+from musique_rl.job.evaluate import evaluate
 from musique_rl.schema import CONF_DIR  # importing it registers the schema and resolvers
 
 ROOT = Path(__file__).resolve().parents[1]

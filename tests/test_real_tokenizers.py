@@ -336,7 +336,7 @@ def test_a_healthy_run_on_the_standin_is_diagnosed_without_an_h04_alarm(standins
     """``model=<config> model.name_or_path=<dir>``: the project's own loading, HF backend, 3 steps. Every
     tool result is checked and none is altered, and the doctor raises no h04 / h05 alarm."""
     from musique_rl.diagnostics.doctor import diagnose_metrics
-    from musique_rl.train import train
+    from musique_rl.job.train import train
 
     tok = _tok(standins, spec)
     path = _scripted_model_dir(spec, tok)

@@ -24,7 +24,8 @@ from pathlib import Path
 import pytest
 from conftest import TEST_OVERRIDES, compose_cfg
 
-from musique_rl import launch, schema
+from musique_rl import schema
+from musique_rl.job import launch
 from musique_rl.schema import CONF_DIR
 from musique_rl.tracking import store as tracking_store
 from musique_rl.tracking.__main__ import main as tracking_main
@@ -72,7 +73,7 @@ def store(tmp_path, _store_template) -> str:
 
 
 def _train(cfg, run_dir: Path, tracker=None) -> float:
-    from musique_rl.train import train
+    from musique_rl.job.train import train
 
     return train(cfg, tracker=tracker, run_dir=run_dir).objective
 
@@ -500,8 +501,8 @@ def test_skip_invalid_covers_malformed_lines(tmp_path, toy_record, caplog):
 
 
 def test_a_sweeps_job_table_and_saved_configs_hold_no_password(tmp_path):
-    from musique_rl.redact import redact_files
     from musique_rl.sweep import jobs as sweep_jobs
+    from musique_rl.tracking.redact import redact_files
 
     uri = f"tracking.tracking_uri=http://user:{PASSWORD}@127.0.0.1:5000"
     sweep_jobs.write(tmp_path, [sweep_jobs.JobRow(0, [uri, "seed=1"], "FAILED", 1.0, f"MlflowException: {uri}")])
@@ -518,8 +519,8 @@ def test_a_full_disk_under_metrics_jsonl_is_named(tmp_path, monkeypatch):
 
     from transformers import TrainerControl, TrainerState, TrainingArguments
 
-    from musique_rl.console import StepLog
     from musique_rl.core.checkpoints import DiskFullError
+    from musique_rl.job.console import StepLog
 
     real_open = builtins.open
 

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from musique_rl.redact import is_secret_key, redact, redact_tree, redact_value
 from musique_rl.schema import CONF_DIR  # importing it registers the schema and resolvers
 from musique_rl.tracking import provenance, store
+from musique_rl.tracking.redact import is_secret_key, redact, redact_tree, redact_value
 from musique_rl.tracking.sink import open_run
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -150,7 +150,7 @@ def test_the_job_pipe_ends_a_failing_jobs_run_failed_and_raises(tmp_path, monkey
     """app.run outside a multirun: the work's error ends its MLflow run FAILED and goes on to the caller."""
     from mlflow.tracking import MlflowClient
 
-    from musique_rl.app import run
+    from musique_rl.job.app import run
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from conftest import with_keys
 
-from musique_rl.train import reward_curve, same_random_numbers, summarise
+from musique_rl.job.train import reward_curve, same_random_numbers, summarise
 
 ROOT = Path(__file__).resolve().parents[1]
 ROOT_KEYS = ("train/reward_first10", "train/reward_last10", "train/reward_gain", "eval/gain/answer_em")
@@ -59,7 +59,7 @@ def test_a_short_run_compares_disjoint_halves_and_never_reports_a_silent_zero():
 
 
 def test_train_runs_end_to_end_and_returns_the_summary(tiny_cfg, warm_tiny, tmp_path, capsys):
-    from musique_rl.train import train
+    from musique_rl.job.train import train
 
     cfg = with_keys(tiny_cfg, {"train.max_steps": 2, "train.prompts_per_step": 2, "train.num_generations": 4,
                                "train.eval_episodes": 8})

@@ -17,8 +17,8 @@ from omegaconf import DictConfig
 from musique_rl import (
     schema,  # the configs' directory; importing it registers the schema and the ${arm:..} resolver
 )
-from musique_rl.app import run
-from musique_rl.result import JobResult
+from musique_rl.job.app import run
+from musique_rl.job.result import JobResult
 
 CONF = str(schema.CONF_DIR)
 

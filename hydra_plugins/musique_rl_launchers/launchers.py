@@ -36,8 +36,8 @@ from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf, LocalQue
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import BaseSubmititLauncher
 from omegaconf import OmegaConf
 
-from musique_rl.redact import redact
 from musique_rl.sweep import jobs as sweep_jobs
+from musique_rl.tracking.redact import redact
 
 log = logging.getLogger(__name__)
 

@@ -63,7 +63,7 @@ class VllmMode(StrEnum):  # TRL 1.16 GRPOConfig.vllm_mode, plus auto
 
 
 class Console(StrEnum):
-    compact = "compact"  # one line per logging step (musique_rl/console.py); every metric in metrics.jsonl
+    compact = "compact"  # one line per logging step (musique_rl/job/console.py); every metric in metrics.jsonl
     full = "full"  # TRL's whole metrics dict per logging step, as transformers prints it
 
 

@@ -20,7 +20,7 @@ Thresholds are module constants with their reasons. A clean run must produce no 
 Rules over TRL's own metric names (for runs made with plain TRL) are in diagnostics/trl_rules.py;
 the readers of each place logs live (run dir, trainer_state.json, MLflow, CSV/JSONL) in
 diagnostics/sources.py. Every training run writes `diagnosis.json` into its run directory after
-training, from its own metrics.jsonl (musique_rl.app), tracking on or off.
+training, from its own metrics.jsonl (musique_rl.job.app), tracking on or off.
 """
 
 from __future__ import annotations

@@ -59,7 +59,7 @@ class SweepCallback(Callback):
         self.parent_run_id: str | None = None
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        from musique_rl.redact import redact_logs
+        from musique_rl.tracking.redact import redact_logs
 
         redact_logs()  # the launching process's log lines (the sweep's overrides, MLflow's errors)
         if not OmegaConf.select(config, "tracking.enabled", default=True):
@@ -75,7 +75,7 @@ class SweepCallback(Callback):
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         """The sweep's end, step by step (the module's docstring says why each comes where it does)."""
-        from musique_rl.redact import redact_files
+        from musique_rl.tracking.redact import redact_files
 
         sweep_dir = Path(str(config.hydra.sweep.dir))
         redact_files([sweep_dir / "multirun.yaml"])  # saved as typed by Hydra's launcher
@@ -140,7 +140,7 @@ class SweepCallback(Callback):
         the table could not be ``read``: then nothing says the jobs finished)."""
         if self.uri is None or self.parent_run_id is None:
             return
-        from musique_rl.redact import redact
+        from musique_rl.tracking.redact import redact
         from musique_rl.verdict.publish import attach
 
         failed = sum(r.failed for r in rows)

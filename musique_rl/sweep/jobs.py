@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from musique_rl.redact import redact
+from musique_rl.tracking.redact import redact
 
 JOBS_FILE = "jobs.json"
 BAD = ("FAILED", "DIED")

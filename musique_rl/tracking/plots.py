@@ -10,7 +10,7 @@ from pathlib import Path
 def save_reward_curves(run_dir: Path) -> Path | None:
     """Total reward, each reward component, group-signal shares, per step, into
     ``<run_dir>/plots/reward_curves.png``; None when metrics.jsonl holds none of them."""
-    from musique_rl.console import METRICS_FILE, read_metrics
+    from musique_rl.job.console import METRICS_FILE, read_metrics
 
     rows = read_metrics(run_dir / METRICS_FILE)
     keys = {k for r in rows for k in r}

@@ -1,7 +1,7 @@
 """What a run's figures depend on, as MLflow params and tags: the config, the code (git commit,
 dirty), the config's identity (``config_hash``), the sweep, the machine and the warm start.
 
-Every param and tag goes through ``musique_rl.redact`` first: nothing secret is ever logged.
+Every param and tag goes through ``musique_rl.tracking.redact`` first: nothing secret is ever logged.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from musique_rl.redact import redact_value
+from musique_rl.tracking.redact import redact_value
 from musique_rl.tracking.store import PARAM_MAX, TAG_MAX, hydra_config, sweep_dir
 
 
@@ -104,8 +104,8 @@ def run_name(cfg: DictConfig) -> str:
 def run_tags(cfg: DictConfig) -> dict[str, str]:
     """Tags every job run carries (redacted): hypothesis, arm, seed, fault, mode, git commit, the
     override string, Hydra's group choices, the sweep id, and ``config_hash`` (the config's identity,
-    ``musique_rl.launch.config_hash``: a requeued job adopts its run only when it matches)."""
-    from musique_rl.launch import config_hash
+    ``musique_rl.job.launch.config_hash``: a requeued job adopts its run only when it matches)."""
+    from musique_rl.job.launch import config_hash
 
     hyp = OmegaConf.select(cfg, "hypothesis.id", default=None)
     arm = OmegaConf.select(cfg, "hypothesis.arm", default=None)

@@ -2,14 +2,14 @@
 closed FINISHED, FAILED (traceback attached) or KILLED.
 
 ``open_run(cfg, run_dir)`` yields the job's ``Tracker``, or None when tracking is off or this is not
-data-parallel rank 0 (rank 0 logs for all). ``musique_rl.app.run`` opens it and passes it down.
+data-parallel rank 0 (rank 0 logs for all). ``musique_rl.job.app.run`` opens it and passes it down.
 
 - Params: the flattened resolved config; tags: ``provenance.run_tags``. Every param, tag and text
-  artifact goes through ``musique_rl.redact`` first.
+  artifact goes through ``musique_rl.tracking.redact`` first.
 - In a multirun a job nests under the sweep's parent run, whose id the sweep's callback wrote into
   the sweep dir (``tracking.sweep.parent_run_id``), read from the job's own ``hydra.sweep.dir``.
 - A requeued or resumed job (same run dir) continues the same run (``mlflow_run_id`` in the run dir),
-  only when that run's ``config_hash`` tag is its own (musique_rl.launch.config_hash).
+  only when that run's ``config_hash`` tag is its own (musique_rl.job.launch.config_hash).
 - Tracking is a side service: an HTTP server that does not answer fails the job in seconds before
   compute (``store.probe``, naming ``tracking.enabled=false``); a failure once the job runs is said
   once and costs nothing (``Tracker``); what the store missed is sent from metrics.jsonl when it
@@ -29,8 +29,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from musique_rl.redact import redact, redact_tree, redact_value
 from musique_rl.tracking.provenance import config_params, resolved_container, run_tags
+from musique_rl.tracking.redact import redact, redact_tree, redact_value
 from musique_rl.tracking.store import (
     JOB_HTTP,
     PROBE_HTTP,
@@ -54,7 +54,7 @@ log = logging.getLogger(__name__)
 
 
 class Tracker:
-    """The MLflow run of one job, handed down by ``musique_rl.app.run`` (``open_run``).
+    """The MLflow run of one job, handed down by ``musique_rl.job.app.run`` (``open_run``).
 
     Tracking is a side service: its first failure (a server that went away, a full disk under the
     sqlite store) is logged once, and every later call of this job is skipped instead of spending
@@ -184,7 +184,7 @@ def _restore_fluent_uri(state: tuple[str | None, str | None]) -> None:
 
 def _adoptable(prev: Any, exp_id: str, digest: str, id_file: Path) -> bool:
     """A requeued / resumed job continues its run only when that run is this job's: same experiment
-    and the same config identity (musique_rl.launch.config_hash), recorded on the run at creation."""
+    and the same config identity (musique_rl.job.launch.config_hash), recorded on the run at creation."""
     if prev.info.experiment_id != exp_id:
         return False
     theirs = prev.data.tags.get("config_hash")
@@ -280,7 +280,7 @@ def open_run(cfg: DictConfig, run_dir: Path | None) -> Iterator[Tracker | None]:
             tracker._call("starting the run", mlflow.start_run, run_id=run_id)
             yield tracker
         except (KeyboardInterrupt, SystemExit) as exc:
-            # Ctrl-C, SIGTERM (musique_rl.launch), or submitit's exit after a preemption / timeout signal
+            # Ctrl-C, SIGTERM (musique_rl.job.launch), or submitit's exit after a preemption / timeout signal
             # (it requeues the job, which resumes into this run): stopped from outside, not failed.
             status = "KILLED"
             tracker.set_tag("interrupted", f"{type(exc).__name__}: {exc}"[:500])

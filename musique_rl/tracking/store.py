@@ -19,7 +19,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from musique_rl.redact import redact
+from musique_rl.tracking.redact import redact
 
 DEFAULT_EXPERIMENT = "musique_rl"
 RUN_ID_FILE = "mlflow_run_id"  # in a job's run dir: a requeued or resumed job continues the same run

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from musique_rl.redact import redact_value
+from musique_rl.tracking.redact import redact_value
 from musique_rl.tracking.store import (
     JOB_HTTP,
     RUN_ID_FILE,

@@ -30,7 +30,7 @@ def upload_run_dir(run_dir: str | Path, uri: str | None = None, run_id: str | No
     from mlflow.entities import Metric
     from mlflow.tracking import MlflowClient
 
-    from musique_rl.console import METRICS_FILE, read_metrics
+    from musique_rl.job.console import METRICS_FILE, read_metrics
 
     run_dir = Path(run_dir)
     config_file = run_dir / ".hydra" / "config.yaml"

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig
 
-from musique_rl.result import JobResult
+from musique_rl.job.result import JobResult
 
 if TYPE_CHECKING:
     from musique_rl.tracking.sink import Tracker
@@ -29,8 +29,9 @@ def run(cfg: DictConfig, work: Work | None = None) -> float | None:
     with the tracker passed down (default: train, eval or the GPU topology, by ``cfg``), the doctor
     on the run dir's metrics.jsonl (tracking on or off), close the run, print the result line.
     Returns the objective for Hydra's sweeper. ``work``: a stand-in job (tests/tracking_app.py)."""
-    from musique_rl import launch, schema
+    from musique_rl import schema
     from musique_rl.env.rewards import check_task
+    from musique_rl.job import launch
 
     _redact_job_outputs()
     try:
@@ -49,7 +50,7 @@ def run(cfg: DictConfig, work: Work | None = None) -> float | None:
         import traceback
 
         from musique_rl.core.checkpoints import DiskFullError
-        from musique_rl.redact import redact
+        from musique_rl.tracking.redact import redact
         from musique_rl.tracking.store import TrackingUnavailable
 
         said = (schema.ConfigValueError, launch.RunDirError, TrackingUnavailable, DiskFullError)  # the message is the story
@@ -63,8 +64,8 @@ def run(cfg: DictConfig, work: Work | None = None) -> float | None:
 
 
 def _pipe(cfg: DictConfig, work: Work) -> JobResult:
+    from musique_rl.job.train import run_directory
     from musique_rl.tracking.sink import open_run
-    from musique_rl.train import run_directory
 
     run_dir = run_directory()
     with open_run(cfg, run_dir) as tracker:
@@ -78,14 +79,14 @@ def _pipe(cfg: DictConfig, work: Work) -> JobResult:
 
 def _work(cfg: DictConfig, tracker: Tracker | None, run_dir: Path) -> JobResult:
     if cfg.mode == "eval":
-        from musique_rl.evaluate import evaluate
+        from musique_rl.job.evaluate import evaluate
 
         return evaluate(cfg, tracker=tracker, run_dir=run_dir)
     from musique_rl import gpu_job
 
     if gpu_job.wants_topology(cfg):  # train.backend=vllm: vLLM server + accelerate trainer in this allocation
         return gpu_job.run(cfg, run_dir)
-    from musique_rl.train import train
+    from musique_rl.job.train import train
 
     return train(cfg, tracker=tracker, run_dir=run_dir)
 
@@ -114,7 +115,7 @@ def _redact_job_outputs() -> None:
     included) before the job starts: both are redacted here, first thing."""
     from hydra.core.hydra_config import HydraConfig
 
-    from musique_rl.redact import redact_files, redact_logs
+    from musique_rl.tracking.redact import redact_files, redact_logs
 
     redact_logs()
     if HydraConfig.initialized():
@@ -123,13 +124,13 @@ def _redact_job_outputs() -> None:
 
 
 def _own_run_dir(cfg: DictConfig) -> contextlib.AbstractContextManager:
-    """This launch's hold on its Hydra output dir (musique_rl.launch.claim). The processes a GPU
+    """This launch's hold on its Hydra output dir (musique_rl.job.launch.claim). The processes a GPU
     topology starts in the same dir (musique_rl/gpu_job.py) and data-parallel ranks other than 0 are
     part of the launch that holds it."""
     from hydra.core.hydra_config import HydraConfig
 
-    from musique_rl import launch
     from musique_rl.core.devices import ROLE_ENV
+    from musique_rl.job import launch
 
     if not HydraConfig.initialized() or os.environ.get(ROLE_ENV) == "trainer" or os.environ.get("RANK", "0") != "0":
         return contextlib.nullcontext()
@@ -140,8 +141,8 @@ def diagnose(cfg: DictConfig, run_dir: Path, tracker: Tracker | None = None) -> 
     """The doctor on the run's own metrics.jsonl, after training, tracking on or off:
     ``<run dir>/diagnosis.json``, and the artifact + ``diagnosis`` tags of the job's MLflow run when
     tracking is on. The flagged findings go to the console. Never fails the job (the training is done)."""
-    from musique_rl.console import METRICS_FILE
     from musique_rl.core.models import process_state
+    from musique_rl.job.console import METRICS_FILE
 
     # the main process writes metrics.jsonl and so the diagnosis (the other ranks share its run dir)
     if not process_state().is_main_process or not (run_dir / METRICS_FILE).is_file():

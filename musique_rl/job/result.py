@@ -1,4 +1,4 @@
-"""What a job hands back to ``musique_rl.app.run``."""
+"""What a job hands back to ``musique_rl.job.app.run``."""
 
 from __future__ import annotations
 

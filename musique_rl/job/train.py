@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from musique_rl.result import JobResult
+from musique_rl.job.result import JobResult
 
 if TYPE_CHECKING:
     from musique_rl.tracking.sink import Tracker
@@ -51,7 +51,7 @@ def run_directory(run_dir: str | Path | None = None) -> Path:
         if HydraConfig.initialized():
             path = Path(HydraConfig.get().runtime.output_dir)
         else:
-            from musique_rl.launch import stamp
+            from musique_rl.job.launch import stamp
 
             path = Path("outputs") / time.strftime("%Y-%m-%d") / stamp()
     path.mkdir(parents=True, exist_ok=True)
@@ -204,9 +204,9 @@ def train(cfg: Any, tracker: Tracker | None = None, run_dir: str | Path | None =
     from musique_rl.core.warm_start import ensure, provenance
     from musique_rl.env import data, rewards
     from musique_rl.env.retrieval import build_retriever
-    from musique_rl.redact import redact
     from musique_rl.schema import job_config
     from musique_rl.tracking.provenance import git_string, origin_tags
+    from musique_rl.tracking.redact import redact
 
     cfg = job_config(cfg)  # the one place a training job's composed DictConfig becomes its typed, read-only Config
     t0 = time.time()
@@ -278,7 +278,7 @@ def train(cfg: Any, tracker: Tracker | None = None, run_dir: str | Path | None =
         print(f"resuming from {resume}", flush=True)
     from transformers.trainer_callback import ProgressCallback
 
-    from musique_rl.console import METRICS_FILE, StepLog, start_metrics_file
+    from musique_rl.job.console import METRICS_FILE, StepLog, start_metrics_file
 
     if state.is_main_process:  # metrics.jsonl: the steps up to the checkpoint kept on resume, the rest dropped
         start_metrics_file(out_dir / METRICS_FILE, resume)

@@ -37,7 +37,7 @@ from musique_rl.env.rewards import (
     score_episode,
     total,
 )
-from musique_rl.result import JobResult
+from musique_rl.job.result import JobResult
 
 if TYPE_CHECKING:
     from musique_rl.tracking.sink import Tracker

@@ -57,7 +57,7 @@ def identity(cfg: Any) -> dict[str, str]:
     ``IDENTITY_EXCLUDES``."""
     from omegaconf import OmegaConf
 
-    from musique_rl.redact import redact_value
+    from musique_rl.tracking.redact import redact_value
 
     data = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True, throw_on_missing=False)
     data.pop("hydra", None)
