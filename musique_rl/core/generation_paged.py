@@ -26,10 +26,7 @@ distribution (only evaluation decodes greedily, and it does not read them).
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from musique_rl.core.generation import SamplingSettings
+from typing import Any
 
 PAGE_SIZE = 256  # tokens per cache page per layer (transformers' default)
 RESULT_POLL_S = 1.0  # how long one wait for a finished request blocks before the engine thread is checked
@@ -56,7 +53,7 @@ class ContinuousBatchingSampler:
     finish (the engine's scheduler), which is slower but exact.
     """
 
-    def __init__(self, model: Any, settings: SamplingSettings, pad_id: int):
+    def __init__(self, model: Any, settings: Any, pad_id: int):
         self.model, self.settings, self.pad_id = model, settings, pad_id
         self._manager: Any = None
         self._manager_greedy: bool | None = None

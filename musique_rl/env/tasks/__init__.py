@@ -63,7 +63,7 @@ class Task:
         return []
 
     # -- scripted policies
-    def oracle(self, record: dict, env_cfg: EnvConfig, retriever: Any, fmt: Any) -> tuple[list[dict], int, int]:
+    def oracle(self, record: dict, env_cfg: EnvConfig, retriever: Any, fmt: str) -> tuple[list[dict], int, int]:
         """(messages, tool calls, tool errors) of the ceiling policy's episode for ``record``; tool
         calls written in the format ``fmt`` (``model.tool_call_format``)."""
         raise NotImplementedError

@@ -71,7 +71,7 @@ class Arith(Task):
     def messages(self, record: dict, env_cfg: EnvConfig) -> list[dict]:
         return build_messages(record, env_cfg)
 
-    def oracle(self, record: dict, env_cfg: EnvConfig, retriever: Any, fmt: Any) -> tuple[list[dict], int, int]:
+    def oracle(self, record: dict, env_cfg: EnvConfig, retriever: Any, fmt: str) -> tuple[list[dict], int, int]:
         """One turn: the working and the answer."""
         a, op, b = arith.operation(record)
         answer = arith.answer_text(arith.work_text(a, op, b, int(record["answer"])), record["answer"])

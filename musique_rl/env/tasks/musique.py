@@ -247,7 +247,7 @@ class Musique(Task):
             schemas.append(_GET_DOCUMENT)
         return [dict(s) for s in schemas]
 
-    def oracle(self, record: dict, env_cfg: EnvConfig, retriever: Any, fmt: Any) -> tuple[list[dict], int, int]:
+    def oracle(self, record: dict, env_cfg: EnvConfig, retriever: Any, fmt: str) -> tuple[list[dict], int, int]:
         """One ``retrieve_documents`` call per hop whose query is that hop's sub-question, then the
         supporting ids cited and the gold answer (through the real parser: the oracle tests it too)."""
         form = tool_format(fmt)
