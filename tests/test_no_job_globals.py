@@ -8,8 +8,9 @@ of one process (a sweep runs its jobs in one process; tests run hundreds):
 - a ``global`` statement;
 - a function that mutates a module-level name: stores into it (``X[k] = v``, ``X.attr = v``,
   ``del X[k]``), calls a mutating method on it (``X.append``, ``X.update``, ``X.register``...) or
-  ``setattr(X, ...)``; a module's own class counts (``Cls.attr = v``), and so does ``cls.attr = v``
-  (a class attribute used as state);
+  ``setattr(X, ...)``; a module's own class counts (``Cls.attr = v``), and so do ``cls.attr = v``
+  and ``self.items.append(v)`` on a class-level list no instance replaces (class attributes used
+  as state);
 - a function that writes ``os.environ`` (an environment variable is a process-wide global);
 - a function that assigns an attribute of an imported module (monkeypatching a library).
 
@@ -152,6 +153,14 @@ def _is_class_of_self(node: ast.AST) -> bool:
     return isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "type"
 
 
+def _mutable(value: ast.AST | None) -> bool:
+    """A list, dict or set display, or a call that makes one."""
+    if isinstance(value, (ast.List, ast.Dict, ast.Set, ast.ListComp, ast.DictComp, ast.SetComp)):
+        return True
+    return (isinstance(value, ast.Call) and isinstance(value.func, ast.Name)
+            and value.func.id in ("list", "dict", "set", "defaultdict", "OrderedDict", "Counter", "deque"))
+
+
 Finding = tuple[str, str, str, str]  # (kind, allow-list key, function, where)
 
 
@@ -164,7 +173,10 @@ def findings(path: Path, module: str | None = None) -> list[Finding]:
     own, module_imports = module_level_names(tree)
     out: list[Finding] = []
 
-    def check_function(fn: ast.AST, qualname: str, outer_local: set[str], outer_imports: set[str]) -> None:
+    def check_function(fn: ast.AST, qualname: str, outer_local: set[str], outer_imports: set[str],
+                       shared: frozenset[str] = frozenset()) -> None:
+        """``shared``: the mutable class attributes of the class ``fn`` is a method of (one object for
+        every instance) that no method replaces per instance."""
         names, imports = local_names(fn)
         local = names | imports | outer_local
         imported = imports | outer_imports | (module_imports - names)
@@ -173,12 +185,15 @@ def findings(path: Path, module: str | None = None) -> list[Finding]:
         def add(kind: str, key: str, node: ast.AST, line: int) -> None:
             out.append((kind, key, qualname, f"{path.name}:{line} {qualname}: {ast.unparse(node)}"))
 
-        def mutated(node: ast.AST, line: int) -> None:
-            """``node`` (a store target, or the object a mutating method is called on) is changed."""
+        def mutated(node: ast.AST, line: int, obj: ast.AST) -> None:
+            """``node`` (a store target, or a mutating method) changes the object ``obj``."""
             root = _root(node)
             if _is_environ(node):
                 add("environ", owner, node, line)
             elif isinstance(node, (ast.Attribute, ast.Subscript)) and _is_class_of_self(node.value):
+                add("class state", owner, node, line)
+            elif (isinstance(obj, ast.Attribute) and obj.attr in shared and isinstance(obj.value, ast.Name)
+                  and obj.value.id == "self"):
                 add("class state", owner, node, line)
             elif isinstance(root, ast.Name) and root.id not in local and root.id in own:
                 add("module state", f"{module}:{root.id}", node, line)
@@ -189,7 +204,7 @@ def findings(path: Path, module: str | None = None) -> list[Finding]:
         while stack:
             n = stack.pop()
             if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
-                check_function(n, f"{qualname}.{getattr(n, 'name', '<lambda>')}", local, imported)
+                check_function(n, f"{qualname}.{getattr(n, 'name', '<lambda>')}", local, imported, shared)
                 continue
             if isinstance(n, ast.ClassDef):
                 check_class(n, f"{qualname}.{n.name}", local, imported)
@@ -201,18 +216,23 @@ def findings(path: Path, module: str | None = None) -> list[Finding]:
             for t in targets:
                 for el in t.elts if isinstance(t, ast.Tuple) else [t]:
                     if isinstance(el, (ast.Attribute, ast.Subscript)):
-                        mutated(el, n.lineno)
+                        mutated(el, n.lineno, el.value)
             if isinstance(n, ast.Call):
                 if isinstance(n.func, ast.Attribute) and n.func.attr in MUTATORS:
-                    mutated(n.func.value, n.lineno)
+                    mutated(n.func.value, n.lineno, n.func.value)
                 elif isinstance(n.func, ast.Name) and n.func.id == "setattr" and n.args:
-                    mutated(ast.Attribute(value=n.args[0], attr="<setattr>", ctx=ast.Store()), n.lineno)
+                    mutated(ast.Attribute(value=n.args[0], attr="<setattr>", ctx=ast.Store()), n.lineno, n.args[0])
             stack.extend(ast.iter_child_nodes(n))
 
     def check_class(cls: ast.ClassDef, qualname: str, outer_local: set[str], outer_imports: set[str]) -> None:
+        per_instance = {n.attr for n in ast.walk(cls) if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store)
+                        and isinstance(n.value, ast.Name) and n.value.id == "self"}
+        shared = frozenset(name for st in cls.body if isinstance(st, (ast.Assign, ast.AnnAssign)) and _mutable(st.value)
+                           for t in (st.targets if isinstance(st, ast.Assign) else [st.target])
+                           for name in _bound(t) if name not in per_instance)
         for st in cls.body:
             if isinstance(st, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                check_function(st, f"{qualname}.{st.name}", outer_local, outer_imports)
+                check_function(st, f"{qualname}.{st.name}", outer_local, outer_imports, shared)
             elif isinstance(st, ast.ClassDef):
                 check_class(st, f"{qualname}.{st.name}", outer_local, outer_imports)
 
@@ -258,6 +278,17 @@ SEEN = []
 
 class Holder:
     last = None
+    history = []
+    own = []
+
+    def __init__(self):
+        self.own = []
+
+    def log(self, v):
+        self.history.append(v)
+
+    def log_own(self, v):
+        self.own.append(v)
 
     @classmethod
     def keep(cls, v):
@@ -313,6 +344,7 @@ def test_the_check_reports_each_kind_and_leaves_locals_alone(tmp_path):
     got = {(kind, function) for kind, _, function, _ in findings(path, "planted")}
     assert got == {
         ("module state", "remember"), ("module state", "note"), ("module state", "hold"), ("global", "bump"),
-        ("class state", "Holder.keep"), ("class state", "Holder.keep_too"), ("environ", "export"),
+        ("class state", "Holder.keep"), ("class state", "Holder.keep_too"), ("class state", "Holder.log"),
+        ("environ", "export"),
         ("library", "patch"),
     }
