@@ -47,9 +47,9 @@ def tiny_differences(episodes: int, seed: int) -> tuple[list, object]:
     cfg = job_cfg(["tracking.enabled=false", f"seed={seed}"])
     model, tok = load_model(cfg, warm_start=ensure(cfg))
     records = load_records(cfg.env.data, cfg.env, seed)[:episodes]
-    engine = RolloutEngine(cfg, tok, build_retriever(cfg.env, records), {r["id"]: r for r in records})
+    engine = RolloutEngine(cfg.env, tok, build_retriever(cfg.env, records), {r["id"]: r for r in records}, tool_format=cfg.model.tool_call_format)
     torch.manual_seed(seed)
-    eps = engine.run(records, build_generator(cfg, tok, model=model))
+    eps = engine.run(records, build_generator(cfg.train, tok, model=model))
     half = copy.deepcopy(model).to(torch.bfloat16).eval()
     rows = []
     with torch.no_grad():

@@ -46,8 +46,8 @@ def main() -> None:
     model, tok = load_model(cfg, warm_start=ensure(cfg))
     recs = load_records(cfg.env.data, cfg.env, 1)[: args.prompts]
     batch = [r for r in recs for _ in range(args.generations)]  # B x G, as TRL hands them over
-    engine = RolloutEngine(cfg, tok, build_retriever(cfg.env, recs), {r["id"]: r for r in recs})
-    gen = build_generator(cfg, tok, model=model)
+    engine = RolloutEngine(cfg.env, tok, build_retriever(cfg.env, recs), {r["id"]: r for r in recs}, tool_format=cfg.model.tool_call_format)
+    gen = build_generator(cfg.train, tok, model=model)
 
     def batched() -> list:
         return engine.run(batch, gen)

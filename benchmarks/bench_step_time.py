@@ -43,6 +43,7 @@ def run_arm(arm: str, cfg, model, tok, records, steps: int, profile: bool = Fals
     import torch
     from trl import GRPOTrainer
 
+    from musique_rl.core import faults
     from musique_rl.core.trainer import build_trainer, grpo_config, prompt_dataset
     from musique_rl.env import rewards
     from musique_rl.env.retrieval import build_retriever
@@ -51,7 +52,8 @@ def run_arm(arm: str, cfg, model, tok, records, steps: int, profile: bool = Fals
     reward_fn = rewards.RewardFunction(cfg.reward, {r["id"]: r for r in records})
     with tempfile.TemporaryDirectory() as out:
         if arm == "ours":
-            tr = build_trainer(cfg, copy.deepcopy(model), tok, records, build_retriever(cfg.env, records), reward_fn, out)
+            tr = build_trainer(cfg, copy.deepcopy(model), tok, records, build_retriever(cfg.env, records), reward_fn, out,
+                               fault=faults.of(cfg))
         else:
             args = grpo_config(cfg, out)
             args.max_completion_length = int(cfg.env.max_tokens_per_turn)  # the one turn's budget

@@ -172,15 +172,15 @@ def reward_cached() -> None:
 
 
 def _patch_sampler(adjust: Callable[[Any], None]) -> None:
-    """Rebind ``generation.sampling_settings`` so the sampler's settings are ``adjust``-ed copies of
-    what the trainer scores with (every argument passed through: callers also hand it the model's
-    generation_config)."""
+    """Rebind ``generation.sampling_settings`` (the ``train`` group's sampling settings, which
+    ``build_generator`` reads) so the sampler's settings are ``adjust``-ed copies of what the trainer
+    scores with, the model's generation_config passed through."""
     from musique_rl.core import generation
 
     original = generation.sampling_settings
 
-    def sampling_settings(*args: Any, **kwargs: Any) -> Any:
-        s = original(*args, **kwargs)
+    def sampling_settings(train: Any, tokenizer: Any, generation_config: Any = None) -> Any:
+        s = original(train, tokenizer, generation_config)
         adjust(s)
         return s
 

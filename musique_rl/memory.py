@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from musique_rl.schema import CONF_DIR
+from musique_rl.schema import CONF_DIR, Config
 
 # The hub config.json values of each large model config (musique_rl/conf/model/*.yaml), enough to build the
 # same tensors: a random-init copy has the real model's memory footprint without a download.
@@ -229,11 +229,12 @@ def _enable_checkpointing(trainer: Any) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs or None)
 
 
-def probe(cfg: Any, model: Any, tokenizer: Any, micro_batches: list[int], prompt_tokens: int,
+def probe(cfg: Config, model: Any, tokenizer: Any, micro_batches: list[int], prompt_tokens: int,
           completion_tokens: int, out_dir: str) -> list[dict[str, Any]]:
     """Peak memory and seconds of one micro-batch's loss, backward and optimizer step, per size."""
     import torch
 
+    from musique_rl.core import faults
     from musique_rl.core.trainer import build_trainer
     from musique_rl.env import rewards
     from musique_rl.env.data import load_records
@@ -241,7 +242,8 @@ def probe(cfg: Any, model: Any, tokenizer: Any, micro_batches: list[int], prompt
 
     records = load_records(cfg.env.data, cfg.env, cfg.seed)[:16]
     reward_fn = rewards.RewardFunction(cfg.reward, {r["id"]: r for r in records})
-    trainer = build_trainer(cfg, model, tokenizer, records, build_retriever(cfg.env, records), reward_fn, out_dir)
+    trainer = build_trainer(cfg, model, tokenizer, records, build_retriever(cfg.env, records), reward_fn, out_dir,
+                            fault=faults.of(cfg))
     _enable_checkpointing(trainer)
     trainer.current_gradient_accumulation_steps = 1
     model = trainer.model

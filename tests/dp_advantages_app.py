@@ -35,6 +35,7 @@ class ScriptedRewards:
 
 
 def main(out: Path) -> None:
+    from musique_rl.core import faults
     from musique_rl.core.models import process_state
     from musique_rl.core.tiny_model import build_untrained
     from musique_rl.core.trainer import build_trainer
@@ -61,7 +62,7 @@ def main(out: Path) -> None:
             return {"prompt_ids": [[1, 2, 3]] * len(ids), "completion_ids": comp,
                     "logprobs": [[-1.0] * 3] * len(ids), "env_mask": [[1, 1, 1]] * len(ids), "episode": eps}
 
-    tr = build_trainer(cfg, model, tok, records, None, ScriptedRewards(), out / "ckpt")
+    tr = build_trainer(cfg, model, tok, records, None, ScriptedRewards(), out / "ckpt", fault=faults.of(cfg))
     scripted = ScriptedRollout()
     tr.rollout_func = scripted.rollout_func
     tr.musique_engine = scripted

@@ -57,7 +57,7 @@ print("TABLE:", "| rewards_shifted | Every reward + 1. | `loss.adv_epsilon=0.001
 model, tok, records, _, _ = build_untrained(cfg)
 by_id = {r["id"]: r for r in records}
 trainer = build_trainer(cfg, model, tok, records, build_retriever(cfg.env, records),
-                        rewards.RewardFunction(cfg.reward, by_id), "out")
+                        rewards.RewardFunction(cfg.reward, by_id), "out", fault=faults.of(cfg))
 trainer.model.train()
 trainer._generate_and_score_completions(next(iter(trainer.get_train_dataloader())))
 print("REWARDS:", bool((trainer._last_rewards_per_func >= 1.0).all()))
@@ -140,7 +140,7 @@ def test_std_epsilon_noise_is_float_level_and_the_same_for_a_step(tiny_cfg):
 
 def test_unknown_fault_names_the_key_and_the_faults():
     with pytest.raises(ValueError, match=r"fault='nope'.*blind_context"):
-        faults.of({"fault": "nope"})
+        faults.of(OmegaConf.create({"fault": "nope"}))
 
 
 def test_a_base_class_without_a_name_registers_nothing_and_a_fault_must_say_what_it_plants():

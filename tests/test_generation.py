@@ -72,7 +72,7 @@ def test_top_p_logprobs_are_renormalised_over_the_nucleus(raw_tiny):
 
 def test_stop_token_ends_a_turn_and_greedy_is_deterministic(warm_tiny, tiny_cfg):
     model, tok = warm_tiny
-    gen = build_generator(tiny_cfg, tok, model=model)
+    gen = build_generator(tiny_cfg.train, tok, model=model)
     ctx = _contexts(tok, 2)
     with gen.session():
         a = gen.generate(ctx, [48, 48], greedy=True)
@@ -119,7 +119,7 @@ def test_bad_sampling_settings_name_the_key():
 def test_vllm_backend_needs_the_trainer(tiny_cfg, raw_tiny):
     cfg = with_keys(tiny_cfg, {"train.backend": "vllm"})
     with pytest.raises(ValueError, match="train.backend=vllm"):
-        build_generator(cfg, raw_tiny[1], model=raw_tiny[0])
+        build_generator(cfg.train, raw_tiny[1], model=raw_tiny[0])
 
 
 # ---------------------------------------------------------------- vLLM server boundary
@@ -199,7 +199,7 @@ def test_vllm_colocate_generator_samples_token_ids_in_process(tiny_cfg, monkeypa
                                     vllm_generation=types.SimpleNamespace(llm=llm))
     cfg = with_keys(tiny_cfg, {"train.backend": "vllm", "train.temperature": 0.7, "train.top_k": 20})
     tok = types.SimpleNamespace(eos_token_id=99, pad_token_id=98)
-    gen = build_generator(cfg, tok, trainer=trainer)
+    gen = build_generator(cfg.train, tok, trainer=trainer)
     assert isinstance(gen, VLLMColocateGenerator) and not gen.collective
     with gen.session():
         out = gen.generate([[1, 2, 3], [4]], [10, 3])
@@ -212,7 +212,7 @@ def test_vllm_colocate_generator_samples_token_ids_in_process(tiny_cfg, monkeypa
     gen.generate([[1]], [4], greedy=True)
     assert llm.calls[1][1]["top_k"] == 1 and llm.calls[1][1]["temperature"] == 1.0
     trainer.args.vllm_mode = "server"
-    assert isinstance(build_generator(cfg, tok, trainer=trainer), VLLMServerGenerator)
+    assert isinstance(build_generator(cfg.train, tok, trainer=trainer), VLLMServerGenerator)
 
 
 def test_vllm_is_imported_lazily():

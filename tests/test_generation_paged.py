@@ -74,8 +74,8 @@ def test_paged_rollouts_are_token_exact(warm_tiny, tiny_cfg):
     model, tok = warm_tiny
     cfg = with_keys(tiny_cfg, {"train.backend": "paged"})
     recs = load_records(cfg.env.eval_data, cfg.env, 1)[:4]
-    engine = RolloutEngine(cfg, tok, build_retriever(cfg.env, recs), {r["id"]: r for r in recs})
-    gen = build_generator(cfg, tok, model=model)
+    engine = RolloutEngine(cfg.env, tok, build_retriever(cfg.env, recs), {r["id"]: r for r in recs}, tool_format=cfg.model.tool_call_format)
+    gen = build_generator(cfg.train, tok, model=model)
     assert isinstance(gen, PagedGenerator)
     torch.manual_seed(0)
     episodes = engine.run(recs * 2, gen)

@@ -22,9 +22,9 @@ from tests.conftest import compose_cfg
 out = {"hypotheses": sorted({f.expected for f in h.HELD_OUT.values()}), "n": len(h.HELD_OUT)}
 cfg = compose_cfg([])
 tok = type("T", (), {"eos_token_id": 1, "pad_token_id": None})()
-before = generation.sampling_settings(cfg, tok, None)
+before = generation.sampling_settings(cfg.train, tok, None)
 h.sampler_temperature()
-after = generation.sampling_settings(cfg, tok, None)  # as build_generator calls it: with the model's generation_config
+after = generation.sampling_settings(cfg.train, tok, None)  # as build_generator calls it: with the model's generation_config
 out["temperature"] = [before.temperature, after.temperature]
 h.doc_truncated()
 out["doc"] = tools.format_documents([{"id": "3", "title": "T", "text": "x" * 100}])

@@ -87,7 +87,7 @@ def _scripted_episodes(spec, tok, call_stop, n=8, opening=""):
     cfg = _cfg(spec)
     records = [r for r in load_records(cfg.env.data, cfg.env, 1) if len(r.get("question_decomposition", [])) >= 2][:n]
     retriever = build_retriever(cfg.env, records)
-    engine = RolloutEngine(cfg, tok, retriever, {r["id"]: r for r in records})
+    engine = RolloutEngine(cfg.env, tok, retriever, {r["id"]: r for r in records}, tool_format=cfg.model.tool_call_format)
     chat = ChatTokens(tok, cfg.env)
     scripts = {}
     for r in records:
@@ -213,7 +213,7 @@ def test_stop_ids_are_the_generation_configs_eos_list(standins):
         tok = _tok(standins, spec)
         gen = GenerationConfig.from_pretrained(tf.tokenizer_dir(spec))
         assert stop_ids(tok, gen) == expected
-        assert sampling_settings(_cfg(spec), tok, gen).stop_ids == expected
+        assert sampling_settings(_cfg(spec).train, tok, gen).stop_ids == expected
 
 
 def test_vllm_output_stops_on_every_id_of_the_eos_list():
@@ -244,7 +244,7 @@ def test_llama_eom_stops_hf_generate_and_the_tool_runs(standins, llama_dir):
     bias = torch.zeros(len(tok))
     bias[eom] = 1e4  # a policy that always says <|eom_id|>
     model.lm_head.register_forward_hook(lambda _m, _i, out: out + bias[: out.shape[-1]])
-    gen = build_generator(cfg, tok, model=model)
+    gen = build_generator(cfg.train, tok, model=model)
     assert eom in gen.settings.stop_ids
     with gen.session():
         (sample,) = gen.generate([tok.encode("hi", add_special_tokens=False)], [16])
@@ -313,7 +313,7 @@ def _scripted_model_dir(spec, tok) -> object:
     chat = ChatTokens(tok, cfg.env)
     scripts = {tuple(chat.prompt_ids(prompts.build_messages(r, cfg.env))): [call, final] for r in records}
     stop = tok.convert_tokens_to_ids("<|eom_id|>") if spec is tf.LLAMA31 else tok.eos_token_id
-    engine = RolloutEngine(cfg, tok, build_retriever(cfg.env, records), {r["id"]: r for r in records})
+    engine = RolloutEngine(cfg.env, tok, build_retriever(cfg.env, records), {r["id"]: r for r in records}, tool_format=cfg.model.tool_call_format)
     episodes = engine.run(records, ScriptedGenerator(tok, scripts, stop))
     sequences = [(e.prompt_ids + e.completion_ids, [0] * len(e.prompt_ids) + e.env_mask) for e in episodes]
     base = tf.save_tiny_model(spec, out.with_name(out.name + ".base"), layers=2)

@@ -6,8 +6,9 @@ import pytest
 import torch
 from conftest import with_keys
 
+from musique_rl.core import faults
 from musique_rl.core.generation import build_generator
-from musique_rl.core.rollout import ChatTokens, RolloutEngine
+from musique_rl.core.rollout import ChatTokens, RolloutEngine, env_token_mask
 from musique_rl.env import prompts
 from musique_rl.env.retrieval import build_retriever
 from tests.scripted import ScriptedGenerator, sampled_runs
@@ -21,7 +22,8 @@ def _scripted_run(raw_tiny, cfg, n=6):
     _, tok, records, episodes, envs = raw_tiny
     picks = [i for i, e in enumerate(envs) if not e.supporting_in_prompt][:n]
     recs = [records[i] for i in picks]
-    engine = RolloutEngine(cfg, tok, build_retriever(cfg.env, recs), {r["id"]: r for r in recs})
+    engine = RolloutEngine(cfg.env, tok, build_retriever(cfg.env, recs), {r["id"]: r for r in recs},
+                           tool_format=cfg.model.tool_call_format, env_token_mask=env_token_mask(cfg.train, faults.of(cfg)))
     chat = ChatTokens(tok, cfg.env)
     scripts = {
         tuple(chat.prompt_ids(prompts.build_messages(records[i], cfg.env))[-int(cfg.env.max_prompt_tokens) :]): [
@@ -73,9 +75,9 @@ def test_sampled_episodes_of_the_warm_model_are_token_exact(warm_tiny, tiny_cfg)
 
     model, tok = warm_tiny
     recs = load_records(tiny_cfg.env.eval_data, tiny_cfg.env, 1)[:8]
-    engine = RolloutEngine(tiny_cfg, tok, build_retriever(tiny_cfg.env, recs), {r["id"]: r for r in recs})
+    engine = RolloutEngine(tiny_cfg.env, tok, build_retriever(tiny_cfg.env, recs), {r["id"]: r for r in recs}, tool_format=tiny_cfg.model.tool_call_format)
     torch.manual_seed(0)
-    episodes = engine.run(recs * 2, build_generator(tiny_cfg, tok, model=model))
+    episodes = engine.run(recs * 2, build_generator(tiny_cfg.train, tok, model=model))
     assert sum(ep.tool_calls for ep in episodes) > 0
     for ep in episodes:
         _check_token_exact(ep, tok, prompts.tool_schemas(tiny_cfg.env))
@@ -113,11 +115,11 @@ def test_rollout_func_returns_what_trl_needs_in_order(raw_tiny, tiny_cfg):
 
     model, tok, records, _, _ = raw_tiny
     recs = records[:2]
-    engine = RolloutEngine(tiny_cfg, tok, build_retriever(tiny_cfg.env, recs), {r["id"]: r for r in recs})
+    engine = RolloutEngine(tiny_cfg.env, tok, build_retriever(tiny_cfg.env, recs), {r["id"]: r for r in recs}, tool_format=tiny_cfg.model.tool_call_format)
     batch = [row["prompt"] for row in prompt_dataset(tiny_cfg.env, recs) for _ in range(3)]  # B x G, repeated in order
 
     class Trainer:
-        musique_generator = build_generator(tiny_cfg, tok, model=model)
+        musique_generator = build_generator(tiny_cfg.train, tok, model=model)
 
     out = engine.rollout_func(batch, Trainer())
     assert set(out) == {"prompt_ids", "completion_ids", "logprobs", "env_mask", "episode"}

@@ -69,7 +69,7 @@ print("ORACLE:", len(records), score(episode=oracle))
 
 # a rollout through the real engine and chat template (a scripted sampler, as no model knows echo)
 tok = tiny_model.render_tokenizer()
-engine = RolloutEngine(cfg, tok, None, {r["id"]: r for r in records})
+engine = RolloutEngine(cfg.env, tok, None, {r["id"]: r for r in records}, tool_format=cfg.model.tool_call_format)
 eps = engine.run(records[:2], Scripted(tok, [f"<answer>{records[0]['answer']}</answer>", "<answer>nothing</answer>"]))
 dicts = [e.as_dict() for e in eps]
 print("ROLLOUT:", [d["stop_reason"] for d in dicts], score(episode=dicts), dicts[0]["messages"][0]["content"].startswith("Repeat"))

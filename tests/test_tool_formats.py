@@ -65,7 +65,7 @@ print("MALFORMED:", [c.error is not None for c in parse_tool_calls("[TOOL_CALLS]
 
 # a rollout: the engine parses the sampled mistral calls, runs them and reads the answer
 tok = tiny_model.render_tokenizer()
-engine = RolloutEngine(cfg, tok, build_retriever(cfg.env, records), {r["id"]: r for r in records})
+engine = RolloutEngine(cfg.env, tok, build_retriever(cfg.env, records), {r["id"]: r for r in records}, tool_format=cfg.model.tool_call_format)
 turns = [m["content"] for m in oracle[0]["messages"] if m["role"] == "assistant"]
 (ep,) = engine.run(records[:1], Scripted(tok, turns))
 d = ep.as_dict()

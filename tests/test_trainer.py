@@ -9,6 +9,7 @@ import pytest
 import torch
 from conftest import with_keys
 
+from musique_rl.core import faults
 from musique_rl.core import trainer as trainer_mod
 from musique_rl.core.faults import FAULTS
 from musique_rl.core.faults.blind_context import blind_attention
@@ -26,7 +27,7 @@ def _trainer(cfg, model, tok, out, instruments=None):
     recs = load_records(cfg.env.data, cfg.env, int(cfg.seed))[:40]
     reward_fn = rewards.RewardFunction(cfg.reward, {r["id"]: r for r in recs})
     tr = trainer_mod.build_trainer(
-        cfg, model, tok, recs, build_retriever(cfg.env, recs), reward_fn, out, instruments=instruments
+        cfg, model, tok, recs, build_retriever(cfg.env, recs), reward_fn, out, fault=faults.of(cfg), instruments=instruments
     )
     # Trainer's training loop sets this per accumulation window; tests call _compute_loss directly.
     tr.current_gradient_accumulation_steps = 1
@@ -150,7 +151,6 @@ def test_blind_attention_hides_the_prompt_and_the_tool_results_only():
 def test_the_context_defect_acts_in_multi_turn_environments_only(tiny_cfg):
     """verifiers 0.1.x: the defect lived in the multi-turn path; a single-turn environment (no tool
     offered: the documents in the prompt, or env=arith) trains with its true mask."""
-    from musique_rl.core import faults
 
     attention, tool_mask = torch.ones(1, 8, dtype=torch.long), torch.ones(1, 5, dtype=torch.long)
 
@@ -387,8 +387,8 @@ def test_kl_faults_flip_the_penalty_or_put_it_on_tool_tokens(tiny_cfg, warm_tiny
     """beta > 0 with the policy moved away from its reference: the KL penalty raises the loss;
     fault kl_flipped lowers it instead; fault kl_tool_tokens adds KL on tool/template tokens."""
     model, tok = warm_tiny
-    tr = _trainer(_cfg(tiny_cfg, {"loss.beta": 0.04, "lora.enabled": True, "lora.r": 4, "lora.lora_alpha": 8}),
-                  copy.deepcopy(model), tok, tmp_path)
+    cfg = _cfg(tiny_cfg, {"loss.beta": 0.04, "lora.enabled": True, "lora.r": 4, "lora.lora_alpha": 8})
+    tr = _trainer(cfg, copy.deepcopy(model), tok, tmp_path)
     with torch.no_grad():  # move the adapter away from zero: policy != reference (adapter disabled)
         for n, p in tr.model.named_parameters():
             if "lora_B" in n:
@@ -398,10 +398,10 @@ def test_kl_faults_flip_the_penalty_or_put_it_on_tool_tokens(tiny_cfg, warm_tiny
     clean = tr._compute_loss(tr.model, out).item()
     kl = tr._metrics["train"]["kl"][-1]
     assert kl > 1e-4
-    tr._fault = FAULTS["kl_flipped"](tr.musique_cfg)  # the hooks as fault=kl_flipped binds them
+    tr._fault = FAULTS["kl_flipped"](cfg)  # the hooks as fault=kl_flipped binds them
     flipped = tr._compute_loss(tr.model, out).item()
     assert flipped == pytest.approx(clean - 2 * 0.04 * kl, rel=1e-3, abs=1e-6)
-    tr._fault = FAULTS["kl_tool_tokens"](tr.musique_cfg)
+    tr._fault = FAULTS["kl_tool_tokens"](cfg)
     assert tr._compute_loss(tr.model, out).item() > clean + 1e-6
     wired = _trainer(_cfg(tiny_cfg, {"fault": "kl_flipped", "loss.beta": 0.04}), copy.deepcopy(model), tok, tmp_path)
     assert type(wired._fault) is FAULTS["kl_flipped"]

@@ -31,6 +31,7 @@ from fake_vllm import (
     patch_vllm_client,
 )
 
+from musique_rl.core import faults
 from musique_rl.core import trainer as trainer_mod
 from musique_rl.env import rewards
 from musique_rl.env.data import load_records
@@ -124,7 +125,8 @@ def _build_and_train(cfg, warm_tiny, tmp_path, monkeypatch, mode):
     server = _install(monkeypatch, mode, model, tok, cfg, recorder)
     recs = load_records(cfg.env.data, cfg.env, int(cfg.seed))[:40]
     reward_fn = rewards.RewardFunction(cfg.reward, {r["id"]: r for r in recs})
-    tr = trainer_mod.build_trainer(cfg, model, tok, recs, build_retriever(cfg.env, recs), reward_fn, tmp_path)
+    tr = trainer_mod.build_trainer(cfg, model, tok, recs, build_retriever(cfg.env, recs), reward_fn, tmp_path,
+                                   fault=faults.of(cfg))
 
     rollouts, batches = [], []
     run, score = tr.musique_engine.run, tr._generate_and_score_completions

@@ -20,7 +20,7 @@ The rollout (musique_rl/core/rollout.py) never decodes and re-encodes: what is s
   LoRA included, before each rollout). Real code, imported lazily; it cannot run on this CPU
   machine, so its tests drive it with a stand-in client (tests/test_generation.py).
 
-``build_generator(cfg, ...)`` is the one place a backend is chosen (``train.backend``, and
+``build_generator(train, ...)`` is the one place a backend is chosen (``train.backend``, and
 ``train.vllm_mode`` as resolved into the trainer's GRPOConfig).
 """
 
@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from musique_rl.core.config import JobConfig
+from musique_rl.core.config import TrainSettings
 
 log = logging.getLogger(__name__)
 
@@ -417,15 +417,16 @@ def _policy_of(trainer: Any) -> Any:
     return accelerator.unwrap_model(model) if model is not None and accelerator is not None else model
 
 
-def sampling_settings(cfg: JobConfig, tokenizer: Any, generation_config: Any = None) -> SamplingSettings:
+def sampling_settings(train: TrainSettings, tokenizer: Any, generation_config: Any = None) -> SamplingSettings:
+    """``train``'s temperature, top-p and top-k, stopping on ``stop_ids(tokenizer, generation_config)``."""
     return SamplingSettings(
-        temperature=cfg.train.temperature, top_p=cfg.train.top_p, top_k=cfg.train.top_k,
+        temperature=train.temperature, top_p=train.top_p, top_k=train.top_k,
         stop_ids=stop_ids(tokenizer, generation_config),
     )
 
 
 def build_generator(
-    cfg: JobConfig,
+    train: TrainSettings,
     tokenizer: Any,
     *,
     model: Any = None,
@@ -433,15 +434,15 @@ def build_generator(
     temperature: float | None = None,
     backend: str | None = None,
 ) -> HFGenerator | VLLMServerGenerator | VLLMColocateGenerator:
-    """The backend named by ``train.backend``.
+    """The backend named by ``train.backend`` (``backend``: another one), sampling with ``train``'s settings.
 
     ``trainer``: bind to a GRPOTrainer (current weights every rollout). ``model``: sample from this
     model as it is (evaluation).
     """
-    settings = sampling_settings(cfg, tokenizer, generation_config_of(model if model is not None else _policy_of(trainer)))
+    settings = sampling_settings(train, tokenizer, generation_config_of(model if model is not None else _policy_of(trainer)))
     if temperature is not None:
         settings.temperature = float(temperature)
-    backend = backend or cfg.train.backend
+    backend = backend or train.backend
     if backend == "vllm":
         if trainer is None:
             raise ValueError("train.backend=vllm samples through the trainer's vLLM server; evaluation uses hf")

@@ -39,8 +39,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from musique_rl.core import faults
-from musique_rl.core.config import JobConfig
+from musique_rl.core.config import TrainSettings
+from musique_rl.core.faults import Fault
 from musique_rl.env import parsing, prompts, tools
 from musique_rl.env.config import EnvConfig
 
@@ -217,19 +217,23 @@ class Episode:
 
 # ---------------------------------------------------------------- the batched multi-turn loop
 class RolloutEngine:
-    """Runs episodes for records with a generation backend (musique_rl/core/generation.py)."""
+    """Runs episodes for records with a generation backend (musique_rl/core/generation.py).
 
-    def __init__(self, cfg: JobConfig, tokenizer: Any, retriever: Any, records_by_id: dict[str, dict]):
-        self.cfg = cfg
-        self.env = cfg.env
+    ``tool_format``: ``model.tool_call_format``, how the model writes its tool calls.
+    ``env_token_mask``: the env_mask of tool-result and template tokens (0 keeps them out of loss
+    and KL; ``env_token_mask(train, fault)`` says what a training job uses). Evaluation reads the
+    messages only, so the default does not matter there.
+    """
+
+    def __init__(self, env_cfg: EnvConfig, tokenizer: Any, retriever: Any, records_by_id: dict[str, dict], *,
+                 tool_format: str, env_token_mask: int = 0):
+        self.env = env_cfg
         self.tokenizer = tokenizer
         self.retriever = retriever
         self.records_by_id = records_by_id
-        self.chat = ChatTokens(tokenizer, cfg.env)
-        self.fmt = cfg.model.tool_call_format
-        # env_mask of tool-result and template tokens: 0 keeps them out of loss and KL; 1 under
-        # train.mask_env_tokens=false (hypothesis h02's treatment) or the planted fault's choice
-        self.env_token_mask = faults.of(cfg).env_mask_value(0 if cfg.train.mask_env_tokens else 1)
+        self.chat = ChatTokens(tokenizer, env_cfg)
+        self.fmt = tool_format
+        self.env_token_mask = env_token_mask
         self.last_episodes: list[Episode] = []
 
     # -- construction of one episode
@@ -351,30 +355,40 @@ def record_id_of(prompt: Any) -> str:
     raise KeyError("a training prompt carries no record id: build the dataset with trainer.prompt_dataset")
 
 
+def env_token_mask(train: TrainSettings, fault: Fault) -> int:
+    """The env_mask of tool-result and template tokens in a training job: 0 keeps them out of loss
+    and KL; 1 under ``train.mask_env_tokens=false`` (hypothesis h02's treatment) or where the job's
+    planted fault (``faults.of``) says so."""
+    return fault.env_mask_value(0 if train.mask_env_tokens else 1)
+
+
 # ---------------------------------------------------------------- evaluation entry point
 def run_model_episodes(
-    cfg: JobConfig,
+    env_cfg: EnvConfig,
+    train: TrainSettings,
     records: list[dict],
     *,
     model: Any,
     tokenizer: Any,
+    tool_format: str,
     retriever: Any = None,
     greedy: bool = False,
     temperature: float | None = None,
 ) -> list[dict]:
     """Episode dicts of ``model`` over ``records`` (held-out eval, ``policy=model``, the warm-start gate).
 
-    Sampled at ``train.eval_temperature`` (default: ``train.temperature``) unless ``greedy``.
+    Sampled with ``train``'s top-p / top-k at ``train.eval_temperature`` (default:
+    ``train.temperature``) unless ``greedy``; ``tool_format``: ``model.tool_call_format``.
     """
     from musique_rl.core.generation import build_generator
 
     if retriever is None:
         from musique_rl.env.retrieval import build_retriever
 
-        retriever = build_retriever(cfg.env, records)
+        retriever = build_retriever(env_cfg, records)
     if temperature is None:
-        temperature = cfg.train.eval_temperature if cfg.train.eval_temperature is not None else cfg.train.temperature
-    engine = RolloutEngine(cfg, tokenizer, retriever, {r["id"]: r for r in records})
+        temperature = train.eval_temperature if train.eval_temperature is not None else train.temperature
+    engine = RolloutEngine(env_cfg, tokenizer, retriever, {r["id"]: r for r in records}, tool_format=tool_format)
     # Held-out evaluation samples in-process (HF generate) whatever backend trains.
-    generator = build_generator(cfg, tokenizer, model=model, temperature=temperature, backend="hf")
+    generator = build_generator(train, tokenizer, model=model, temperature=temperature, backend="hf")
     return [ep.as_dict() for ep in engine.run(records, generator, greedy=greedy)]

@@ -225,7 +225,8 @@ def warm_start_conversations(cfg: JobConfig, n_records: int | None = None) -> tu
     cfg = warm_start_config(cfg)
     tiny = cfg.model.tiny
     n = n_records if n_records is not None else tiny.sft_records
-    return task_of(cfg).warm_start_dataset(cfg.env, n, tiny, WARM_START_WORLDS)
+    return task_of(cfg).warm_start_dataset(cfg.env, n, WARM_START_WORLDS, noise=tiny.sft_noise,
+                                           single_step_share=tiny.sft_single_step_share)
 
 
 def render_texts(episodes: list[list[dict]], envs: list) -> list[str]:

@@ -44,8 +44,9 @@ from typing import Any
 import torch
 from trl import GRPOTrainer
 
-from musique_rl.core import checkpoints, faults
+from musique_rl.core import checkpoints
 from musique_rl.core.config import JobConfig, LoraConfig, TrainSettings
+from musique_rl.core.faults import Fault
 from musique_rl.core.generation import (
     HFGenerator,
     build_generator,
@@ -54,7 +55,7 @@ from musique_rl.core.generation import (
     sampling_settings,
 )
 from musique_rl.core.importance import importance_metrics
-from musique_rl.core.rollout import RolloutEngine
+from musique_rl.core.rollout import RolloutEngine, env_token_mask
 from musique_rl.env.config import EnvConfig
 
 log = logging.getLogger(__name__)
@@ -136,7 +137,9 @@ def importance_sampling_settings(t: TrainSettings) -> dict[str, Any]:
 class MusiqueGRPOTrainer(GRPOTrainer):
     """GRPOTrainer + multi-turn rollouts, configurable advantage epsilon, diagnostics, faults.
 
-    Configured in its constructor from the composed config; every other argument is TRL's
+    Ours: ``musique_train`` (the ``train`` group: sampling, backend, importance sampling),
+    ``adv_epsilon`` (``loss.adv_epsilon``), ``fault`` (the job's planted fault, ``faults.of``);
+    every other argument is TRL's
     (``model``, ``reward_funcs``, ``args``, ``train_dataset``, ``processing_class``, ``peft_config``).
     ``engine`` is the RolloutEngine whose ``rollout_func`` TRL calls; it samples through
     ``self.musique_generator``, built here once TRL has made its model (and vLLM engine, if any):
@@ -146,7 +149,9 @@ class MusiqueGRPOTrainer(GRPOTrainer):
     def __init__(
         self,
         *,
-        musique_cfg: JobConfig,
+        musique_train: TrainSettings,
+        adv_epsilon: float,
+        fault: Fault,
         engine: Any,
         instruments: Any = None,
         sampler_model: Any = None,
@@ -155,26 +160,25 @@ class MusiqueGRPOTrainer(GRPOTrainer):
     ):
         check_trl_version()
         super().__init__(rollout_func=engine.rollout_func, **trl_kwargs)
-        cfg = musique_cfg
-        self.musique_cfg = cfg
         self.musique_engine = engine
         self.instruments = instruments
         self._sampler_model = sampler_model  # None = the sampler is the trained model itself
         self._base_model = base_model  # frozen start (full fine-tuning), for the parity probe
-        self._adv_epsilon = cfg.loss.adv_epsilon
+        self._adv_epsilon = adv_epsilon
         self._last_rewards: torch.Tensor | None = None
         self._captured_logps: torch.Tensor | None = None
-        self._fault = faults.of(cfg)  # the planted fault's hooks (a clean run's leave everything as is)
+        self._fault = fault  # the job's planted fault's hooks (a clean run's leave everything as is)
         self._scoring_tool_mask: torch.Tensor | list | None = None  # the rows' env masks while scoring passes run
         self._last_attention: torch.Tensor | None = None  # the attention mask of the last scoring pass
         # TRL applies its importance-sampling correction only with use_vllm; on the HF backend with a
         # mode set, _generate_and_score_completions and _compute_loss run with use_vllm raised.
-        self._hf_is = cfg.train.backend != "vllm" and cfg.train.importance_sampling not in ("auto", "off")
+        self._hf_is = musique_train.backend != "vllm" and musique_train.importance_sampling not in ("auto", "off")
         tokenizer = self.processing_class
         if sampler_model is not None:
-            self.musique_generator = HFGenerator(sampler_model, tokenizer, sampling_settings(cfg, tokenizer, generation_config_of(sampler_model)))
+            settings = sampling_settings(musique_train, tokenizer, generation_config_of(sampler_model))
+            self.musique_generator = HFGenerator(sampler_model, tokenizer, settings)
         else:
-            self.musique_generator = build_generator(cfg, tokenizer, trainer=self)  # read by RolloutEngine.rollout_func
+            self.musique_generator = build_generator(musique_train, tokenizer, trainer=self)  # read by RolloutEngine.rollout_func
         if instruments is not None:  # before any callback that reads its on_log additions (h08/grad_norm_before_clip)
             self.add_callback(instruments.callback(sink=lambda metrics: self.merge_metrics(metrics, "train")))
 
@@ -627,20 +631,26 @@ def build_trainer(
     retriever: Any,
     reward_fn: Any,
     output_dir: str | Path,
+    *,
+    fault: Fault,
     instruments: Any = None,
     callbacks: list | None = None,
 ) -> Any:
-    """The configured MusiqueGRPOTrainer, its rollout engine and generator bound."""
+    """The configured MusiqueGRPOTrainer, its rollout engine and generator bound. ``fault``: the
+    job's planted fault, bound once where the job starts (``faults.of(cfg)``)."""
     peft_config = lora_config(cfg.lora)
     # Frozen copies are made BEFORE TRL patches the model's forward (fused LM head) and wraps it.
-    sampler_model = faults.of(cfg).sampler_model(model)  # None: the sampler is the trained model
+    sampler_model = fault.sampler_model(model)  # None: the sampler is the trained model
     base_model = None
     if instruments is not None and peft_config is None and getattr(instruments, "enabled", False):
         small = sum(p.numel() for p in model.parameters()) <= 2e9
         base_model = sampler_model if sampler_model is not None else (frozen_copy(model) if small else None)
     trainer = MusiqueGRPOTrainer(
-        musique_cfg=cfg,
-        engine=RolloutEngine(cfg, tokenizer, retriever, {r["id"]: r for r in records}),
+        musique_train=cfg.train,
+        adv_epsilon=cfg.loss.adv_epsilon,
+        fault=fault,
+        engine=RolloutEngine(cfg.env, tokenizer, retriever, {r["id"]: r for r in records},
+                             tool_format=cfg.model.tool_call_format, env_token_mask=env_token_mask(cfg.train, fault)),
         instruments=instruments,
         sampler_model=sampler_model,
         base_model=base_model,

@@ -26,7 +26,6 @@ The command that builds and ships them is musique_rl/warm_start.py (``python -m 
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import math
@@ -166,13 +165,15 @@ def measure(cfg: JobConfig, model: Any, tokenizer: Any, records: list[dict] | No
 
     records = records or gate_records(cfg)
     overrides = tiny_model.task_of(cfg).gate_shapes
+    fmt = cfg.model.tool_call_format
     out = {}
     for shape in shapes or shapes_for(cfg):
-        shape_cfg = dataclasses.replace(cfg, env=overlay(cfg.env, overrides[shape])) if overrides[shape] else cfg
+        env = overlay(cfg.env, overrides[shape]) if overrides[shape] else cfg.env
         torch.manual_seed(0)
-        sampled = run_model_episodes(shape_cfg, records * GATE_SAMPLES, model=model, tokenizer=tokenizer,
-                                     temperature=cfg.train.temperature)
-        greedy = run_model_episodes(shape_cfg, records, model=model, tokenizer=tokenizer, greedy=True)
+        sampled = run_model_episodes(env, cfg.train, records * GATE_SAMPLES, model=model, tokenizer=tokenizer,
+                                     tool_format=fmt, temperature=cfg.train.temperature)
+        greedy = run_model_episodes(env, cfg.train, records, model=model, tokenizer=tokenizer, tool_format=fmt,
+                                    greedy=True)
         em = answer_em(records * GATE_SAMPLES, sampled).reshape(GATE_SAMPLES, len(records))
         out[shape] = {
             "sampled_em": round(float(em.mean()), 4),

@@ -70,7 +70,8 @@ def policy_episodes(cfg: Config, records: list[dict]) -> Iterator[dict]:
     model, tokenizer = load_model(cfg, warm_start=ensure(cfg))
     model = place(model)
     # under `accelerate launch` every process evaluates its share and gets all episodes back
-    return iter(shard_and_gather(records, lambda part: run_model_episodes(cfg, part, model=model, tokenizer=tokenizer)))
+    return iter(shard_and_gather(records, lambda part: run_model_episodes(
+        cfg.env, cfg.train, part, model=model, tokenizer=tokenizer, tool_format=cfg.model.tool_call_format)))
 
 
 def _mean(xs: Iterable[float]) -> float:

@@ -27,7 +27,10 @@ import socket
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
 
 LOCK_FILE = ".launch.lock"
 IDENTITY_FILE = "launch.json"
@@ -52,8 +55,8 @@ def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix: tree}
 
 
-def identity(cfg: Any) -> dict[str, str]:
-    """The resolved config (no ``hydra`` node) as flat key -> value strings, redacted, without
+def identity(cfg: DictConfig) -> dict[str, str]:
+    """The resolved composed config (no ``hydra`` node) as flat key -> value strings, redacted, without
     ``IDENTITY_EXCLUDES``."""
     from omegaconf import OmegaConf
 
@@ -65,7 +68,7 @@ def identity(cfg: Any) -> dict[str, str]:
             if not any(k == e or (e.endswith(".") and k.startswith(e)) for e in IDENTITY_EXCLUDES)}
 
 
-def config_hash(cfg: Any) -> str:
+def config_hash(cfg: DictConfig) -> str:
     """A short hash of ``identity(cfg)``: equal for a job and its requeue, different for another seed."""
     return hashlib.sha256(json.dumps(identity(cfg), sort_keys=True).encode()).hexdigest()[:16]
 
@@ -77,7 +80,7 @@ def _differences(before: dict[str, str], now: dict[str, str], limit: int = 6) ->
 
 
 @contextlib.contextmanager
-def claim(run_dir: str | Path, cfg: Any) -> Iterator[str]:
+def claim(run_dir: str | Path, cfg: DictConfig) -> Iterator[str]:
     """Own ``run_dir`` for this launch (module docstring); yields the config hash."""
     from filelock import FileLock, Timeout
 

@@ -34,6 +34,9 @@ import numpy as np
 from musique_rl.job.result import JobResult
 
 if TYPE_CHECKING:
+    from omegaconf import DictConfig
+
+    from musique_rl.schema import Config
     from musique_rl.tracking.sink import Tracker
 
 log = logging.getLogger(__name__)
@@ -60,7 +63,7 @@ def run_directory(run_dir: str | Path | None = None) -> Path:
 
 # ---------------------------------------------------------------- held-out evaluation
 def held_out_eval(
-    cfg: Any, model: Any, tokenizer: Any, retriever: Any, records: list[dict], greedy: bool
+    cfg: Config, model: Any, tokenizer: Any, retriever: Any, records: list[dict], greedy: bool
 ) -> tuple[dict[str, float], list[dict]]:
     """Mean reward components and total over one episode per held-out record.
 
@@ -76,7 +79,8 @@ def held_out_eval(
     from musique_rl.env import rewards
 
     episodes = shard_and_gather(records, lambda part: run_model_episodes(
-        cfg, part, model=model, tokenizer=tokenizer, retriever=retriever, greedy=greedy))
+        cfg.env, cfg.train, part, model=model, tokenizer=tokenizer, tool_format=cfg.model.tool_call_format,
+        retriever=retriever, greedy=greedy))
     comps = [rewards.score_episode(r, e["messages"]) for r, e in zip(records, episodes, strict=True)]
     totals = [rewards.total(c, rewards.n_hops(r), cfg.reward) for c, r in zip(comps, records, strict=True)]
     out = {k: float(np.mean([c[k] for c in comps])) for k in rewards.COMPONENTS}
@@ -188,7 +192,7 @@ def _quiet_library_deprecations() -> None:
     warnings.filterwarnings("ignore", message=r".*(is_)?gradient_checkpointing.* is deprecated", category=FutureWarning)
 
 
-def train(cfg: Any, tracker: Tracker | None = None, run_dir: str | Path | None = None,
+def train(cfg: DictConfig | Config, tracker: Tracker | None = None, run_dir: str | Path | None = None,
           callbacks: list | None = None) -> JobResult:
     """Run one GRPO job (module docstring); returns its summary (None on ranks other than 0) and
     ``train/reward_gain`` as the objective. ``tracker``: the job's MLflow run (None: not tracked).
@@ -235,7 +239,8 @@ def train(cfg: Any, tracker: Tracker | None = None, run_dir: str | Path | None =
     model = place(model)  # the held-out eval samples before the trainer exists
     retriever = build_retriever(cfg.env, records + eval_records)
     by_id = {r["id"]: r for r in records}
-    reward_fn = rewards.RewardFunction(cfg.reward, by_id, read_turn=faults.of(cfg).reward_read_turn("last"), seed=cfg.seed)
+    fault = faults.of(cfg)  # the planted fault's hooks, bound once for the reward and the trainer
+    reward_fn = rewards.RewardFunction(cfg.reward, by_id, read_turn=fault.reward_read_turn("last"), seed=cfg.seed)
 
     eval_rng: list = []  # the random state the held-out evaluations replay (same_random_numbers)
 
@@ -271,7 +276,8 @@ def train(cfg: Any, tracker: Tracker | None = None, run_dir: str | Path | None =
     callbacks = ([tracker.callback()] if tracker is not None else []) + list(callbacks or [])
     ckpt_dir = out_dir / "checkpoints"
     trainer = build_trainer(
-        cfg, model, tokenizer, records, retriever, reward_fn, ckpt_dir, instruments=instruments, callbacks=callbacks
+        cfg, model, tokenizer, records, retriever, reward_fn, ckpt_dir, fault=fault, instruments=instruments,
+        callbacks=callbacks,
     )
     resume = last_checkpoint(ckpt_dir, cfg.train.resume)
     if resume:

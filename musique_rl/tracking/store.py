@@ -17,7 +17,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from musique_rl.tracking.redact import redact
 
@@ -62,7 +62,7 @@ def sweep_dir() -> Path | None:
     return Path(hc.sweep.dir).resolve()
 
 
-def tracking_uri(cfg: Any | None = None, base_dir: Path | None = None) -> str:
+def tracking_uri(cfg: DictConfig | None = None, base_dir: Path | None = None) -> str:
     """`tracking.tracking_uri`, else `$MLFLOW_TRACKING_URI`, else an absolute sqlite file in the launch dir."""
     uri = None
     if cfg is not None:
@@ -75,7 +75,7 @@ def tracking_uri(cfg: Any | None = None, base_dir: Path | None = None) -> str:
     return f"sqlite:///{(base_dir or launch_dir()).resolve() / 'mlflow.db'}"
 
 
-def experiment_name(cfg: Any) -> str:
+def experiment_name(cfg: DictConfig) -> str:
     name = OmegaConf.select(cfg, "tracking.experiment", default=None)
     if name:
         return str(name)

@@ -17,13 +17,16 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from musique_rl.core.warm_start import machine_string
 from musique_rl.sweep import jobs as sweep_jobs
 from musique_rl.tracking.provenance import config_params, flatten, sweep_id_of
 from musique_rl.tracking.store import tracking_uri
 from musique_rl.verdict.sweep import HYPOTHESIS_DIR, UNKNOWN, Hypothesis, Run, Sweep, VerdictError
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +46,7 @@ def load_hypothesis_file(name: str) -> Hypothesis:
     return Hypothesis.from_mapping(OmegaConf.load(path).hypothesis, str(path))
 
 
-def swept_values(cfg: Any) -> dict[str, list[str]]:
+def swept_values(cfg: DictConfig) -> dict[str, list[str]]:
     """The values a multirun sweeps each key over, expanded by Hydra's own override parser: the
     sweeper's params (named sweeps), then the command line's ``key=a,b`` (which wins)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -100,7 +103,7 @@ def _read_failure(job_dir: Path) -> str:
     return "no metrics.json: the job failed or was killed (see its log)"
 
 
-def _job_params(cfg: Any) -> dict[str, str]:
+def _job_params(cfg: DictConfig) -> dict[str, str]:
     """A job's saved config as the params MLflow would hold (resolved where our resolvers can)."""
     from omegaconf import OmegaConf
 

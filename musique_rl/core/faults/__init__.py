@@ -27,6 +27,7 @@ import importlib
 import pkgutil
 from typing import Any, ClassVar
 
+from musique_rl.core.config import JobConfig
 from musique_rl.env.registry import Registry
 
 FAULTS = Registry("fault")
@@ -52,8 +53,8 @@ class Fault:
             raise TypeError(f"fault {cls.name!r}: declare a docstring (its first line: what it plants) and `expected`")
         FAULTS.register(cls.name, cls)
 
-    def __init__(self, cfg: Any = None):
-        """``cfg``: the job's composed config, for a fault whose behaviour depends on the job."""
+    def __init__(self, cfg: JobConfig | None = None):
+        """``cfg``: the job's config, for a fault whose behaviour depends on the job."""
 
     @classmethod
     def plants(cls) -> str:
@@ -118,10 +119,10 @@ class Clean(Fault):
     fingerprint = "no flagged finding"
 
 
-def of(cfg: Any) -> Fault:
-    """The job's planted fault, bound to its config (``Clean`` when none is planted)."""
-    value = cfg.get("fault", "none") if hasattr(cfg, "get") else getattr(cfg, "fault", "none")
-    return FAULTS[str(value or "none")](cfg)  # an unknown name fails, naming the key and the faults
+def of(cfg: JobConfig) -> Fault:
+    """The job's planted fault (``fault``; ``Clean`` for ``none``, its default), bound to its config.
+    Called once where a job starts; the rollout and the trainer receive the bound fault."""
+    return FAULTS[cfg.fault](cfg)  # an unknown name fails, naming the key and the faults
 
 
 def table() -> str:

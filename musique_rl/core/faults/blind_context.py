@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from musique_rl.core.config import JobConfig
 from musique_rl.core.faults import Fault
 
 if TYPE_CHECKING:  # torch is imported where a mask is built: composing a config stays fast
@@ -37,7 +38,7 @@ class BlindContext(Fault):
     expected = "h02"
     fingerprint = "`h06/logp_gap_mean` at the first step > 0.01 nats/token (trainer scores without context)"
 
-    def __init__(self, cfg: Any):
+    def __init__(self, cfg: JobConfig):
         from musique_rl.env.prompts import tool_schemas
 
         self.multi_turn = bool(tool_schemas(cfg.env))

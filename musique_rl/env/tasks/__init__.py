@@ -63,7 +63,7 @@ class Task:
         return []
 
     # -- scripted policies
-    def oracle(self, record: dict, env_cfg: EnvConfig, retriever: Any, fmt: Any) -> tuple[list[dict], int, int]:
+    def oracle(self, record: dict, env_cfg: EnvConfig, retriever: Any, fmt: str) -> tuple[list[dict], int, int]:
         """(messages, tool calls, tool errors) of the ceiling policy's episode for ``record``; tool
         calls written in the format ``fmt`` (``model.tool_call_format``)."""
         raise NotImplementedError
@@ -77,9 +77,12 @@ class Task:
         """What names the task in the warm start's build settings (hashed into its key)."""
         return {"task": self.name}
 
-    def warm_start_dataset(self, env_cfg: EnvConfig, n_records: int, tiny: Any, worlds: list[int]) -> tuple[list, list, list]:
+    def warm_start_dataset(self, env_cfg: EnvConfig, n_records: int, worlds: list[int], *, noise: float,
+                           single_step_share: float) -> tuple[list, list, list]:
         """(records, message lists, env config per episode) of the warm start's SFT data:
-        prefix-stable (the first k do not depend on ``n_records``)."""
+        prefix-stable (the first k do not depend on ``n_records``). ``noise``: the share of episodes
+        with a plausible wrong decision (``model.tiny.sft_noise``); ``single_step_share``: the share
+        posed single-step, for a task that has that shape (``model.tiny.sft_single_step_share``)."""
         raise NotImplementedError
 
     def gate_records(self, env_cfg: EnvConfig) -> list[dict]:

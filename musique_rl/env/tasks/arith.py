@@ -71,14 +71,16 @@ class Arith(Task):
     def messages(self, record: dict, env_cfg: EnvConfig) -> list[dict]:
         return build_messages(record, env_cfg)
 
-    def oracle(self, record: dict, env_cfg: EnvConfig, retriever: Any, fmt: Any) -> tuple[list[dict], int, int]:
+    def oracle(self, record: dict, env_cfg: EnvConfig, retriever: Any, fmt: str) -> tuple[list[dict], int, int]:
         """One turn: the working and the answer."""
         a, op, b = arith.operation(record)
         answer = arith.answer_text(arith.work_text(a, op, b, int(record["answer"])), record["answer"])
         return [*self.messages(record, env_cfg), {"role": "assistant", "content": answer}], 0, 0
 
-    def warm_start_dataset(self, env_cfg: EnvConfig, n_records: int, tiny: Any, worlds: list[int]) -> tuple[list, list, list]:
-        return noisy_oracle_dataset(env_cfg, n_records, tiny.sft_noise, worlds=worlds)
+    def warm_start_dataset(self, env_cfg: EnvConfig, n_records: int, worlds: list[int], *, noise: float,
+                           single_step_share: float) -> tuple[list, list, list]:
+        # arithmetic is posed one way (no tool to leave out): single_step_share does not apply
+        return noisy_oracle_dataset(env_cfg, n_records, noise, worlds=worlds)
 
     def gate_records(self, env_cfg: EnvConfig) -> list[dict]:
         ar = env_cfg.arith  # held-out questions: the validation split, never in SFT

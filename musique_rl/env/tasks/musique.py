@@ -247,7 +247,7 @@ class Musique(Task):
             schemas.append(_GET_DOCUMENT)
         return [dict(s) for s in schemas]
 
-    def oracle(self, record: dict, env_cfg: EnvConfig, retriever: Any, fmt: Any) -> tuple[list[dict], int, int]:
+    def oracle(self, record: dict, env_cfg: EnvConfig, retriever: Any, fmt: str) -> tuple[list[dict], int, int]:
         """One ``retrieve_documents`` call per hop whose query is that hop's sub-question, then the
         supporting ids cited and the gold answer (through the real parser: the oracle tests it too)."""
         form = tool_format(fmt)
@@ -269,8 +269,9 @@ class Musique(Task):
     def key_fields(self) -> dict:
         return {}  # the default task's build settings name no task (its shipped warm start's key)
 
-    def warm_start_dataset(self, env_cfg: EnvConfig, n_records: int, tiny: Any, worlds: list[int]) -> tuple[list, list, list]:
-        return noisy_oracle_dataset(env_cfg, n_records, tiny.sft_noise, tiny.sft_single_step_share, worlds=worlds)
+    def warm_start_dataset(self, env_cfg: EnvConfig, n_records: int, worlds: list[int], *, noise: float,
+                           single_step_share: float) -> tuple[list, list, list]:
+        return noisy_oracle_dataset(env_cfg, n_records, noise, single_step_share, worlds=worlds)
 
     def gate_records(self, env_cfg: EnvConfig) -> list[dict]:
         from musique_rl.env.synthetic import generate_records

@@ -52,7 +52,7 @@ def loads(text: str) -> tuple[Any, str | None]:
         return None, f"tool call is not valid JSON ({type(e).__name__})"
 
 
-def tool_format(name: Any) -> ToolFormat:
+def tool_format(name: str) -> ToolFormat:
     """The format named by ``model.tool_call_format`` (an error lists the registered ones)."""
     return TOOL_FORMATS[name]
 
