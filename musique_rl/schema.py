@@ -187,60 +187,30 @@ def _unit_closed_open(v: Any) -> bool:
     return 0 <= v < 1
 
 
-# (key, test, what the value must be); a null value passes (null means "off" or "default" wherever allowed)
-_RULES: list[tuple[str, Any, str]] = [
-    ("seed", _at_least(0), ">= 0"),
-    ("model.learning_rate", _positive, "> 0"),
-    ("model.tiny.sft_learning_rate", _positive, "> 0"),
-    ("model.tiny.sft_epochs", _positive, "> 0"),
-    ("lora.r", _at_least(1), ">= 1"),
-    ("lora.lora_alpha", _positive, "> 0"),
-    ("lora.lora_dropout", _unit_closed_open, "in [0, 1)"),
-    ("loss.learning_rate", _positive, "> 0"),
-    ("loss.adv_epsilon", _at_least(0), ">= 0"),
-    ("loss.beta", _at_least(0), ">= 0"),
-    ("loss.epsilon", _positive, "> 0"),
-    ("loss.epsilon_high", _positive, "> 0"),
-    ("loss.num_iterations", _at_least(1), ">= 1"),
-    ("loss.max_grad_norm", _positive, "> 0"),
-    ("loss.warmup_steps", _at_least(0), ">= 0"),
-    ("reward.normalizer", _positive, "> 0"),
-    ("env.top_n", _at_least(1), ">= 1"),
-    ("env.max_turns", _at_least(1), ">= 1"),
-    ("env.max_prompt_tokens", _at_least(1), ">= 1"),
-    ("env.max_tokens_per_turn", _at_least(1), ">= 1"),
-    ("env.max_completion_tokens", _at_least(1), ">= 1"),
-    ("env.noise_rate", lambda v: 0 <= v <= 1, "in [0, 1]"),
-    ("env.max_paragraphs", _at_least(1), ">= 1 or null"),
-    ("env.synthetic.num_train", _at_least(1), ">= 1"),
-    ("env.synthetic.num_eval", _at_least(0), ">= 0"),
-    ("env.synthetic.num_paragraphs", _at_least(1), ">= 1"),
-    ("env.arith.num_train", _at_least(1), ">= 1"),
-    ("env.arith.num_eval", _at_least(0), ">= 0"),
-    ("env.arith.max_operand", _at_least(1), ">= 1"),
-    ("train.max_steps", _at_least(1), ">= 1"),
-    ("train.prompts_per_step", _at_least(1), ">= 1"),
-    ("train.num_generations", _at_least(2), ">= 2 (GRPO's advantage compares the completions of one prompt)"),
-    ("train.temperature", _positive, "> 0"),
-    ("train.top_p", _unit_open_closed, "in (0, 1]"),
-    ("train.top_k", _at_least(0), ">= 0 (0 = off)"),
-    ("train.importance_sampling_clip_max", _positive, "> 0 or null"),
-    ("train.importance_sampling_clip_min", _at_least(0), ">= 0 or null"),
-    ("train.vllm_gpu_memory_utilization", _unit_open_closed, "in (0, 1]"),
-    ("train.vllm_server_port", lambda v: 0 < v < 65536, "a port (1-65535) or null"),
-    ("train.vllm_group_port", lambda v: 0 < v < 65536, "a port (1-65535) or null"),
-    ("train.micro_batch_size", _at_least(1), ">= 1 or null"),
-    ("train.logging_steps", _at_least(1), ">= 1"),
-    ("train.save_steps", _at_least(1), ">= 1"),
-    ("train.eval_episodes", _at_least(0), ">= 0"),
-    ("train.eval_temperature", _positive, "> 0 or null"),
-    ("diagnostics.near_zero_std", _at_least(0), ">= 0"),
-    ("diagnostics.parity_probe_every", _at_least(1), ">= 1"),
-    ("diagnostics.reward_audit_size", _at_least(0), ">= 0"),
-    ("diagnostics.trajectory_views", _at_least(0), ">= 0"),
-    ("gpu.vllm_max_model_len", _at_least(1), ">= 1 or null"),
-    ("gpu.vllm_gpu_memory_utilization", _unit_open_closed, "in (0, 1]"),
-    ("gpu.vllm_health_timeout_s", _positive, "> 0"),
+# (test, what the value must be, the keys it holds for); a null value passes (null means "off" or
+# "default" wherever allowed)
+_RULES: list[tuple[Any, str, tuple[str, ...]]] = [
+    (_positive, "> 0", ("model.learning_rate", "model.tiny.sft_learning_rate", "model.tiny.sft_epochs",
+                        "lora.lora_alpha", "loss.learning_rate", "loss.epsilon", "loss.epsilon_high",
+                        "loss.max_grad_norm", "reward.normalizer", "train.temperature", "gpu.vllm_health_timeout_s")),
+    (_positive, "> 0 or null", ("train.importance_sampling_clip_max", "train.eval_temperature")),
+    (_at_least(0), ">= 0", ("seed", "loss.adv_epsilon", "loss.beta", "loss.warmup_steps", "env.synthetic.num_eval",
+                            "env.arith.num_eval", "train.eval_episodes", "diagnostics.near_zero_std",
+                            "diagnostics.reward_audit_size", "diagnostics.trajectory_views")),
+    (_at_least(0), ">= 0 (0 = off)", ("train.top_k",)),
+    (_at_least(0), ">= 0 or null", ("train.importance_sampling_clip_min",)),
+    (_at_least(1), ">= 1", ("lora.r", "loss.num_iterations", "env.top_n", "env.max_turns", "env.max_prompt_tokens",
+                            "env.max_tokens_per_turn", "env.max_completion_tokens", "env.synthetic.num_train",
+                            "env.synthetic.num_paragraphs", "env.arith.num_train", "env.arith.max_operand",
+                            "train.max_steps", "train.prompts_per_step", "train.logging_steps", "train.save_steps",
+                            "diagnostics.parity_probe_every")),
+    (_at_least(1), ">= 1 or null", ("env.max_paragraphs", "train.micro_batch_size", "gpu.vllm_max_model_len")),
+    (_at_least(2), ">= 2 (GRPO's advantage compares the completions of one prompt)", ("train.num_generations",)),
+    (_unit_closed_open, "in [0, 1)", ("lora.lora_dropout",)),
+    (lambda v: 0 <= v <= 1, "in [0, 1]", ("env.noise_rate",)),
+    (_unit_open_closed, "in (0, 1]", ("train.top_p", "train.vllm_gpu_memory_utilization",
+                                      "gpu.vllm_gpu_memory_utilization")),
+    (lambda v: 0 < v < 65536, "a port (1-65535) or null", ("train.vllm_server_port", "train.vllm_group_port")),
 ]
 
 
@@ -256,12 +226,13 @@ def validate(cfg: Any) -> None:
     def get(key: str) -> Any:
         return OmegaConf.select(cfg, key, default=None, throw_on_missing=False, throw_on_resolution_failure=False)
 
-    for key, ok, want in _RULES:
-        value = get(key)
-        if value is None or isinstance(value, bool) or not isinstance(value, int | float):
-            continue
-        if not ok(value):
-            problems.append(f"{key}={value}: must be {want}")
+    for ok, want, keys in _RULES:
+        for key in keys:
+            value = get(key)
+            if value is None or isinstance(value, bool) or not isinstance(value, int | float):
+                continue
+            if not ok(value):
+                problems.append(f"{key}={value}: must be {want}")
     for key in ("env.hops", "env.synthetic.hops"):
         hops = get(key)
         if hops is not None and any(int(h) < 1 for h in hops):

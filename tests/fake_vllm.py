@@ -49,24 +49,21 @@ class Recorder:
     generate_calls: list[dict] = field(default_factory=list)
 
 
-@dataclass
-class SamplingParams:
-    """vllm.SamplingParams, the fields TRL and musique_rl set (vLLM's defaults)."""
+# vllm.SamplingParams' defaults, for the fields TRL and musique_rl set
+SAMPLING_DEFAULTS = {"n": 1, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0,
+                     "presence_penalty": 0.0, "frequency_penalty": 0.0, "max_tokens": 16, "logprobs": None,
+                     "stop_token_ids": None, "skip_special_tokens": True, "ignore_eos": False, "seed": None}
 
-    n: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    max_tokens: int | None = 16
-    logprobs: int | None = None
-    stop_token_ids: list[int] | None = None
-    skip_special_tokens: bool = True
-    ignore_eos: bool = False
-    seed: int | None = None
+
+class SamplingParams(types.SimpleNamespace):
+    """vllm.SamplingParams, the fields TRL and musique_rl set (vLLM's defaults); any other is a
+    TypeError, as a keyword the real class lacks would be."""
+
+    def __init__(self, **fields: Any):
+        unknown = sorted(set(fields) - set(SAMPLING_DEFAULTS))
+        if unknown:
+            raise TypeError(f"SamplingParams got unexpected keyword arguments {unknown}")
+        super().__init__(**{**SAMPLING_DEFAULTS, **fields})
 
 
 def fake_vllm_module() -> types.ModuleType:
@@ -330,8 +327,7 @@ class FakeServer:
         prompts = body["prompt"]
         if prompts and isinstance(prompts[0], int):
             prompts = [prompts]
-        known = {f.name for f in SamplingParams.__dataclass_fields__.values()}
-        params = SamplingParams(**{k: v for k, v in body.items() if k in known})
+        params = SamplingParams(**{k: v for k, v in body.items() if k in SAMPLING_DEFAULTS})
         for p in prompts:
             if params.max_tokens is not None and len(p) + params.max_tokens > self.engine.max_model_len:
                 return 400, {"object": "error", "type": "BadRequestError", "code": 400, "message": (

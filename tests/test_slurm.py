@@ -7,11 +7,13 @@ cancelled job, and nothing here may hang a CI run.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -33,6 +35,16 @@ def slurm():
     yield
     if not was_up:
         subprocess.run([str(SCRIPT), "down"], capture_output=True, timeout=120)
+
+
+@contextlib.contextmanager
+def killed_if_left(proc: subprocess.Popen) -> Iterator[subprocess.Popen]:
+    """Kill ``proc`` if it still runs when the block ends (a wait timed out): nothing here may hang."""
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
 
 
 def sh(*cmd: str) -> str:
@@ -90,7 +102,7 @@ def test_requeued_job_resumes_from_its_files_into_the_same_mlflow_run(slurm, tmp
     proc = stand_in_sweep(tmp_path, "+sweep=h02", "seed=1", "hypothesis.arm=control",
                           env={"SWEEP_APP_STEPS": "10", "SWEEP_APP_STEP_S": "1"})
     job_dir = tmp_path / "sweep" / "0"
-    try:
+    with killed_if_left(proc):
         wait(lambda: (job_dir / "progress.json").exists() and json.loads((job_dir / "progress.json").read_text())["step"] >= 3,
              120, "the job to reach step 3")
         jid = job_ids(job_dir)[0]
@@ -98,9 +110,6 @@ def test_requeued_job_resumes_from_its_files_into_the_same_mlflow_run(slurm, tmp
         # what SLURM sends before a preemption/timeout (submitit's own _interrupt does the same)
         sh("scancel", "--signal=USR2", array_id)
         proc.wait(timeout=240)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
     log = (tmp_path / "sweep.log").read_text()
     assert proc.returncode == 0, log[-3000:]
     progress = json.loads((job_dir / "progress.json").read_text())
@@ -121,15 +130,12 @@ def sweep_with_control_seed_2_cancelled(tmp_path):
     the finished launcher process and the cancelled job's directory."""
     proc = stand_in_sweep(tmp_path, "+sweep=h02", "seed=1,2", env={"SWEEP_APP_STEPS": "6", "SWEEP_APP_STEP_S": "1"})
     victim = tmp_path / "sweep" / "1"  # control, seed 2
-    try:
+    with killed_if_left(proc):
         wait(lambda: job_ids(victim), 120, "control seed 2 to start")
         task_id = [ln.split()[0] for ln in sh("squeue", "-h", "-o", "%i").splitlines() if ln.endswith("_1")][0]
         sh("scancel", task_id)
         # with accounting (slurmdbd) submitit sees the cancellation: the sweep ends, it does not hang
         proc.wait(timeout=300)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
     return proc, victim
 
 
@@ -180,11 +186,8 @@ def real_sweep(tmp_path: Path, *overrides: str) -> subprocess.Popen:
 
 def test_tiny_training_sweep_on_slurm_lands_in_mlflow_under_one_parent(slurm, tmp_path):
     proc = real_sweep(tmp_path, "+sweep=h02", "seed=1,2", "train.max_steps=2")
-    try:
+    with killed_if_left(proc):
         proc.wait(timeout=1800)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
     log = (tmp_path / "sweep.log").read_text()
     assert proc.returncode == 0, log[-4000:]
     runs = runs_of(tmp_path)
@@ -212,14 +215,11 @@ def test_requeued_training_job_resumes_from_its_checkpoint_into_the_same_run(slu
     proc = real_sweep(tmp_path, "+sweep=h02", "seed=1", "hypothesis.arm=control", "train.max_steps=10",
                       "train.save_steps=2")
     job_dir = tmp_path / "sweep" / "0"
-    try:
+    with killed_if_left(proc):
         wait(lambda: list(job_dir.glob("checkpoints/checkpoint-*")), 900, "the first checkpoint")
         array_id = sh("squeue", "-h", "-o", "%i").split()[0]
         sh("scancel", "--signal=USR2", array_id)  # preemption / timeout warning
         proc.wait(timeout=1200)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
     log = (tmp_path / "sweep.log").read_text()
     assert proc.returncode == 0, log[-4000:]
     submitit_log = "".join(p.read_text() for p in sorted((tmp_path / "sweep" / ".submitit").glob("*/*_log.*")))

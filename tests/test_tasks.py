@@ -28,7 +28,7 @@ class Echo(Task):
     description = "one turn, no documents"
     documents = False
     generator = "echo"
-    scored_components = ("answer_em", "answer_f1")
+    scored_components = ("answer_em",)  # a one-word answer: F1 is EM
     reward_hint = "reward=answer_em"
 
     def generate(self, split, env_cfg, seed):

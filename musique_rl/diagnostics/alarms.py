@@ -100,17 +100,16 @@ def _grad_norm(m: Mapping[str, History], params: Mapping[str, str]) -> list[Find
             spikes.append((pts[i][0], norms[i] / med))
     ev = {"grad_norm (median)": statistics.median(norms), "grad_norm (max)": max(norms),
           "spike steps": float(len(spikes))}
+    worst_step, worst = max(spikes, key=lambda sv: sv[1]) if spikes else (0, 0.0)
     if spikes:
-        worst = max(spikes, key=lambda sv: sv[1])
-        ev["worst spike (x median before it)"] = worst[1]
-        ev["worst spike step"] = float(worst[0])
-    return out + judged("h08", "gradient_spikes", bool(spikes), 1 + magnitude(ev.get("worst spike (x median before it)", 1)
-                                                                                / GRAD_SPIKE_FACTOR), ev,
-                        f"{len(spikes)} step(s) with a gradient norm over {GRAD_SPIKE_FACTOR:g}x the median of the steps "
-                        f"before (worst {ev.get('worst spike (x median before it)', 0):.3g}x at step "
-                        f"{ev.get('worst spike step', 0):.0f}): single batches dominate the updates (an importance "
-                        "ratio blow-up, a reward outlier, or tokens that should be masked).",
-                        f"Gradient norms steady (max {max(norms):.3g}, median {statistics.median(norms):.3g}).")
+        ev["worst spike (x median before it)"] = worst
+        ev["worst spike step"] = float(worst_step)
+    spiky = (f"{len(spikes)} step(s) with a gradient norm over {GRAD_SPIKE_FACTOR:g}x the median of the steps before "
+             f"(worst {worst:.3g}x at step {worst_step:.0f}): single batches dominate the updates (an importance "
+             "ratio blow-up, a reward outlier, or tokens that should be masked).")
+    steady = f"Gradient norms steady (max {max(norms):.3g}, median {statistics.median(norms):.3g})."
+    severity = 1 + magnitude(worst / GRAD_SPIKE_FACTOR)
+    return out + judged("h08", "gradient_spikes", bool(spikes), severity, ev, spiky, steady)
 
 
 @rule("h01/reward_std_mean")
@@ -128,11 +127,11 @@ def _spread_falls(m: Mapping[str, History], params: Mapping[str, str]) -> list[F
     ev = {"h01/reward_std_mean (first quarter)": s0, "h01/reward_std_mean (last quarter)": s1,
           "reward (first quarter)": r0, "reward (last quarter)": r1}
     fell = s0 > 0 and s1 < SPREAD_FALL_RATIO * s0
-    return judged("h01", "spread_falls_first", fell and not rising, 1 + magnitude(SPREAD_FALL_RATIO * s0 / max(s1, 1e-9)),
-                  ev,
-                  f"The reward spread inside groups fell from {s0:.3g} to {s1:.3g} while the mean reward did not rise "
-                  f"({r0:.3f} -> {r1:.3f}): the policy settles on one answer per prompt before it gets better, so "
-                  "fewer groups carry signal each step. A plateau follows.",
+    settling = (f"The reward spread inside groups fell from {s0:.3g} to {s1:.3g} while the mean reward did not "
+                f"rise ({r0:.3f} -> {r1:.3f}): the policy settles on one answer per prompt before it gets better, "
+                "so fewer groups carry signal each step. A plateau follows.")
+    severity = 1 + magnitude(SPREAD_FALL_RATIO * s0 / max(s1, 1e-9))
+    return judged("h01", "spread_falls_first", fell and not rising, severity, ev, settling,
                   f"Within-group reward spread {s0:.3g} -> {s1:.3g}.")
 
 

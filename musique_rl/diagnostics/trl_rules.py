@@ -209,8 +209,7 @@ def _is_clipped(m: Mapping[str, History], params: Mapping[str, str]) -> list[Fin
 def _logp_diff(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
     if _ours(m, "logp_diff"):
         return []
-    d = m.get("sampling/sampling_logp_difference/mean") or []
-    vals = values(d)
+    vals = values(m.get("sampling/sampling_logp_difference/mean"))
     first = statistics.fmean(vals[: max(1, min(3, len(vals) // 4))])
     tail = statistics.fmean(vals[-max(1, len(vals) // 4):])
     ev = {"sampling/sampling_logp_difference/mean (first steps)": first,

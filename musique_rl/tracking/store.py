@@ -129,13 +129,11 @@ def metric_key(key: str) -> str:
 
 
 @contextlib.contextmanager
-def mlflow_settings(values: Mapping[str, str], force: bool = False) -> Iterator[None]:
-    """MLflow reads these environment variables at each request (it has no other way to set
-    them); set the ones the user did not set (all of them with ``force``) for the block, then restore."""
+def scoped_environ(values: Mapping[str, str]) -> Iterator[None]:
+    """Set these environment variables for the block (processes started in it inherit them), then
+    restore each to what it was before, unset included."""
     before = {k: os.environ.get(k) for k in values}
-    for k, v in values.items():
-        if force or before[k] is None:
-            os.environ[k] = v
+    os.environ.update(values)
     try:
         yield
     finally:
@@ -144,6 +142,12 @@ def mlflow_settings(values: Mapping[str, str], force: bool = False) -> Iterator[
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def mlflow_settings(values: Mapping[str, str], force: bool = False) -> contextlib.AbstractContextManager[None]:
+    """MLflow reads these environment variables at each request (it has no other way to set
+    them); set the ones the user did not set (all of them with ``force``) for the block, then restore."""
+    return scoped_environ(values if force else {k: v for k, v in values.items() if k not in os.environ})
 
 
 def hint(uri: str) -> str:
