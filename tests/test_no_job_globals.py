@@ -43,8 +43,9 @@ REGISTRIES = {
 ENV_WRITERS = {
     "musique_rl.env.retrieval:import_pyserini_searcher": "JAVA_HOME and a placeholder OPENAI_API_KEY so pyserini's "
                                                          "JVM and import start (machine set-up, the same for every job)",
-    "musique_rl.tracking.store:mlflow_settings": "MLflow's request settings (it reads them only from the "
-                                                 "environment), set for a block and restored after it",
+    "musique_rl.tracking.store:scoped_environ": "settings libraries read only from the environment (MLflow's "
+                                                "request settings, the local launcher's thread counts), set for "
+                                                "a block and restored after it",
     "musique_rl.tracking.sink:_restore_fluent_uri": "puts back the $MLFLOW_TRACKING_URI that mlflow.set_tracking_uri "
                                                     "overwrote, so the next job of the process does not inherit it",
 }
