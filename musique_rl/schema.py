@@ -218,8 +218,8 @@ class ConfigValueError(ValueError):
     """A composed config holds a value no job can run with; the message names every such key."""
 
 
-def validate(cfg: Any) -> None:
-    """Refuse values that cannot work (``_RULES``, plus the few that relate two keys), naming each
+def validate(cfg: DictConfig) -> None:
+    """Refuse values of the composed config that cannot work (``_RULES``, plus the few that relate two keys), naming each
     key, before any data or model is loaded."""
     problems = []
 
