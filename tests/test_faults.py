@@ -11,7 +11,8 @@ from omegaconf import OmegaConf
 from plugin_recipe import assert_printed, run_in_copy
 
 from musique_rl.core import faults
-from musique_rl.core.faults import FAULTS, Fault, dotted
+from musique_rl.core.faults import FAULTS, Fault
+from musique_rl.env.config import flatten
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -87,10 +88,10 @@ def test_plus_fault_sets_exactly_the_declared_overlay(name):
     from conftest import compose_cfg
 
     def flat(cfg):
-        return dict(dotted(OmegaConf.to_container(cfg, resolve=True)))
+        return flatten(OmegaConf.to_container(cfg, resolve=True))
 
     base, faulted = flat(compose_cfg([])), flat(compose_cfg([f"+fault={name}"]))
-    overlay = dict(dotted(FAULTS[name].overlay))
+    overlay = flatten(FAULTS[name].overlay)
     groups = {next(iter(d)).split("/")[-1] for d in FAULTS[name].defaults}  # "override /reward" -> reward
     changed = {k for k in base.keys() | faulted.keys() if base.get(k) != faulted.get(k)}
     assert {k for k in changed if k.split(".")[0] not in groups} <= {"fault", *overlay}

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from musique_rl.diagnostics.findings import History
+from musique_rl.env.config import flatten
 
 log = logging.getLogger(__name__)
 
@@ -157,15 +158,6 @@ def _finish(name: str, source: str, hist: dict[str, History], params: dict[str, 
 
 
 # ---------------------------------------------------------------- readers
-def _flatten(tree: Any, prefix: str = "") -> dict[str, str]:
-    if isinstance(tree, Mapping):
-        out: dict[str, str] = {}
-        for k, v in tree.items():
-            out.update(_flatten(v, f"{prefix}{k}."))
-        return out
-    return {prefix[:-1]: str(tree)}
-
-
 def read_run_dir(path: str | Path) -> RunLog:
     """A run directory of this project: its ``metrics.jsonl``; params from ``.hydra/config.yaml``."""
     d = Path(path)
@@ -180,7 +172,8 @@ def read_run_dir(path: str | Path) -> RunLog:
         import yaml
 
         try:
-            params = _flatten(yaml.safe_load(cfg.read_text()) or {})
+            params = {k: str(v) for k, v in flatten(yaml.safe_load(cfg.read_text()) or {}).items()
+                      if not isinstance(v, Mapping)}  # an empty group is no param
         except yaml.YAMLError as e:
             notes.append(f"{cfg}: not read ({e}); params left empty")
     return _finish(d.resolve().name, str(d), hist, params, d, notes)

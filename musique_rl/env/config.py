@@ -130,6 +130,23 @@ def warm_start_config(task: str) -> WarmStartConfig:
     return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(WarmStartConfig), OmegaConf.load(path)))
 
 
+def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """A config tree as dotted keys: {'a': {'b': 1}, 'c': [1, 2]} -> {'a.b': 1, 'c': [1, 2]} (a list, and
+    an empty mapping, stay one leaf). Every layer reads a config this way: MLflow params, a run
+    dir's identity, the doctor's params of a run dir, a fault's overlay as overrides."""
+    out: dict[str, Any] = {}
+    if isinstance(tree, Mapping):
+        for k, v in tree.items():
+            key = f"{prefix}.{k}" if prefix else str(k)
+            if isinstance(v, Mapping) and v:
+                out.update(flatten(v, key))
+            else:
+                out[key] = v
+    else:
+        out[prefix] = tree
+    return out
+
+
 def overlay(group: G, changes: Mapping[str, Any]) -> G:
     """A new read-only ``group`` with ``changes`` (its keys; a nested group's as a dict) merged in
     through its schema: a value takes the field's type (6 becomes 6.0 in a float field, as in a

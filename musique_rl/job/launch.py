@@ -49,22 +49,17 @@ class RunDirError(RuntimeError):
     """A run directory that belongs to another launch or another config."""
 
 
-def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(tree, dict) and tree:
-        return {k: v for key, sub in tree.items() for k, v in _flat(sub, f"{prefix}.{key}" if prefix else str(key)).items()}
-    return {prefix: tree}
-
-
 def identity(cfg: DictConfig) -> dict[str, str]:
     """The resolved composed config (no ``hydra`` node) as flat key -> value strings, redacted, without
     ``IDENTITY_EXCLUDES``."""
     from omegaconf import OmegaConf
 
+    from musique_rl.env.config import flatten
     from musique_rl.tracking.redact import redact_value
 
     data = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True, throw_on_missing=False)
     data.pop("hydra", None)
-    return {k: redact_value(k, "None" if v is None else v) for k, v in sorted(_flat(data).items())
+    return {k: redact_value(k, "None" if v is None else v) for k, v in sorted(flatten(data).items())
             if not any(k == e or (e.endswith(".") and k.startswith(e)) for e in IDENTITY_EXCLUDES)}
 
 

@@ -13,26 +13,12 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from musique_rl.env.config import flatten
 from musique_rl.tracking.redact import redact_value
 from musique_rl.tracking.store import PARAM_MAX, TAG_MAX, hydra_config, sweep_dir
 
 
 # ---------------------------------------------------------------- the config as params
-def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
-    """{'a': {'b': 1}, 'c': [1, 2]} -> {'a.b': 1, 'c': '[1, 2]'} (lists stay one param)."""
-    out: dict[str, Any] = {}
-    if isinstance(tree, Mapping):
-        for k, v in tree.items():
-            key = f"{prefix}.{k}" if prefix else str(k)
-            if isinstance(v, Mapping) and v:
-                out.update(flatten(v, key))
-            else:
-                out[key] = v
-    else:
-        out[prefix] = tree
-    return out
-
-
 def resolved_container(cfg: DictConfig) -> dict[str, Any]:
     """The config as plain data, interpolations resolved, enums as strings, `hydra` node dropped."""
     data = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True, throw_on_missing=False)

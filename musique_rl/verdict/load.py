@@ -20,8 +20,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from musique_rl.core.warm_start import machine_string
+from musique_rl.env.config import flatten
 from musique_rl.sweep import jobs as sweep_jobs
-from musique_rl.tracking.provenance import config_params, flatten, sweep_id_of
+from musique_rl.tracking.provenance import config_params, sweep_id_of
 from musique_rl.tracking.store import tracking_uri
 from musique_rl.verdict.sweep import HYPOTHESIS_DIR, UNKNOWN, Hypothesis, Run, Sweep, VerdictError
 

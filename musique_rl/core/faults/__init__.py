@@ -28,6 +28,7 @@ import pkgutil
 from typing import Any, ClassVar
 
 from musique_rl.core.config import JobConfig
+from musique_rl.env.config import flatten
 from musique_rl.env.registry import Registry
 
 FAULTS = Registry("fault")
@@ -140,15 +141,8 @@ def table() -> str:
 def _overlay_text(f: type[Fault]) -> str:
     """The overlay as the overrides a user would type (`group=option`, `key=value`)."""
     parts = [f"`{k.split('/')[-1]}={v}`" for d in f.defaults for k, v in d.items()]  # "override /reward": "answer_em"
-    parts += [f"`{k}={str(v).lower() if isinstance(v, bool) else v}`" for k, v in dotted(f.overlay)]
+    parts += [f"`{k}={str(v).lower() if isinstance(v, bool) else v}`" for k, v in flatten(f.overlay).items()]
     return ", ".join(parts) or "-"
-
-
-def dotted(d: Any, prefix: str = "") -> list[tuple[str, Any]]:
-    """(dotted key, leaf value) pairs of a nested dict: an overlay as the overrides it amounts to."""
-    if not isinstance(d, dict):
-        return [(prefix, d)]
-    return [kv for k, v in d.items() for kv in dotted(v, f"{prefix}{k}." if isinstance(v, dict) else f"{prefix}{k}")]
 
 
 # Every module of this package declares a fault: importing them here registers them, so a new fault
