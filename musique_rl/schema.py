@@ -158,7 +158,7 @@ def job_config(cfg: DictConfig | Config) -> Config:
     every interpolation resolved. Called once where a job starts (train, evaluate, the GPU
     topology); each layer then receives the groups it reads. Tracking keeps the DictConfig (the
     MLflow params are its flattened keys). A ``Config`` passes through: a caller that holds the
-    typed config already (app.run, a test) hands it on as is."""
+    typed config already (a test, a tool) hands it on as is."""
     if isinstance(cfg, Config):
         return cfg
     if not OmegaConf.is_config(cfg):

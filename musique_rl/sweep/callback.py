@@ -151,7 +151,7 @@ class SweepCallback(Callback):
                 if row.status == "DIED" and (run_id := parent.job_run_id(sweep_dir / str(row.num))):
                     parent.close_run(self.uri, run_id, "KILLED", only_if_running=True)
             parent.close_run(self.uri, self.parent_run_id, "FAILED" if failed or not read else "FINISHED",
-                               tags={"jobs": len(rows), "failed_jobs": failed})
+                             tags={"jobs": len(rows), "failed_jobs": failed})
         except Exception as exc:  # the jobs are done and recorded in jobs.json: the store's failure is only said
             log.warning("MLflow parent run %s not closed (%s: %s)", self.parent_run_id, type(exc).__name__,
                         redact(str(exc))[:300])
