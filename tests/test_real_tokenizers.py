@@ -302,7 +302,10 @@ def _scripted_model_dir(spec, tok) -> object:
     from musique_rl.env.data import load_records
 
     cfg = _cfg(spec)
-    call = policies.tool_call_text("retrieve_documents", {"query": "friend father mother teacher boss spouse mentor neighbor"}, spec.tool_call_format)
+    from musique_rl.env.tool_formats import tool_format
+
+    call = tool_format(spec.tool_call_format).render(
+        "retrieve_documents", {"query": "friend father mother teacher boss spouse mentor neighbor"})
     final = "<think> t</think>\n<cite>[0]</cite>\n<answer> unknown</answer>"
     steps, lr = 120, 1e-2
     key = hashlib.sha256(f"{tf.build_key(spec)} {call} {final} {steps} {lr}".encode()).hexdigest()[:12]
