@@ -124,7 +124,7 @@ def dataset():
     from datasets import Dataset
 
     from musique_rl.env.arith import generate_records
-    from musique_rl.env.prompts import ARITH_SYSTEM_PROMPT
+    from musique_rl.env.tasks.arith import SYSTEM_PROMPT as ARITH_SYSTEM_PROMPT
 
     recs = generate_records("train", PROMPTS_PER_STEP * STEPS, seed=0)
     return Dataset.from_list([{"prompt": [{"role": "system", "content": ARITH_SYSTEM_PROMPT},
