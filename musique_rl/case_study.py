@@ -3,7 +3,7 @@
     make case-study                # = python -m musique_rl.case_study --run --publish (seeds 1-3)
     python -m musique_rl.case_study multirun/case_study/<time>   # the report again, from a sweep dir
 
-The sweep is one Hydra multirun over the arms in musique_rl/conf/case/ (``+case=<arm>``) x seeds. This module
+The sweep is one Hydra multirun over the arms in conf/case/ (``+case=<arm>``) x seeds. This module
 reads its job directories and writes ``case_study.md``, ``case_study.json`` and the plots into the
 sweep directory, copies them to docs/case_study/ (``--publish``) and attaches them to the sweep's
 MLflow parent run. Every number in the report is computed here from the jobs' ``metrics.json``,
@@ -58,7 +58,7 @@ CONTROL_MIN_EFFECT = round(LEARNS - SHUFFLED_MAX, 4)  # 0.15
 
 @dataclass(frozen=True)
 class Arm:
-    name: str  # musique_rl/conf/case/<name>.yaml
+    name: str  # conf/case/<name>.yaml
     task: str  # musique (multi-turn, tool) | arith (single-turn control)
     what: str
 

@@ -34,7 +34,7 @@ or a plain run on a GPU workstation) does not train in its own process. ``app.ru
    also when submitit's preemption handler exits the job.
 
 Settings that depend on the cluster are the ``gpu`` config group (schema.GpuSettings):
-``gpu.accelerate_config`` (default musique_rl/launchers/accelerate/zero3.yaml: DeepSpeed ZeRO-3),
+``gpu.accelerate_config`` (default launchers/accelerate/zero3.yaml: DeepSpeed ZeRO-3),
 ``gpu.vllm_gpu_memory_utilization`` (0.9), ``gpu.vllm_max_model_len`` (default the env's prompt +
 completion + one turn; a smaller value is refused), ``gpu.vllm_health_timeout_s`` (900). Ports: the server's (``train.vllm_server_port``), TRL's
 weight-sync group (``train.vllm_group_port``) and accelerate's rendezvous are chosen free when the
@@ -67,10 +67,10 @@ from omegaconf import DictConfig
 # the process and port rules the trainer (RL core) applies too; here re-exported for the topology
 from musique_rl.core.devices import ROLE_ENV, free_port, resolve_vllm_mode, visible_gpus  # noqa: F401
 from musique_rl.job.result import JobResult
-from musique_rl.schema import Config, job_config
+from musique_rl.schema import LAUNCHERS_DIR, Config, job_config
 
-# Package data, so an installed wheel launches with them too (launchers/accelerate in the checkout links here).
-ACCELERATE_DIR = Path(__file__).resolve().parent / "launchers" / "accelerate"
+# launchers/accelerate/ in a checkout; package data in a wheel, so an installed package launches with them too.
+ACCELERATE_DIR = LAUNCHERS_DIR / "accelerate"
 DEFAULT_ACCELERATE_CONFIG = ACCELERATE_DIR / "zero3.yaml"
 
 
@@ -183,7 +183,7 @@ def layout(cfg: Config, gpus: int, mode: str, *, card_gib: float | None, acceler
     arch = memory.architecture(cfg.model.name_or_path)
     if arch is None:
         out.notes.append(f"memory and positions not checked: no architecture known for model.name_or_path="
-                         f"{cfg.model.name_or_path} (a musique_rl/conf/model hub id or a local directory with config.json)")
+                         f"{cfg.model.name_or_path} (a conf/model hub id or a local directory with config.json)")
         return out
     if arch.get("max_positions") and context > int(arch["max_positions"]):
         raise TopologyError(f"the longest request ({budgets} = {context} tokens) exceeds the model's "

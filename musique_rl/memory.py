@@ -32,7 +32,7 @@ from typing import Any
 
 from musique_rl.schema import CONF_DIR, Config
 
-# The hub config.json values of each large model config (musique_rl/conf/model/*.yaml), enough to build the
+# The hub config.json values of each large model config (conf/model/*.yaml), enough to build the
 # same tensors: a random-init copy has the real model's memory footprint without a download.
 # max_positions: the context length vLLM accepts for it (gpu_job's context check).
 ARCHITECTURES: dict[str, dict[str, Any]] = {
@@ -169,7 +169,7 @@ def weights_gb(arch: dict[str, Any]) -> float:
 
 
 def architecture(name_or_path: str) -> dict[str, Any] | None:
-    """``ARCHITECTURES``' numbers for a model config's hub id (musique_rl/conf/model/*.yaml), or a local model
+    """``ARCHITECTURES``' numbers for a model config's hub id (conf/model/*.yaml), or a local model
     directory's config.json; None when neither says (the memory plan then names what it skipped)."""
     import json as _json
     from pathlib import Path
@@ -305,7 +305,7 @@ def compose(name: str, micro: int, extra: list[str] | None = None) -> Any:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m musique_rl.memory", description=__doc__.split("\n\n")[0])
-    p.add_argument("--models", default=",".join(ARCHITECTURES), help="model configs (musique_rl/conf/model), comma-separated")
+    p.add_argument("--models", default=",".join(ARCHITECTURES), help="model configs (conf/model), comma-separated")
     p.add_argument("--micro-batches", default="1,2,4,8")
     p.add_argument("--prompt-tokens", type=int, default=8192)
     p.add_argument("--completion-tokens", type=int, default=4096)

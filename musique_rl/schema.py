@@ -35,6 +35,8 @@ from musique_rl.diagnostics.config import DiagnosticsConfig
 from musique_rl.env import config as env_config
 from musique_rl.env.config import (  # noqa: F401
     CONF_DIR,
+    LAUNCHERS_DIR,
+    SWEEPS_DIR,
     ArithConfig,
     ReadOnly,
     RetrievalScope,
@@ -100,7 +102,7 @@ class GpuSettings(ReadOnly):
     vllm_max_model_len: Optional[int] = None
     vllm_gpu_memory_utilization: float = 0.9  # the server's share of its own GPU
     vllm_health_timeout_s: float = 900.0  # the server must answer /health within this (weights load from disk)
-    # accelerate's config for the trainer processes; None = musique_rl/launchers/accelerate/zero3.yaml (DeepSpeed ZeRO-3)
+    # accelerate's config for the trainer processes; None = launchers/accelerate/zero3.yaml (DeepSpeed ZeRO-3)
     accelerate_config: Optional[str] = None
 
 
@@ -258,17 +260,32 @@ def _arm(control: Any, treatment: Any, *, _root_: Any) -> Any:
 
 # CONF_DIR (env/config.py) is where every config lookup starts from (entrypoint, tools, tests): the
 # configs are package data, so a wheel installed anywhere finds them. A user's own configs go on
-# top with Hydra's `--config-dir DIR` (searched first), never by editing this tree.
+# top with Hydra's `--config-dir DIR` (searched first), never by editing this tree. Two groups live
+# outside conf/, in the top-level folders a user looks in (sweeps/, launchers/hydra/), and are
+# registered here in Hydra's ConfigStore under the group names the configs use (`sweep`,
+# `hydra/launcher`): Hydra finds a group only as a folder of that name on its search path.
 
 
-def register_sweeps(conf_dir: Path = CONF_DIR) -> list[str]:
-    """A named sweep for every hypothesis: ``+sweep=<id>`` is musique_rl/conf/sweep/_base.yaml (both arms x
-    seeds, then the verdict) over musique_rl/conf/hypothesis/<id>.yaml. A hypothesis that needs another grid
-    writes its own musique_rl/conf/sweep/<id>.yaml, which this leaves alone. So a new hypothesis is one file."""
+def _store_files(folder: Path, group: str, package: str | None = None) -> list[str]:
+    """Every ``folder/*.yaml`` as an option of ``group``, as its file says (defaults list included)."""
+    store, names = ConfigStore.instance(), []
+    for path in sorted(folder.glob("*.yaml")):
+        store.store(group=group, name=path.stem, node=OmegaConf.load(path), package=package)
+        names.append(path.stem)
+    return names
+
+
+def register_sweeps(conf_dir: Path = CONF_DIR, sweeps_dir: Path = SWEEPS_DIR) -> list[str]:
+    """``+sweep=<id>`` for every sweeps/<id>.yaml (both arms x seeds, then the verdict, over
+    conf/hypothesis/<id>.yaml), and for a hypothesis that has no sweeps file the shared grid
+    (sweeps/_base.yaml over its hypothesis), so a new hypothesis is one file. Returns the ids
+    given the shared grid."""
+    files = set(_store_files(sweeps_dir, "sweep", package="_global_"))
     store, added = ConfigStore.instance(), []
     for path in sorted((conf_dir / "hypothesis").glob("*.yaml")):
-        if not (conf_dir / "sweep" / path.name).exists():
-            store.store(group="sweep", name=path.stem, node={"defaults": ["_base", "_self_"]}, package="_global_")
+        if path.stem not in files:
+            store.store(group="sweep", name=path.stem, node={"defaults": ["_base", {"/hypothesis": path.stem}, "_self_"]},
+                        package="_global_")
             added.append(path.stem)
     return added
 
@@ -296,6 +313,7 @@ def register() -> None:
     # One root schema types every group: the option files merge into its typed nodes.
     ConfigStore.instance().store(name="schema", node=Config)
     register_sweeps()
+    _store_files(LAUNCHERS_DIR / "hydra", "hydra/launcher")  # hydra/launcher=local | slurm
     register_faults()
 
 register()

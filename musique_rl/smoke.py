@@ -9,7 +9,7 @@ treatment arm and a 7B-shaped model, each through ``train.train``, with time, th
 Cases (in order): ``default`` (the main job, 20 steps), ``micro_batch`` (the default in 4
 micro-batches with gradient checkpointing), ``fault=<name>`` for each planted fault and
 ``hypothesis=<id>`` for each hypothesis' treatment arm (5 steps each), and ``7b``: a model of
-Qwen2.5-7B's shape (musique_rl/conf/model/qwen2.5-7b-instruct.yaml: its gradient checkpointing and
+Qwen2.5-7B's shape (conf/model/qwen2.5-7b-instruct.yaml: its gradient checkpointing and
 micro-batch) with random weights and the tiny tokenizer's vocabulary, built locally on the GPU and
 saved, then loaded through ``model.name_or_path`` like a hub model; LoRA r16, 4 prompts x 8
 generations, <= 128 tokens per turn, 2 turns, 3 steps. Nothing is downloaded.

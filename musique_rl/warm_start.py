@@ -19,8 +19,8 @@ from musique_rl.core import tiny_model
 from musique_rl.core.warm_start import WarmStartGateError, _build_into, ensure
 
 # The warm starts committed to musique_rl/warm_starts/ (`make warm-start`), each as overrides of
-# musique_rl/conf/train.yaml: the default's and the arith control task's (env=arith; its key follows
-# its task's musique_rl/conf/warm_start/arith.yaml, not the multi-hop one). A single-step warm start for h07's treatment
+# conf/train.yaml: the default's and the arith control task's (env=arith; its key follows
+# its task's conf/warm_start/arith.yaml, not the multi-hop one). A single-step warm start for h07's treatment
 # does not pass its gate on this model (docs/warm_start.md), and a start that fails is never shipped.
 SHIPPED_CONFIGS: dict[str, list[str]] = {"default": [], "arith": ["env=arith", "reward=answer_em"]}
 

@@ -48,7 +48,7 @@ ROOT_DIR = Path(__file__).resolve().parents[1]
 
 
 def compose_cfg(overrides: list[str] | None = None):
-    """The composed main config (musique_rl/conf/train.yaml) with ``overrides``, outside any Hydra run."""
+    """The composed main config (conf/train.yaml) with ``overrides``, outside any Hydra run."""
     from hydra import compose, initialize_config_dir
 
     from musique_rl.schema import CONF_DIR  # importing it registers the schema and resolvers

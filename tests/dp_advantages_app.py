@@ -4,7 +4,7 @@ The rollout is scripted (each completion's reward depends only on its record and
 the group), so a 1-process and a 2-process run see the same rollouts; each process writes the
 advantages of its share of the batch. Run:
     python tests/dp_advantages_app.py OUT_DIR
-    accelerate launch --config_file musique_rl/launchers/accelerate/cpu_2proc.yaml tests/dp_advantages_app.py OUT_DIR
+    accelerate launch --config_file launchers/accelerate/cpu_2proc.yaml tests/dp_advantages_app.py OUT_DIR
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ a generate call receives costs ``SLOW_S`` seconds), with the gloo group's collec
 ``TIMEOUT_S``: longer than the whole evaluation split over two processes, shorter than all of it
 on one. Writes the metrics and episodes each process got back, and the seconds it spent. Run:
     python tests/dp_eval_app.py OUT_DIR
-    accelerate launch --config_file musique_rl/launchers/accelerate/cpu_2proc.yaml tests/dp_eval_app.py OUT_DIR [--rank0-only]
+    accelerate launch --config_file launchers/accelerate/cpu_2proc.yaml tests/dp_eval_app.py OUT_DIR [--rank0-only]
 ``--rank0-only`` is the old shape (rank 0 evaluates, the others wait in a barrier): it records
 whether the waiting rank's collective timed out.
 """

@@ -1,4 +1,4 @@
-"""Stand-in job for launcher tests: the real musique_rl/conf/ tree and launchers, a task that takes seconds.
+"""Stand-in job for launcher tests: the real conf/ tree and launchers, a task that takes seconds.
 
 It writes what a training job writes for the verdict (metrics.json with the hypothesis' metric)
 and misbehaves on request, so failure isolation and requeue/resume can be tested without

@@ -1,6 +1,6 @@
 """Every config composes: each option of each group alone and with every hypothesis and fault.
 
-Composition goes through Hydra's compose API on the real musique_rl/conf/ tree, with full resolution, so a
+Composition goes through Hydra's compose API on the real conf/ tree, with full resolution, so a
 broken interpolation, a key missing from the typed schema or a wrong enum value fails here.
 """
 

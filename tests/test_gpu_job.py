@@ -218,7 +218,7 @@ def test_every_readme_topology_has_a_layout_that_divides_the_batch(gpus, mode):
     lay = _layout(_cfg(), gpus, mode)
     assert (lay.trainer_processes, lay.vllm_gpus, lay.episodes_per_process, lay.accumulation) == EXPECTED[gpus, mode]
     assert lay.trainer_processes * lay.episodes_per_process == 64 and lay.micro_batch == 4
-    assert lay.zero3 == (lay.trainer_processes > 1)  # musique_rl/launchers/accelerate/zero3.yaml
+    assert lay.zero3 == (lay.trainer_processes > 1)  # launchers/accelerate/zero3.yaml
     assert lay.max_model_len == 8192 + 8192 + 1024  # prompt + completion + one turn
     assert any("GiB" in m for m in lay.memory)  # the memory plan was made, not skipped
 

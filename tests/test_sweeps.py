@@ -13,39 +13,46 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf, open_dict
 
-from musique_rl.schema import CONF_DIR  # importing it registers the schema and resolvers
+from musique_rl.schema import CONF_DIR, SWEEPS_DIR  # importing it registers the schema and resolvers
 
 ROOT = Path(__file__).resolve().parent.parent
 SWEEPS = sorted(p.stem for p in (CONF_DIR / "hypothesis").glob("h*.yaml"))  # one named sweep each
 
 
-def test_every_hypothesis_has_a_named_sweep_on_the_search_path():
+def test_every_hypothesis_has_a_named_sweep_file_a_user_can_copy():
     assert len(SWEEPS) >= 8
-    # real files, not a link: a wheel drops symlinks, and the installed package must keep its sweeps
-    assert not (CONF_DIR / "sweep").is_symlink() and (CONF_DIR / "sweep" / "_base.yaml").is_file()
-    # the generic grid serves every hypothesis: no per-hypothesis copies of it
-    assert not sorted((CONF_DIR / "sweep").glob("h*.yaml"))
+    # sweeps/ at the top of the checkout: one readable file per named sweep, real files (a wheel drops links)
+    assert SWEEPS_DIR.parent == ROOT and (SWEEPS_DIR / "_base.yaml").is_file()
+    files = sorted(p.stem for p in SWEEPS_DIR.glob("h*.yaml"))
+    assert files == SWEEPS and not any(p.is_symlink() for p in SWEEPS_DIR.iterdir())
+    for name in files:  # each names its hypothesis, arms and seeds where a reader sees them
+        text = (SWEEPS_DIR / f"{name}.yaml").read_text()
+        assert f"/hypothesis: {name}" in text and "hypothesis.arm:" in text and "seed:" in text, name
 
 
 def test_a_new_hypothesis_is_one_file_and_its_sweep_comes_with_it(tmp_path):
-    """The recipe of docs/architecture.md, done: copy musique_rl/conf/, add musique_rl/conf/hypothesis/h99.yaml, and
-    `+sweep=h99` composes the paired grid; a hypothesis with its own sweeps file keeps it."""
+    """The recipe of docs/architecture.md, done: copy conf/, add conf/hypothesis/h99.yaml, and
+    `+sweep=h99` composes the shared grid; a hypothesis with its own sweeps file keeps its grid."""
     import shutil
 
     from musique_rl.schema import register_sweeps
 
-    conf = tmp_path / "conf"
+    conf, sweeps = tmp_path / "conf", tmp_path / "sweeps"
     shutil.copytree(CONF_DIR, conf, symlinks=False)
+    shutil.copytree(SWEEPS_DIR, sweeps, symlinks=False)
     text = (conf / "hypothesis" / "h02.yaml").read_text().replace("id: h02", "id: h99")
     (conf / "hypothesis" / "h99.yaml").write_text(text)
-    (conf / "sweep" / "h98.yaml").write_text("# @package _global_\ndefaults:\n  - _base\n  - _self_\n")
     (conf / "hypothesis" / "h98.yaml").write_text(text.replace("id: h99", "id: h98"))
-    added = register_sweeps(conf)
+    (sweeps / "h98.yaml").write_text((sweeps / "h02.yaml").read_text().replace("h02", "h98").replace("1,2,3,4,5", "1,2"))
+    added = register_sweeps(conf, sweeps)
     assert "h99" in added and "h98" not in added
     with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
-        cfg = compose("train", overrides=["+sweep=h99"], return_hydra_config=True)
-    assert cfg.hypothesis.id == "h99"
-    assert OmegaConf.to_container(cfg.hydra.sweeper.params) == {"hypothesis.arm": "control,treatment", "seed": "1,2,3,4,5"}
+        new = compose("train", overrides=["+sweep=h99"], return_hydra_config=True)
+        own = compose("train", overrides=["+sweep=h98"], return_hydra_config=True)
+    assert new.hypothesis.id == "h99" and own.hypothesis.id == "h98"
+    assert OmegaConf.to_container(new.hydra.sweeper.params) == {"hypothesis.arm": "control,treatment", "seed": "1,2,3,4,5"}
+    assert OmegaConf.to_container(own.hydra.sweeper.params) == {"hypothesis.arm": "control,treatment", "seed": "1,2"}
+    register_sweeps()  # the real tree again, for the tests after this one
 
 
 @pytest.fixture(scope="module")

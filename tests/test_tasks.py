@@ -109,7 +109,7 @@ def test_every_task_declares_a_complete_warm_start():
     """What core/warm_start.py reads of a task: a shape per gate, bounds the gate can check, and the
     SFT recipe's required shapes among the task's shapes."""
     for task in TASKS.values():
-        setting = task.warm_start()  # musique_rl/conf/warm_start/<task>.yaml, through its schema
+        setting = task.warm_start()  # conf/warm_start/<task>.yaml, through its schema
         assert task.gate_shapes and setting.env, task.name
         assert {"sampled_em", "pass8_minus_pass1_min", "records_per_shape", "split"} <= set(task.gate), task.name
         assert {"greedy_em_min", "greedy_over_sampled_min"} & set(task.gate), task.name

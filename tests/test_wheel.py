@@ -1,6 +1,7 @@
 """The package as a user installs it: a wheel built from the checkout, installed into a fresh venv,
-run from a directory outside the checkout. It proves the configs, accelerate configs and warm start
-ship inside the package (schema.CONF_DIR) and that nothing reads the source tree at run time.
+run from a directory outside the checkout. It proves the top-level conf/, sweeps/ and launchers/
+(mapped into the package at build time) and the warm start ship inside the package (schema.CONF_DIR
+and its siblings) and that nothing reads the source tree at run time.
 
 The fresh venv gets the dependencies through a .pth line naming the current environment's
 site-packages: a plain path line adds the directory without running its .pth files, so the
@@ -24,7 +25,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 # What the wheel is built from (pyproject.toml's packages and package data, README.md its readme);
 # copied first so that the build's own build/ directory never lands in the checkout.
-SOURCES = ("pyproject.toml", "README.md", "musique_rl", "hydra_plugins")
+SOURCES = ("pyproject.toml", "README.md", "musique_rl", "hydra_plugins", "conf", "sweeps", "launchers")
 
 
 def _run(cmd: list[str], cwd: Path, env: dict[str, str], timeout: int) -> subprocess.CompletedProcess:
@@ -68,19 +69,33 @@ def installed(tmp_path_factory):
     return python, site, env, outside
 
 
+def test_pyproject_lists_every_package_of_the_checkout():
+    """pyproject.toml lists the packages by name (a package-dir mapping cannot be combined with
+    automatic discovery): a new subpackage left out of the list would be missing from the wheel."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(ROOT).parts) for top in ("musique_rl", "hydra_plugins")
+             for p in (ROOT / top).rglob("__init__.py")}
+    assert found <= listed, f"add to pyproject.toml [tool.setuptools] packages: {sorted(found - listed)}"
+
+
 def test_the_wheel_holds_what_the_package_reads_at_run_time(installed):
     python, site, env, outside = installed
     from musique_rl.gpu_job import ACCELERATE_DIR
-    from musique_rl.schema import CONF_DIR
+    from musique_rl.schema import CONF_DIR, LAUNCHERS_DIR, SWEEPS_DIR
 
     def files(d: Path) -> list[str]:
         return sorted(str(p.relative_to(d)) for p in d.rglob("*") if p.is_file() and "__pycache__" not in p.parts)
 
     conf = site / "musique_rl" / "conf"
-    assert (conf / "train.yaml").is_file() and (conf / "sweep" / "_base.yaml").is_file()
-    # every config of the checkout ships (pyproject's package-data globs leave none behind), as a real file
+    assert (conf / "train.yaml").is_file() and (site / "musique_rl" / "sweeps" / "_base.yaml").is_file()
+    # every config, named sweep and launcher config of the checkout's top-level folders ships (pyproject's
+    # package-dir mapping and package-data globs leave none behind), as a real file
     assert files(conf) == files(CONF_DIR)
+    assert files(site / "musique_rl" / "sweeps") == files(SWEEPS_DIR)
     assert files(site / "musique_rl" / "launchers" / "accelerate") == files(ACCELERATE_DIR)
+    assert files(site / "musique_rl" / "launchers" / "hydra") == files(LAUNCHERS_DIR / "hydra")
     assert list((site / "musique_rl" / "warm_starts").glob("tiny-*/model/model.safetensors"))
     proc = _run([str(python), "-c", "import musique_rl, hydra_plugins.musique_rl_launchers as l, musique_rl.schema as s, "
                  "musique_rl.gpu_job as g; print(musique_rl.__file__, l.__file__, s.CONF_DIR, g.DEFAULT_ACCELERATE_CONFIG)"],

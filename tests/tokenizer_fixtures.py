@@ -88,7 +88,7 @@ class StandIn:
     architecture: str = "qwen2"  # of the tiny random model
     vocab_size: int = 0  # the embedding rows of the real checkpoint (padded beyond the tokenizer)
     tool_call_format: str = "hermes"
-    model_config: str = ""  # the musique_rl/conf/model file whose settings the stand-in answers to
+    model_config: str = ""  # the conf/model file whose settings the stand-in answers to
 
 
 # What Qwen2.5 and Qwen3 share: the tokenizer class, its pre-tokenizer and special tokens, and the

@@ -1,4 +1,4 @@
-"""Stand-in job for the tracking tests: the real musique_rl/conf/ tree, launchers, job pipe
+"""Stand-in job for the tracking tests: the real conf/ tree, launchers, job pipe
 (``app.run``) and MLflow tracking, no training.
 
 Its work logs a few steps of instrument-shaped metrics through the tracker ``app.run`` hands it and

@@ -15,7 +15,7 @@
    ``on_multirun_end``, so the verdict would not run); the sweep's callback
    (musique_rl/sweep/callback.py) prints the table, and exits non-zero when any job failed.
 
-Configs: musique_rl/conf/hydra/launcher/{local,slurm}.yaml. Upstream's ``launch`` is mirrored in
+Configs: launchers/hydra/{local,slurm}.yaml. Upstream's ``launch`` is mirrored in
 ``_executor`` (pinned: hydra-submitit-launcher==1.2.0; tests/test_launchers.py checks the version).
 """
 

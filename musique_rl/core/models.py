@@ -22,7 +22,7 @@ def process_state() -> Any:
     """accelerate's process state; on a machine without CUDA the processes talk over gloo.
 
     Why ``cpu=True`` there: launched by torchrun (``accelerate launch`` with
-    musique_rl/launchers/accelerate/cpu_2proc.yaml), accelerate forms a CPU process group only when asked for
+    launchers/accelerate/cpu_2proc.yaml), accelerate forms a CPU process group only when asked for
     the CPU; otherwise each process would train alone. (accelerate's own MULTI_CPU launcher needs MPI.)
     """
     from accelerate import PartialState

@@ -9,7 +9,7 @@ Nothing is downloaded:
   2. a ``Qwen2ForCausalLM`` built from ``model.tiny`` (hidden size, layers, heads);
   3. its warm start, a directory ``tiny-<key>`` holding ``model/``, ``tokenizer/`` and
      ``build.json`` (quality gate, weights hash). ``<key>`` (``build_key``) hashes every input of
-     the build: the ``model.tiny`` settings, the task's fixed warm-start setting (musique_rl/conf/warm_start/<task>.yaml),
+     the build: the ``model.tiny`` settings, the task's fixed warm-start setting (conf/warm_start/<task>.yaml),
      the chat template, and the rendered text of the first warm-start conversations (so a change
      to prompts, tools or the synthetic world changes the key, while a refactor does not).
 
@@ -197,7 +197,7 @@ def cpu_threads_for_tiny() -> None:
 
 # ---------------------------------------------------------------- the warm-start data
 # The environment the warm start is trained and gated in, whatever the run's ``env``, is its task's
-# (musique_rl/conf/warm_start/<task>.yaml: env.* and, for a task with its own SFT recipe,
+# (conf/warm_start/<task>.yaml: env.* and, for a task with its own SFT recipe,
 # model.tiny.* in place of the configured sft_* settings): a warm start is a fixed artifact (like a
 # downloaded checkpoint), so both arms of a sweep that changes the env (h04's small budgets, another
 # retriever) start from the same weights.

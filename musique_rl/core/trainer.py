@@ -438,7 +438,7 @@ def batch_layout(t: TrainSettings, world: int) -> tuple[int, int]:
             f"{world}). Nearest valid: {'; '.join(nearest_batch_settings(t, world))}"
         )
     local = P * G // world
-    # At most micro_batch_size episodes per pass: a model config's default (musique_rl/conf/model) may exceed a
+    # At most micro_batch_size episodes per pass: a model config's default (conf/model) may exceed a
     # small batch, which then runs in one pass.
     micro = local if t.micro_batch_size is None else min(t.micro_batch_size, local)
     if micro < 1 or local % micro:

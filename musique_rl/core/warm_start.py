@@ -232,7 +232,7 @@ def deterministic() -> None:
 
 def build(cfg: JobConfig, out: Path) -> dict:
     """Build, warm-start and gate the tiny model of ``cfg`` into ``out`` (in its task's fixed
-    warm-start environment, musique_rl/conf/warm_start/<task>.yaml); returns build.json's content."""
+    warm-start environment, conf/warm_start/<task>.yaml); returns build.json's content."""
     import torch
 
     t0 = time.time()

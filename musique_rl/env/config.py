@@ -19,8 +19,20 @@ from typing import Any, Dict, List, Optional, TypeVar
 
 from omegaconf import MISSING, OmegaConf
 
-# The package's config tree (package data, so a wheel installed anywhere finds it).
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+
+
+def shipped(folder: str) -> Path:
+    """A top-level folder of the checkout (``conf/``, ``sweeps/``, ``launchers/``), where a user looks
+    for it. A wheel carries each inside the package instead (pyproject.toml maps the folder to
+    ``musique_rl/<folder>`` at build time), so an installed package finds its copy there first."""
+    package = Path(__file__).resolve().parent.parent
+    inside = package / folder
+    return inside if inside.is_dir() else package.parent / folder
+
+
+CONF_DIR = shipped("conf")  # every Hydra config group
+SWEEPS_DIR = shipped("sweeps")  # the named sweeps (+sweep=<id>)
+LAUNCHERS_DIR = shipped("launchers")  # Hydra launcher configs (hydra/), accelerate/DeepSpeed configs (accelerate/)
 
 G = TypeVar("G")
 
@@ -112,7 +124,7 @@ class RewardConfig(ReadOnly):
 @dataclass
 class WarmStartConfig(ReadOnly):
     """The fixed setting a task's warm start for ``model=tiny`` is built in, whatever the run's:
-    musique_rl/conf/warm_start/<task>.yaml. A warm start is a fixed artifact (like a downloaded
+    conf/warm_start/<task>.yaml. A warm start is a fixed artifact (like a downloaded
     checkpoint), so both arms of a sweep that changes the env (h04's small budgets, another
     retriever) start from the same weights. Both are hashed into the warm start's key
     (core/tiny_model.py build_settings), so changing a value here means a new warm start."""

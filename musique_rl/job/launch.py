@@ -1,6 +1,6 @@
 """What one launch owns: its run directory (never shared with another launch) and how it stops.
 
-- ``stamp()``: the unique part of a default run or sweep directory name (``musique_rl/conf/train.yaml``:
+- ``stamp()``: the unique part of a default run or sweep directory name (``conf/train.yaml``:
   ``outputs/<date>/<HH-MM-SS.micro>-<pid>``). Seconds alone made two launches started in the same
   second one run; the microseconds keep the names sortable, the pid keeps two processes apart even
   within one microsecond.

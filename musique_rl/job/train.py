@@ -14,7 +14,7 @@ The summary (``JobResult.summary``, ``metrics.json`` in the run directory, and t
   - every logged metric of every step is in ``metrics.jsonl`` beside it (one JSON object a line);
   - what the figures depend on: ``warm_start/*`` (hash and gate of the start), ``machine/*`` and
     ``git/commit`` (``+dirty`` with uncommitted changes).
-The hypotheses' metrics (musique_rl/conf/hypothesis/*.yaml) name ``train/reward_gain`` and
+The hypotheses' metrics (conf/hypothesis/*.yaml) name ``train/reward_gain`` and
 ``eval/gain/answer_em``.
 """
 

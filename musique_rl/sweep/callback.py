@@ -1,7 +1,7 @@
 """``SweepCallback``: what a Hydra multirun does before its jobs and after them, in one place.
 
-Registered for every multirun in musique_rl/conf/train.yaml (``hydra.callbacks.sweep``); named
-sweeps (musique_rl/conf/sweep/_base.yaml) set ``status_file: true``. Hydra calls it in the launching
+Registered for every multirun in conf/train.yaml (``hydra.callbacks.sweep``); named
+sweeps (sweeps/_base.yaml) set ``status_file: true``. Hydra calls it in the launching
 process, around the jobs its launcher fans out:
 
   on_multirun_start  the MLflow parent run (when tracking is on), created before any job starts.

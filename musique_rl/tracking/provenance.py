@@ -37,7 +37,7 @@ def config_params(cfg: DictConfig) -> dict[str, str]:
 # ---------------------------------------------------------------- the code
 # What a job runs: a change here makes the checkout "dirty". Docs are left out: a sweep's verdict
 # rewrites README.md, which must not mark the next sweep's runs as unrecoverable code.
-CODE_PATHS = ("musique_rl", "hydra_plugins", "launchers", "pyproject.toml")  # configs live in musique_rl/conf
+CODE_PATHS = ("musique_rl", "conf", "sweeps", "launchers", "hydra_plugins", "pyproject.toml")
 
 
 def git_commit(repo: Path | None = None) -> tuple[str, bool]:

@@ -3,7 +3,7 @@
 Three steps, in the order a sweep's callback (musique_rl/sweep/callback.py) and the CLI call them:
 ``draw_plots`` (the rows link the plots), ``write`` (the files), ``attach`` (the MLflow parent run).
 
-The status table lists every hypothesis in musique_rl/conf/hypothesis/ ("Not run" until judged)
+The status table lists every hypothesis in conf/hypothesis/ ("Not run" until judged)
 between ``<!-- verdicts:start -->`` and ``<!-- verdicts:end -->``: in the sweep dir's status.md,
 and, for a named sweep in a source checkout, in the repository's status file docs/STATUS.md
 (``sweep.STATUS``; README.md links it), where a verdict rewrites its own row and keeps the others.
@@ -118,7 +118,7 @@ def render_table(rows: dict[str, dict[str, str]]) -> str:
 
 
 def _all_hypotheses() -> dict[str, dict[str, str]]:
-    """A "not run" row for every hypothesis in musique_rl/conf/hypothesis/, so the table lists them all."""
+    """A "not run" row for every hypothesis in conf/hypothesis/, so the table lists them all."""
     rows = {}
     for path in sorted(HYPOTHESIS_DIR.glob("h*.yaml")):
         try:

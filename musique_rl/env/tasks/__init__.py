@@ -4,7 +4,7 @@ A task declares, in one place, everything that differs between tasks: its record
 generator a data spec names, whether records carry documents), what the policy sees (messages, the
 tools offered), which reward components it can score, the scripted oracle's episode, and its warm
 start for ``model=tiny`` (gate shapes and bounds, the SFT data, the tokenizer's isolated pieces;
-its fixed environment and SFT recipe are config: musique_rl/conf/warm_start/<task>.yaml). Callers ask ``task_for(env_cfg)``; none tests a task's name.
+its fixed environment and SFT recipe are config: conf/warm_start/<task>.yaml). Callers ask ``task_for(env_cfg)``; none tests a task's name.
 
 Defining a ``Task`` subclass with a ``name`` registers it (``TASKS``), and the schema's allowed
 values for ``env.task`` come from that registry; every module here is imported below, so a new
@@ -70,7 +70,7 @@ class Task:
 
     # -- the warm start
     def warm_start(self) -> WarmStartConfig:
-        """The fixed setting the task's warm start is built in (musique_rl/conf/warm_start/<task>.yaml)."""
+        """The fixed setting the task's warm start is built in (conf/warm_start/<task>.yaml)."""
         return warm_start_config(self.name)
 
     def key_fields(self) -> dict:
