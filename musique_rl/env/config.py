@@ -20,7 +20,6 @@ from typing import Any, Dict, List, Optional, TypeVar
 from omegaconf import MISSING, OmegaConf
 
 
-
 def shipped(folder: str) -> Path:
     """A top-level folder of the checkout (``conf/``, ``sweeps/``, ``launchers/``), where a user looks
     for it. A wheel carries each inside the package instead (pyproject.toml maps the folder to
