@@ -196,8 +196,9 @@ def test_qwen3_loads_with_trls_prefix_preserving_template_and_rolls_out_token_ex
     for ep in episodes:
         assert ep.stop_reason == "answer" and ep.tool_calls >= 2 and ep.tool_errors == 0, ep.as_dict()
         # token-exact through the last tool result: the conversation before the answer turn renders as
-        # a prefix of the ids. (The answer turn itself is not compared: the project's own <think> answer
-        # tag collides with Qwen3's reasoning block, which the template re-renders; docs/architecture.md.)
+        # a prefix of the ids. (These are tags-format turns after an empty block; their answer turn's own
+        # <think> tag is re-rendered by Qwen3's template. Qwen3's configured format, model.answer_format=
+        # thinking, is token-exact through the answer: tests/test_qwen3_answer_format.py.)
         before_answer = list(tok.apply_chat_template(ep.messages[:-1], tools=tools, tokenize=True,
                                                      return_dict=False, add_generation_prompt=True))
         ids = ep.prompt_ids + ep.completion_ids
