@@ -10,6 +10,8 @@ and the real chat template), and that the Qwen2.5 and Llama-3.1 stand-ins run ex
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from musique_rl.core.rollout import ChatTokens, RolloutEngine, turn_text
@@ -146,7 +148,10 @@ def _qwen3_episodes(tok, n=4):
         turns.append(fmt.final_text(f"{final.think}, not <answer>{DECOY}</answer> <cite>999</cite>",
                                     final.cited_ids, final.answer))
         scripts[tuple(engine.chat.prompt_ids(prompts.build_messages(r, cfg.env, fmt.name)))] = turns
-    return cfg, records, engine, engine.run(records, ScriptedGenerator(tok, scripts))
+    # through TRL's rollout_func, as the trainer calls it: what it returns is what the trainer scores
+    batch = [[{"role": "user", "content": r["question"], "record_id": r["id"]}] for r in records]
+    trained = engine.rollout_func(batch, SimpleNamespace(musique_generator=ScriptedGenerator(tok, scripts)))
+    return cfg, records, engine, engine.last_episodes, trained
 
 
 def test_qwen3_episodes_are_token_exact_under_its_own_template_and_score_the_answer_after_the_block(qwen3_tok):
@@ -156,14 +161,15 @@ def test_qwen3_episodes_are_token_exact_under_its_own_template_and_score_the_ans
     from musique_rl.diagnostics.audit import RewardAudit
 
     tok = qwen3_tok
-    cfg, records, engine, episodes = _qwen3_episodes(tok)
+    cfg, records, engine, episodes, trained = _qwen3_episodes(tok)
     assert engine.chat.template_kwargs == {"enable_thinking": True}
     tools = prompts.tool_schemas(cfg.env)
     by_id = {r["id"]: r for r in records}
-    for ep in episodes:
+    for i, ep in enumerate(episodes):
         # the decoy <answer> in each tool turn's reasoning did not end the episode: every call ran
         assert ep.stop_reason == "answer" and ep.tool_calls >= 2 and ep.tool_errors == 0, ep.as_dict()
-        ids = ep.prompt_ids + ep.completion_ids
+        ids = trained["prompt_ids"][i] + trained["completion_ids"][i]  # the ids the trainer scores
+        assert trained["episode"][i]["messages"] == ep.messages and trained["env_mask"][i] == ep.env_mask
         for template in (tok.chat_template, tf.chat_template(tf.QWEN3)):  # the training twin, Qwen3's own
             rendered = list(tok.apply_chat_template(ep.messages, tools=tools, tokenize=True, return_dict=False,
                                                     chat_template=template, enable_thinking=True))
@@ -200,7 +206,7 @@ def test_the_same_turns_in_the_tags_format_end_on_the_decoy(qwen3_tok):
     """The control: read as ``tags`` (today's format on every model), the first decoy inside a block ends
     the episode and is the answer scored. What the thinking format prevents, on the same tokens."""
     tok = qwen3_tok
-    cfg, records, engine, episodes = _qwen3_episodes(tok, n=2)
+    cfg, records, engine, episodes, _ = _qwen3_episodes(tok, n=2)
     tags = RolloutEngine(cfg.env, tok, engine.retriever, engine.records_by_id, tool_format="hermes")
     scripts = {tuple(tags.chat.prompt_ids(prompts.build_messages(ep.record, cfg.env))): [
         turn_text(tok, ep.completion_ids[a:b]) for a, b in sampled_runs(ep.env_mask)] for ep in episodes}
