@@ -1,5 +1,5 @@
 """Answer formats: where a model puts its reasoning, and what assistant message a sampled turn becomes
-(``model.answer_format``; the model config files choose it, e.g. musique_rl/conf/model/qwen3-8b.yaml).
+(``model.answer_format``; each model config file chooses it: ``model=qwen3-8b`` sets ``thinking``).
 
 - ``tags`` (Qwen2.5, Llama-3.1, the tiny model): the reasoning is ordinary text in the reply,
   ``<think>..</think>\\n<cite>..</cite>\\n<answer>..</answer>`` (the task's prompt shows it); the message
