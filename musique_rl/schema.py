@@ -33,6 +33,7 @@ from musique_rl.core.config import (  # noqa: F401  (the groups' types and enums
 from musique_rl.core.faults import FAULTS
 from musique_rl.diagnostics.config import DiagnosticsConfig
 from musique_rl.env import config as env_config
+from musique_rl.env.answer_formats import ANSWER_FORMATS
 from musique_rl.env.config import (  # noqa: F401
     CONF_DIR,
     LAUNCHERS_DIR,
@@ -61,6 +62,7 @@ Retriever = RETRIEVERS.choices("Retriever", __name__)  # env.retriever's allowed
 Fault = FAULTS.choices("Fault", __name__)  # planted defects (docs/failure_modes.md), proving the instruments only
 Task = TASKS.choices("Task", __name__)  # musique (the default), arith (the control task): env/tasks/
 ToolCallFormat = TOOL_FORMATS.choices("ToolCallFormat", __name__)  # hermes (Qwen), llama3_json (Llama 3.1): env/tool_formats/
+AnswerFormat = ANSWER_FORMATS.choices("AnswerFormat", __name__)  # tags, thinking (Qwen3): env/answer_formats.py
 
 
 class Arm(StrEnum):
@@ -92,6 +94,7 @@ class EnvConfig(env_config.EnvConfig):
 @dataclass
 class ModelConfig(core_config.ModelConfig):
     tool_call_format: ToolCallFormat = ToolCallFormat["hermes"]
+    answer_format: AnswerFormat = AnswerFormat["tags"]
 
 
 @dataclass

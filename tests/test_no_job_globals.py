@@ -35,6 +35,7 @@ REGISTRIES = {
     "musique_rl.env.retrieval:RETRIEVERS": "retrievers, registered by Retriever.__init_subclass__ at import",
     "musique_rl.env.tasks:TASKS": "tasks, registered by Task.__init_subclass__ at import",
     "musique_rl.env.tool_formats:TOOL_FORMATS": "tool formats, registered by ToolFormat.__init_subclass__ at import",
+    "musique_rl.env.answer_formats:ANSWER_FORMATS": "answer formats, registered by AnswerFormat.__init_subclass__ at import",
     "musique_rl.diagnostics.findings:RULES": "the doctor's rules, appended by the @rule decorator at import",
 }
 

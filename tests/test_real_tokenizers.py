@@ -196,8 +196,9 @@ def test_qwen3_loads_with_trls_prefix_preserving_template_and_rolls_out_token_ex
     for ep in episodes:
         assert ep.stop_reason == "answer" and ep.tool_calls >= 2 and ep.tool_errors == 0, ep.as_dict()
         # token-exact through the last tool result: the conversation before the answer turn renders as
-        # a prefix of the ids. (The answer turn itself is not compared: the project's own <think> answer
-        # tag collides with Qwen3's reasoning block, which the template re-renders; docs/architecture.md.)
+        # a prefix of the ids. (These are tags-format turns after an empty block; their answer turn's own
+        # <think> tag is re-rendered by Qwen3's template. Qwen3's configured format, model.answer_format=
+        # thinking, is token-exact through the answer: tests/test_qwen3_answer_format.py.)
         before_answer = list(tok.apply_chat_template(ep.messages[:-1], tools=tools, tokenize=True,
                                                      return_dict=False, add_generation_prompt=True))
         ids = ep.prompt_ids + ep.completion_ids
@@ -299,6 +300,7 @@ def _scripted_model_dir(spec, tok) -> object:
 
     from transformers import AutoModelForCausalLM
 
+    from musique_rl.core.models import prefix_preserving_template
     from musique_rl.env.data import load_records
 
     cfg = _cfg(spec)
@@ -307,16 +309,21 @@ def _scripted_model_dir(spec, tok) -> object:
     call = tool_format(spec.tool_call_format).render(
         "retrieve_documents", {"query": "friend father mother teacher boss spouse mentor neighbor"})
     final = "<think> t</think>\n<cite>[0]</cite>\n<answer> unknown</answer>"
+    if cfg.model.answer_format == "thinking":  # Qwen3: every turn opens with its own thinking block
+        call, final = "<think>\nsearch\n</think>\n\n" + call, "<think>\nt\n</think>\n\n<cite>[0]</cite>\n<answer> unknown</answer>"
     steps, lr = 120, 1e-2
     key = hashlib.sha256(f"{tf.build_key(spec)} {call} {final} {steps} {lr}".encode()).hexdigest()[:12]
     out = tf.cache_root() / f"{spec.name}-scripted-{key}"
     if (out / "model.safetensors").exists():
         return out
     records = load_records(cfg.env.data, cfg.env, 1)[:32]
-    chat = ChatTokens(tok, cfg.env)
-    scripts = {tuple(chat.prompt_ids(prompts.build_messages(r, cfg.env))): [call, final] for r in records}
+    tok = copy.copy(tok)
+    prefix_preserving_template(tok, spec.name)  # the template load_model gives the checkpoint (Qwen3: TRL's twin)
     stop = tok.convert_tokens_to_ids("<|eom_id|>") if spec is tf.LLAMA31 else tok.eos_token_id
-    engine = RolloutEngine(cfg.env, tok, build_retriever(cfg.env, records), {r["id"]: r for r in records}, tool_format=cfg.model.tool_call_format)
+    engine = RolloutEngine(cfg.env, tok, build_retriever(cfg.env, records), {r["id"]: r for r in records},
+                           tool_format=cfg.model.tool_call_format, answer_format=cfg.model.answer_format)
+    scripts = {tuple(engine.chat.prompt_ids(prompts.build_messages(r, cfg.env, cfg.model.answer_format))): [call, final]
+               for r in records}
     episodes = engine.run(records, ScriptedGenerator(tok, scripts, stop))
     sequences = [(e.prompt_ids + e.completion_ids, [0] * len(e.prompt_ids) + e.env_mask) for e in episodes]
     base = tf.save_tiny_model(spec, out.with_name(out.name + ".base"), layers=2)
@@ -334,7 +341,7 @@ def _scripted_model_dir(spec, tok) -> object:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("spec", ROLLOUT_SPECS, ids=lambda s: s.name)
+@pytest.mark.parametrize("spec", [*ROLLOUT_SPECS, tf.QWEN3], ids=lambda s: s.name)
 def test_a_healthy_run_on_the_standin_is_diagnosed_without_an_h04_alarm(standins, spec, tmp_path):
     """``model=<config> model.name_or_path=<dir>``: the project's own loading, HF backend, 3 steps. Every
     tool result is checked and none is altered, and the doctor raises no h04 / h05 alarm."""

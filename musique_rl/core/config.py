@@ -82,6 +82,9 @@ class ModelConfig(ReadOnly):
     # auto | sdpa | eager | flash_attention_2 | flash_attention_3 (transformers names; core/models.resolve_attention)
     attn_implementation: str = "auto"
     tool_call_format: str = "hermes"  # a TOOL_FORMATS name (schema.py narrows it to their enum)
+    # where the model writes its reasoning, an ANSWER_FORMATS name (musique_rl/env/answer_formats.py):
+    # tags (<think> as text in the reply) or thinking (the model's own thinking block: Qwen3)
+    answer_format: str = "tags"
     learning_rate: float = MISSING  # recommended LR for this model (loss.learning_rate reads it)
     tiny: Optional[TinyModelConfig] = None
 

@@ -16,7 +16,11 @@ episode is kept as token ids from the start:
 The environment ids of a tool turn are what the chat template renders for the tool messages
 after an assistant turn (the difference of two renderings, as TRL's own tool loop computes it),
 so a decoded episode equals the chat template applied to its messages, token for token
-(tests/test_rollout.py checks this).
+(tests/test_rollout.py checks this). Under ``model.answer_format=thinking`` (Qwen3) a turn's message
+holds its thinking block as ``reasoning_content``, which the template renders back as the block; that
+holds for every turn the model writes in its canonical form ``<think>\n..\n</think>\n\n..``
+(tests/test_qwen3_answer_format.py); the template normalises the newlines of any other, which changes
+nothing trained (the ids are the sampled ones), only what re-rendering the messages would give.
 
 A turn ends on any id of the model's eos list (``generation.stop_ids``). The template closes an
 assistant message with the tokenizer's eos; a turn that stopped on another id of the list
@@ -42,6 +46,7 @@ from typing import Any
 from musique_rl.core.config import TrainSettings
 from musique_rl.core.faults import Fault
 from musique_rl.env import parsing, prompts, tools
+from musique_rl.env.answer_formats import answer_format as answer_format_of
 from musique_rl.env.config import EnvConfig
 
 log = logging.getLogger(__name__)
@@ -51,11 +56,15 @@ SOURCE_ASSISTANT, SOURCE_TOOL, SOURCE_TEMPLATE = "assistant", "tool", "template"
 
 # ---------------------------------------------------------------- chat template, as token ids
 class ChatTokens:
-    """Prompt ids and tool-turn ids from the tokenizer's own chat template."""
+    """Prompt ids and tool-turn ids from the tokenizer's own chat template.
 
-    def __init__(self, tokenizer: Any, env_cfg: EnvConfig):
+    ``template_kwargs``: extra chat template variables, the answer format's (``thinking``:
+    ``enable_thinking=True``), passed to every rendering here so sampling and training agree."""
+
+    def __init__(self, tokenizer: Any, env_cfg: EnvConfig, template_kwargs: dict | None = None):
         self.tokenizer = tokenizer
         self.env_cfg = env_cfg
+        self.template_kwargs = dict(template_kwargs or {})
         self.tools = prompts.tool_schemas(env_cfg) or None
         if tokenizer.eos_token_id is None:
             raise ValueError("the tokenizer has no eos token: assistant turns could never end")
@@ -70,6 +79,7 @@ class ChatTokens:
                 add_generation_prompt=add_generation_prompt,
                 tokenize=True,
                 return_dict=False,
+                **self.template_kwargs,
             )
         )
 
@@ -96,7 +106,7 @@ class ChatTokens:
             self._prefix = prefix[: last_eos + 1]
         prefix = self._prefix
         text = self.tokenizer.apply_chat_template(
-            base + tool_messages, tools=self.tools, add_generation_prompt=True, tokenize=False
+            base + tool_messages, tools=self.tools, add_generation_prompt=True, tokenize=False, **self.template_kwargs
         )
         full, offsets = encode_with_offsets(self.tokenizer, text)
         if full[: len(prefix)] != prefix:
@@ -104,7 +114,7 @@ class ChatTokens:
                 "the chat template is not prefix-preserving: a conversation's rendering changes when a tool "
                 "message follows, so tool turns cannot be appended as tokens (use a prefix-preserving template)"
             )
-        spans = tool_content_spans(self.tokenizer, base, tool_messages, self.tools, text)
+        spans = tool_content_spans(self.tokenizer, base, tool_messages, self.tools, text, **self.template_kwargs)
         ids = full[len(prefix) :]
         sources = [
             SOURCE_TOOL if any(a < end and b > start for start, end in spans) else SOURCE_TEMPLATE
@@ -126,7 +136,8 @@ def encode_with_offsets(tokenizer: Any, text: str) -> tuple[list[int], list[tupl
 
 
 def tool_content_spans(
-    tokenizer: Any, before: list[dict], tool_messages: list[dict], tools: Any = None, text: str | None = None
+    tokenizer: Any, before: list[dict], tool_messages: list[dict], tools: Any = None, text: str | None = None,
+    **template_kwargs: Any,
 ) -> list[tuple[int, int]]:
     """Character spans, in the rendering of ``before + tool_messages`` (with the generation prompt), of
     what the chat template rendered for each tool message's content.
@@ -139,7 +150,8 @@ def tool_content_spans(
     """
 
     def render(msgs: list[dict]) -> str:
-        return tokenizer.apply_chat_template(before + msgs, tools=tools, add_generation_prompt=True, tokenize=False)
+        return tokenizer.apply_chat_template(before + msgs, tools=tools, add_generation_prompt=True, tokenize=False,
+                                             **template_kwargs)
 
     if text is None:
         text = render(tool_messages)
@@ -220,18 +232,23 @@ class RolloutEngine:
     """Runs episodes for records with a generation backend (musique_rl/core/generation.py).
 
     ``tool_format``: ``model.tool_call_format``, how the model writes its tool calls.
+    ``answer_format``: ``model.answer_format``, where it writes its reasoning: the prompt asks for it,
+    the chat template renders with its variables, and each sampled turn becomes its message
+    (``thinking``: the block as ``reasoning_content``, the reply as ``content``; the stop rule and the
+    tool calls read the reply only). musique_rl/env/answer_formats.py.
     ``env_token_mask``: the env_mask of tool-result and template tokens (0 keeps them out of loss
     and KL; ``env_token_mask(train, fault)`` says what a training job uses). Evaluation reads the
     messages only, so the default does not matter there.
     """
 
     def __init__(self, env_cfg: EnvConfig, tokenizer: Any, retriever: Any, records_by_id: dict[str, dict], *,
-                 tool_format: str, env_token_mask: int = 0):
+                 tool_format: str, answer_format: str = "tags", env_token_mask: int = 0):
         self.env = env_cfg
         self.tokenizer = tokenizer
         self.retriever = retriever
         self.records_by_id = records_by_id
-        self.chat = ChatTokens(tokenizer, env_cfg)
+        self.answer_format = answer_format_of(answer_format)
+        self.chat = ChatTokens(tokenizer, env_cfg, self.answer_format.template_kwargs)
         self.fmt = tool_format
         self.env_token_mask = env_token_mask
         self.last_episodes: list[Episode] = []
@@ -244,7 +261,7 @@ class RolloutEngine:
             messages, ids = rendered[record["id"]]
             messages = [dict(m) for m in messages]
         else:
-            messages = prompts.build_messages(record, self.env)
+            messages = prompts.build_messages(record, self.env, self.answer_format.name)
             ids = self.chat.prompt_ids(messages)
             if rendered is not None:
                 rendered[record["id"]] = ([dict(m) for m in messages], ids)
@@ -264,16 +281,17 @@ class RolloutEngine:
         """Append one sampled assistant turn and decide what happens next."""
         ep.add_sampled(ids, logprobs)
         ep.num_turns += 1
-        text = self._decode_turn(ids)
-        ep.messages.append({"role": "assistant", "content": text})
+        message = self.answer_format.message(self._decode_turn(ids))
+        ep.messages.append(message)
+        reply = message["content"]  # the answer and the calls are read from the reply, never the reasoning
         if not stopped:
             by_episode = limit < int(self.env.max_tokens_per_turn)
             ep.stop_reason = "episode_budget" if by_episode else "turn_budget"
             return
-        if parsing.extract_tag(text, "answer") is not None:
+        if parsing.extract_tag(reply, "answer") is not None:
             ep.stop_reason = "answer"
             return
-        calls = tools.parse_tool_calls(text, self.fmt)
+        calls = tools.parse_tool_calls(reply, self.fmt)
         if not calls:
             ep.stop_reason = "no_tool_call"
             return
@@ -371,6 +389,7 @@ def run_model_episodes(
     model: Any,
     tokenizer: Any,
     tool_format: str,
+    answer_format: str = "tags",
     retriever: Any = None,
     greedy: bool = False,
     temperature: float | None = None,
@@ -378,7 +397,8 @@ def run_model_episodes(
     """Episode dicts of ``model`` over ``records`` (held-out eval, ``policy=model``, the warm-start gate).
 
     Sampled with ``train``'s top-p / top-k at ``train.eval_temperature`` (default:
-    ``train.temperature``) unless ``greedy``; ``tool_format``: ``model.tool_call_format``.
+    ``train.temperature``) unless ``greedy``; ``tool_format``: ``model.tool_call_format``;
+    ``answer_format``: ``model.answer_format``.
     """
     from musique_rl.core.generation import build_generator
 
@@ -388,7 +408,8 @@ def run_model_episodes(
         retriever = build_retriever(env_cfg, records)
     if temperature is None:
         temperature = train.eval_temperature if train.eval_temperature is not None else train.temperature
-    engine = RolloutEngine(env_cfg, tokenizer, retriever, {r["id"]: r for r in records}, tool_format=tool_format)
+    engine = RolloutEngine(env_cfg, tokenizer, retriever, {r["id"]: r for r in records}, tool_format=tool_format,
+                           answer_format=answer_format)
     # Held-out evaluation samples in-process (HF generate) whatever backend trains.
     generator = build_generator(train, tokenizer, model=model, temperature=temperature, backend="hf")
     return [ep.as_dict() for ep in engine.run(records, generator, greedy=greedy)]

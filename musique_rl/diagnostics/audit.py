@@ -27,7 +27,7 @@ import torch
 
 from musique_rl.core.rollout import rendered_tool_content, turn_text
 from musique_rl.diagnostics.ledger import Source
-from musique_rl.env import rewards, tools
+from musique_rl.env import answer_formats, rewards, tools
 from musique_rl.env.config import RewardConfig
 
 # |audited - used| above which the reward the trainer used is not the reward of the sample's text.
@@ -70,8 +70,8 @@ class RewardAudit:
         turns = iter(self._assistant_texts(ids, sources))
         rebuilt = []  # the episode's messages with every assistant turn re-decoded from the trained ids
         for m in episode.get("messages") or []:
-            if m.get("role") == "assistant":
-                rebuilt.append({"role": "assistant", "content": next(turns, "")})
+            if m.get("role") == "assistant":  # read in the answer format the episode was written in
+                rebuilt.append(answer_formats.of_message(m).message(next(turns, "")))
             else:
                 rebuilt.append(m)
         comps = rewards.score_episode(record, rebuilt, "last")

@@ -1,6 +1,9 @@
 """Reading the final answer from an episode: ``<think>``, ``<cite>``, ``<answer>``.
 
-The answer is read from the LAST assistant turn (reading the first was the original
+The answer is read from an assistant message's ``content``; where the model reasons in its own thinking
+block (``model.answer_format=thinking``, musique_rl/env/answer_formats.py) the message holds that block
+as ``reasoning_content`` and ``<think>`` is that block, so nothing inside the reasoning is ever read as
+the answer or the citations. The answer is read from the LAST assistant turn (reading the first was the original
 researcher's defect 9, docs/failure_modes.md). Citations are lenient about syntax (``1, 3``, ``[1, 3]``, ``1 3``, ``Document 3``,
 duplicates) and strict about existence: ids outside ``valid_ids`` are dropped. Nothing here raises
 on any string.
@@ -75,6 +78,19 @@ def parse_final(text: str, valid_ids: set[str] | None = None) -> FinalAnswer:
     return FinalAnswer(think=think, cite=cite, answer=answer, cited_ids=parse_citations(cite, valid_ids))
 
 
+def parse_message(message, valid_ids: set[str] | None = None) -> FinalAnswer:
+    """Parse one assistant message: its ``content`` as ``parse_final`` does; a message of the
+    ``thinking`` answer format (it has ``reasoning_content``) counts ``think`` as its thinking block,
+    present when the block was closed, whatever ``<think>`` tags its reply holds."""
+    if not isinstance(message, dict):
+        return FinalAnswer()
+    final = parse_final(_content_text(message.get("content")), valid_ids)
+    if "reasoning_content" in message:
+        reasoning = message["reasoning_content"]
+        final.think = reasoning.strip() if isinstance(reasoning, str) else None
+    return final
+
+
 def _content_text(content) -> str:
     """Message content as text (OpenAI content may be a list of {"type": "text", "text": ..} parts)."""
     if isinstance(content, str):
@@ -84,13 +100,16 @@ def _content_text(content) -> str:
     return ""
 
 
-def assistant_turn(messages, which: str = "last") -> str:
-    """Text of the last (or, for the planted fault ``first_turn_reward``, the first) assistant turn."""
+def assistant_message(messages, which: str = "last") -> dict:
+    """The last (or, for the planted fault ``first_turn_reward``, the first) assistant message; {} when none."""
     if not isinstance(messages, list):
-        return ""
-    turns = [
-        _content_text(m.get("content")) for m in messages if isinstance(m, dict) and m.get("role") == "assistant"
-    ]
+        return {}
+    turns = [m for m in messages if isinstance(m, dict) and m.get("role") == "assistant"]
     if not turns:
-        return ""
+        return {}
     return turns[-1] if which == "last" else turns[0]
+
+
+def assistant_turn(messages, which: str = "last") -> str:
+    """Text (``content``) of the last (or, for the planted fault ``first_turn_reward``, the first) assistant turn."""
+    return _content_text(assistant_message(messages, which).get("content"))

@@ -16,7 +16,9 @@ final ``<cite>`` (an id is valid if it names a record paragraph or a document sh
 - citation_recall:     |C ∩ S| / |S|
 - citation_precision:  |C ∩ S| / |C|  (0 when nothing valid is cited)
 - citation_f1:         harmonic mean of the two (0 when both are 0)
-- format:              share of the three tags <think>, <cite>, <answer> present (closed) in the turn read
+- format:              share of the three tags <think>, <cite>, <answer> present (closed) in the turn read;
+                       under model.answer_format=thinking <think> is the model's own thinking block
+                       (closed), and <cite>/<answer> count only in the reply after it (parsing.parse_message)
 
 ``total`` = hop_scale * sum(w_i * c_i) / normalizer, hop_scale = n_hops / 2 when
 ``reward.hop_scale`` else 1. With reward=combined this is the original researcher's reward exactly:
@@ -36,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from musique_rl.env.config import EnvConfig, RewardConfig
-from musique_rl.env.parsing import TAGS, assistant_turn, parse_final
+from musique_rl.env.parsing import TAGS, assistant_message, parse_message
 from musique_rl.env.tasks import task_for
 from musique_rl.env.tools import paragraph_ids, parse_document_ids
 
@@ -157,7 +159,7 @@ def score_episode(record: dict, messages: Any, read_turn: str = "last") -> dict[
 
     shown = shown_document_ids(messages)
     shown_set = set(shown)
-    final = parse_final(assistant_turn(messages, read_turn), valid_ids=all_keys | shown_set)
+    final = parse_message(assistant_message(messages, read_turn), valid_ids=all_keys | shown_set)
     cited_set = set(final.cited_ids)
 
     em, f1 = answer_scores(final.answer, accepted_answers(record))

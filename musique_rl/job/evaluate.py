@@ -71,7 +71,8 @@ def policy_episodes(cfg: Config, records: list[dict]) -> Iterator[dict]:
     model = place(model)
     # under `accelerate launch` every process evaluates its share and gets all episodes back
     return iter(shard_and_gather(records, lambda part: run_model_episodes(
-        cfg.env, cfg.train, part, model=model, tokenizer=tokenizer, tool_format=cfg.model.tool_call_format)))
+        cfg.env, cfg.train, part, model=model, tokenizer=tokenizer, tool_format=cfg.model.tool_call_format,
+        answer_format=cfg.model.answer_format)))
 
 
 def _mean(xs: Iterable[float]) -> float:

@@ -80,7 +80,7 @@ def held_out_eval(
 
     episodes = shard_and_gather(records, lambda part: run_model_episodes(
         cfg.env, cfg.train, part, model=model, tokenizer=tokenizer, tool_format=cfg.model.tool_call_format,
-        retriever=retriever, greedy=greedy))
+        answer_format=cfg.model.answer_format, retriever=retriever, greedy=greedy))
     comps = [rewards.score_episode(r, e["messages"]) for r, e in zip(records, episodes, strict=True)]
     totals = [rewards.total(c, rewards.n_hops(r), cfg.reward) for c, r in zip(comps, records, strict=True)]
     out = {k: float(np.mean([c[k] for c in comps])) for k in rewards.COMPONENTS}
