@@ -41,6 +41,7 @@ from typing import Any
 
 from musique_rl.core.config import TrainSettings
 from musique_rl.core.faults import Fault
+from musique_rl.core.step_time import NULL_CLOCK, StepClock, clock_of
 from musique_rl.env import parsing, prompts, tools
 from musique_rl.env.config import EnvConfig
 
@@ -301,13 +302,15 @@ class RolloutEngine:
         ep.messages.extend(tool_messages)
         ep.add_environment(env_ids, sources, self.env_token_mask)
 
-    def run(self, records: list[dict], generator: Any, greedy: bool = False) -> list[Episode]:
-        """Episodes for ``records`` (one per entry, in order), batched across live episodes per turn."""
+    def run(self, records: list[dict], generator: Any, greedy: bool = False, clock: StepClock = NULL_CLOCK) -> list[Episode]:
+        """Episodes for ``records`` (one per entry, in order), batched across live episodes per turn.
+        ``clock``: a training step's clock (core/step_time.py), which times the generator's session
+        and calls as generation, the rest as the environment's."""
         rendered: dict = {}
         episodes = [self.start(r, rendered) for r in records]
         per_turn = int(self.env.max_tokens_per_turn)
         budget = int(self.env.max_completion_tokens)
-        with generator.session() as gen:
+        with clock.around("generation", generator.session()) as gen:
             while True:
                 live = [ep for ep in episodes if not ep.done]
                 if getattr(gen, "collective", False):
@@ -317,7 +320,8 @@ class RolloutEngine:
                     break
                 limits = [min(per_turn, budget - len(ep.completion_ids)) for ep in live]
                 contexts = [ep.prompt_ids + ep.completion_ids for ep in live]
-                samples = gen.generate(contexts, limits, greedy=greedy)
+                with clock.section("generation"):
+                    samples = gen.generate(contexts, limits, greedy=greedy)
                 for ep, sample, limit in zip(live, samples, limits, strict=True):
                     self._after_turn(ep, sample.ids, sample.logprobs, sample.stopped, limit)
         self.last_episodes = episodes
@@ -327,15 +331,17 @@ class RolloutEngine:
     def rollout_func(self, prompts_batch: list, trainer: Any) -> dict:
         """``GRPOTrainer(rollout_func=...)``: ``prompts_batch`` holds B x G prompts (already
         repeated, in order), each carrying its record id on the user message."""
-        records = [self.records_by_id[record_id_of(p)] for p in prompts_batch]
-        episodes = self.run(records, trainer.musique_generator)
-        return {
-            "prompt_ids": [ep.prompt_ids for ep in episodes],
-            "completion_ids": [ep.completion_ids for ep in episodes],
-            "logprobs": [ep.logprobs for ep in episodes],
-            "env_mask": [ep.env_mask for ep in episodes],
-            "episode": [ep.as_dict() for ep in episodes],
-        }
+        clock = clock_of(trainer)
+        with clock.section("environment"):
+            records = [self.records_by_id[record_id_of(p)] for p in prompts_batch]
+            episodes = self.run(records, trainer.musique_generator, clock=clock)
+            return {
+                "prompt_ids": [ep.prompt_ids for ep in episodes],
+                "completion_ids": [ep.completion_ids for ep in episodes],
+                "logprobs": [ep.logprobs for ep in episodes],
+                "env_mask": [ep.env_mask for ep in episodes],
+                "episode": [ep.as_dict() for ep in episodes],
+            }
 
 
 def turn_text(tokenizer: Any, ids: list[int]) -> str:
