@@ -242,7 +242,7 @@ def table(figures: dict[str, float]) -> list[str]:
         return []
     n = int(figures.get("time/steps_timed", 0))
     after = " after the first" if figures.get("time/first_step_dropped") else ""
-    lines = [f"step time, mean of {n} step(s){after} (time/* in metrics.jsonl):", f"  {'part':<28}{'s/step':>10}  {'share':>6}"]
+    lines = [f"where a step's time went, mean of {n} step(s){after} (time/* in metrics.jsonl):", f"  {'part':<28}{'s/step':>10}  {'share':>6}"]
     for p in PARTS:
         lines.append(f"  {p:<28}{figures[f'time/mean/{p}_s']:>10.3f}  {100 * figures[f'time/share/{p}']:>5.1f}%")
     lines.append(f"  {'step':<28}{figures['time/mean/step_s']:>10.3f}  100.0%")
