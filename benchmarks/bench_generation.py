@@ -201,6 +201,14 @@ def timed(fn, *a, **k) -> tuple[Any, float]:
     return out, time.perf_counter() - t
 
 
+def open_engine(gen: Any, contexts: list[list[int]], limit: int) -> None:
+    """Start a paged session's engine now, sized for the full calls, so that no timed call pays its
+    start (PagedGenerator starts it lazily at the first call; the session's time still includes it)."""
+    engine = getattr(gen, "_engine", None)
+    if engine is not None and engine._manager is None:
+        engine._open(contexts, [limit] * len(contexts), False)
+
+
 def in_process_arm(cls, s: Setup, settings, turns: int):
     """A session of ``turns`` calls (timed per call and whole), then one-token calls on the same
     contexts in a session of their own (the prefill)."""
@@ -211,6 +219,7 @@ def in_process_arm(cls, s: Setup, settings, turns: int):
         sync()
         t0 = time.perf_counter()
         with gen.session():  # one rollout: --turns calls, each context extended as the rollout does
+            open_engine(gen, contexts, s.limit)
             for turn in range(turns):
                 turn_contexts.append(contexts)
                 samples, sec = timed(gen.generate, contexts, [s.limit] * len(contexts))
@@ -224,6 +233,7 @@ def in_process_arm(cls, s: Setup, settings, turns: int):
         sync()
         out.session_s = time.perf_counter() - t0
         with gen.session():
+            open_engine(gen, turn_contexts[0], s.limit)  # the same cache as the full calls had
             for ctxs in turn_contexts:
                 _, sec = timed(gen.generate, ctxs, [1] * len(ctxs))
                 out.first_s.append(sec)
@@ -345,6 +355,9 @@ def main() -> int:
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--device", default=None, help="7b shape: cuda when available, else cpu")
     ap.add_argument("--dtype", default=None, help="7b shape: bfloat16 on cuda, float32 on cpu")
+    ap.add_argument("--bandwidth", type=float, default=None,
+                    help="TB/s of a card the table lacks (with --peak-tflops); overrides the table")
+    ap.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 TFLOP/s of that card")
     ap.add_argument("--backends", "--arms", dest="backends", default="hf,paged,vllm",
                     help=f"comma-separated: hf, paged, {STATIC}, vllm")
     args = ap.parse_args()
@@ -391,6 +404,8 @@ def main() -> int:
     dtype = next(s.model.parameters()).dtype
     total_b, read_b, n_params = weight_bytes(s.model)
     name, bw, flops = card(device)
+    if args.bandwidth and args.peak_tflops:
+        name, bw, flops = f"{name}, figures given on the command line", args.bandwidth * 1e12, args.peak_tflops * 1e12
     B = len(s.contexts)
     print(f"shape={args.shape} device={device} ({name}) dtype={dtype} batch={B} "
           f"prompt_tokens(mean)={sum(map(len, s.contexts)) / B:.0f} max_new_tokens={s.limit} turns={args.turns} "
@@ -402,11 +417,14 @@ def main() -> int:
         print(f"bound: none on {name}: " + ("no bandwidth figure for this device" if device.type == "cuda" else
               "the tiny model's weights sit in the CPU's caches, so memory bandwidth does not bound its decode"))
     else:
-        print(f"bound: {name} {bw / 1e12:.2f} TB/s, {flops / 1e12:.0f} TFLOP/s dense bf16 (datasheet); decode <= "
+        print(f"bound: {name} {bw / 1e12:.2f} TB/s, {flops / 1e12:.0f} TFLOP/s dense bf16; decode <= "
               f"B x bandwidth / bytes per step = {B * bw / read_b:,.0f} tokens/s (weights only)")
     print("prefill/decode: per turn, TTFT = a max_new_tokens=1 call on the same contexts (the batch's prefill and "
           "first token); decode = the full call minus it, over the tokens after each context's first")
-    head = f"{'arm':<10} {'end-to-end tok/s':>22} {'TTFT s/turn':>22} {'prefill tok/s':>22} {'decode tok/s':>22} {'vs hf':>6}"
+    print("end to end = tokens sampled / the whole session (its open and close, e.g. the paged engine's start "
+          "and stop, included: the open+close column, the session less its calls)")
+    head = (f"{'arm':<10} {'end-to-end tok/s':>22} {'open+close s':>12} {'TTFT s/turn':>22} {'prefill tok/s':>22} "
+            f"{'decode tok/s':>22} {'vs hf':>6}")
     if bw is not None:
         head += f" {'decode % bound (+KV)':>21} {'prefill % peak':>14}"
     print(head)
@@ -417,13 +435,19 @@ def main() -> int:
         ttft = [statistics.fmean(r.first_s) for r in rs]
         prefill = [sum(r.context_tokens) / sum(r.first_s) for r in rs]
         decode_tokens = [sum(r.sampled) - sum(r.calls) for r in rs]
-        decode_s = [max(1e-9, sum(r.full_s) - sum(r.first_s)) for r in rs]
-        decode = [t / d for t, d in zip(decode_tokens, decode_s, strict=True)]
-        if k == "hf":
+        decode_s = [sum(r.full_s) - sum(r.first_s) for r in rs]
+        overhead = statistics.median(r.session_s - sum(r.full_s) for r in rs)
+        if min(decode_s) <= 0:  # a one-token call as slow as the full one: no decode time to divide by
+            decode, shown = [], "n/a (1-token >= full)"
+        else:
+            decode = [t / d for t, d in zip(decode_tokens, decode_s, strict=True)]
+            shown = span(decode, ",.0f")
+        if k == "hf" and decode:
             base = statistics.median(decode)
-        ratio = f"{statistics.median(decode) / base:.2f}x" if base else "-"
-        line = f"{k:<10} {span(e2e, ',.0f'):>22} {span(ttft, '.4f'):>22} {span(prefill, ',.0f'):>22} {span(decode, ',.0f'):>22} {ratio:>6}"
-        if bw is not None:
+        ratio = f"{statistics.median(decode) / base:.2f}x" if base and decode else "-"
+        line = (f"{k:<10} {span(e2e, ',.0f'):>22} {overhead:>12.3f} {span(ttft, '.4f'):>22} {span(prefill, ',.0f'):>22} "
+                f"{shown:>22} {ratio:>6}")
+        if bw is not None and decode:
             r0 = rs[0]
             mean_ctx = sum(r0.context_tokens) / sum(r0.calls) + s.limit / 2  # mean context while decoding
             bound = B * bw / read_b
