@@ -82,6 +82,14 @@ BANDWIDTH: list[tuple[str, float, float]] = [
 STATIC = "hf-static"
 
 
+def figures(name: str) -> tuple[float | None, float | None]:
+    """(bandwidth bytes/s, dense bf16 FLOP/s) of a CUDA device by its name; None where the table has none."""
+    for key, bw, flops in BANDWIDTH:
+        if key in name:
+            return bw, flops
+    return None, None
+
+
 def card(device: Any) -> tuple[str, float | None, float | None]:
     """(name, bandwidth bytes/s, bf16 FLOP/s) of ``device``; None where no figure is known (a CPU)."""
     import torch
@@ -89,10 +97,7 @@ def card(device: Any) -> tuple[str, float | None, float | None]:
     if device.type != "cuda":
         return "cpu", None, None
     name = torch.cuda.get_device_name(device)
-    for key, bw, flops in BANDWIDTH:
-        if key in name:
-            return name, bw, flops
-    return name, None, None
+    return (name, *figures(name))
 
 
 # ---------------------------------------------------------------- the shapes
