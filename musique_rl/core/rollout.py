@@ -41,7 +41,7 @@ from typing import Any
 
 from musique_rl.core.config import TrainSettings
 from musique_rl.core.faults import Fault
-from musique_rl.core.step_time import NULL_CLOCK, StepClock, clock_of
+from musique_rl.core.step_time import TimedGenerator, clock_of
 from musique_rl.env import parsing, prompts, tools
 from musique_rl.env.config import EnvConfig
 
@@ -302,15 +302,13 @@ class RolloutEngine:
         ep.messages.extend(tool_messages)
         ep.add_environment(env_ids, sources, self.env_token_mask)
 
-    def run(self, records: list[dict], generator: Any, greedy: bool = False, clock: StepClock = NULL_CLOCK) -> list[Episode]:
-        """Episodes for ``records`` (one per entry, in order), batched across live episodes per turn.
-        ``clock``: a training step's clock (core/step_time.py), which times the generator's session
-        and calls as generation, the rest as the environment's."""
+    def run(self, records: list[dict], generator: Any, greedy: bool = False) -> list[Episode]:
+        """Episodes for ``records`` (one per entry, in order), batched across live episodes per turn."""
         rendered: dict = {}
         episodes = [self.start(r, rendered) for r in records]
         per_turn = int(self.env.max_tokens_per_turn)
         budget = int(self.env.max_completion_tokens)
-        with clock.around("generation", generator.session()) as gen:
+        with generator.session() as gen:
             while True:
                 live = [ep for ep in episodes if not ep.done]
                 if getattr(gen, "collective", False):
@@ -320,8 +318,7 @@ class RolloutEngine:
                     break
                 limits = [min(per_turn, budget - len(ep.completion_ids)) for ep in live]
                 contexts = [ep.prompt_ids + ep.completion_ids for ep in live]
-                with clock.section("generation"):
-                    samples = gen.generate(contexts, limits, greedy=greedy)
+                samples = gen.generate(contexts, limits, greedy=greedy)
                 for ep, sample, limit in zip(live, samples, limits, strict=True):
                     self._after_turn(ep, sample.ids, sample.logprobs, sample.stopped, limit)
         self.last_episodes = episodes
@@ -331,10 +328,10 @@ class RolloutEngine:
     def rollout_func(self, prompts_batch: list, trainer: Any) -> dict:
         """``GRPOTrainer(rollout_func=...)``: ``prompts_batch`` holds B x G prompts (already
         repeated, in order), each carrying its record id on the user message."""
-        clock = clock_of(trainer)
+        clock = clock_of(trainer)  # a training step's clock (core/step_time.py): generation apart from the environment
         with clock.section("environment"):
             records = [self.records_by_id[record_id_of(p)] for p in prompts_batch]
-            episodes = self.run(records, trainer.musique_generator, clock=clock)
+            episodes = self.run(records, TimedGenerator(trainer.musique_generator, clock))
             return {
                 "prompt_ids": [ep.prompt_ids for ep in episodes],
                 "completion_ids": [ep.completion_ids for ep in episodes],

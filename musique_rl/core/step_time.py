@@ -69,19 +69,23 @@ def part_key(part: str) -> str:
     return f"time/{part}_s"
 
 
-def cuda_sync() -> None:
-    """Wait for queued CUDA work, only where CUDA is in use (a CPU run never touches it)."""
+def cuda_sync() -> Callable[[], None] | None:
+    """``torch.cuda.synchronize`` where CUDA is in use, else None (a CPU run never touches CUDA)."""
     import torch
 
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
+    return torch.cuda.synchronize if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+
+
+def _no_sync() -> None:
+    pass
 
 
 class StepClock:
     """Exclusive time per part within one optimizer step (module docstring)."""
 
-    def __init__(self, sync: Callable[[], None] = cuda_sync, now: Callable[[], float] = time.perf_counter):
-        self._sync = sync
+    def __init__(self, sync: Callable[[], None] | None = None, now: Callable[[], float] = time.perf_counter):
+        self._given_sync = sync  # None: CUDA's, decided at each step's start (the model may move to a GPU late)
+        self._sync = sync or _no_sync
         self._now = now
         self._start: float | None = None  # None: no step running, sections time nothing
         self._mark = 0.0
@@ -103,6 +107,7 @@ class StepClock:
         self._mark = now
 
     def begin_step(self) -> None:
+        self._sync = self._given_sync or cuda_sync() or _no_sync
         self._sync()
         self._start = self._mark = self._now()
         self._stack, self._base, self._totals, self.failed_in = [], "other", {}, None
@@ -193,6 +198,31 @@ class TimedCalls:
         if callable(value) and not name.startswith("__"):
             return self._clock.timed(self._part, value)
         return value
+
+
+class TimedGenerator:
+    """A generation backend (core/generation.py) whose session (entered and left) and calls are
+    ``generation`` on ``clock``; everything else reads through. The rollout samples through one, so
+    the time between its calls (tool calls, tokenising) stays the environment's."""
+
+    def __init__(self, inner: Any, clock: StepClock):
+        self._inner, self._clock = inner, clock
+
+    @contextlib.contextmanager
+    def session(self) -> Iterator[TimedGenerator]:
+        with self._clock.around("generation", self._inner.session()) as held:
+            yield self if held is self._inner else TimedGenerator(held, self._clock)
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        with self._clock.section("generation"):
+            return self._inner.generate(*args, **kwargs)
+
+    def any_live(self, *args: Any, **kwargs: Any) -> Any:  # a collective call of the vLLM server backend
+        with self._clock.section("generation"):
+            return self._inner.any_live(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
 
 
 def clock_of(trainer: Any) -> StepClock:
