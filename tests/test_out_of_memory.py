@@ -105,3 +105,20 @@ def test_the_job_prints_the_marked_result_line_and_exits_non_zero(tmp_path, monk
     assert json.loads(out.strip().splitlines()[-1]) == {"status": "out_of_memory", "resume_from": "/x/checkpoint-2"}
     assert errors.startswith("OutOfMemoryStop: out of memory at step 3 (in generation)") and "Traceback" not in errors
     shutil.rmtree(tmp_path / "outputs", ignore_errors=True)
+
+
+def test_generation_running_out_lists_the_rollout_budgets_first_and_vllms_share():
+    from conftest import job_cfg
+
+    from musique_rl.job.out_of_memory import command, knobs
+
+    cfg = job_cfg([*FAST, "train.backend=vllm", "train.micro_batch_size=2"])
+    names = [k.key for k in knobs(cfg, micro=2, episodes=4, update_gb=None, part="generation")]
+    assert names[:2] == ["env.max_tokens_per_turn", "env.max_completion_tokens"]
+    assert "train.vllm_gpu_memory_utilization" in names and "train.micro_batch_size" in names
+    update = [k.key for k in knobs(cfg, micro=2, episodes=4, update_gb=None, part="backward_optimizer")]
+    assert update[0] == "train.micro_batch_size"
+    line = command(["train.micro_batch_size=2", "seed=2", "tracking.tracking_uri=http://u:s3cret-planted-pw@host:5000"],
+                   ("train.micro_batch_size", "train.resume"))
+    assert line.startswith("python -m musique_rl seed=2 ") and "micro_batch_size" not in line
+    assert "s3cret-planted-pw" not in line
