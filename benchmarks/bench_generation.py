@@ -40,7 +40,9 @@ The bound (``BANDWIDTH``, vendor figures by device name): decoding at batch B re
 per step, so decode tokens/s <= B x memory bandwidth / bytes read per step. Bytes read per step =
 the weights less the input embedding table (only B rows of it are read; a tied table is read whole as
 the LM head), and ``+KV`` adds the KV cache each step reads at the mean decode context. Prefill is
-bounded by compute: 2 x parameters x tokens FLOPs at the card's dense bf16 peak (``PEAK_BF16``).
+bounded by compute: 2 x parameters (less the embedding lookup) x tokens FLOPs at the card's dense
+bf16 peak (the table's third column; attention's own FLOPs, ~1-2% at 512 tokens on the 7b shape,
+are left out).
 On a CPU no bound is printed: the tiny model's weights (under 1 MB) sit in the CPU's caches, so DRAM
 bandwidth does not bound its decode, and no table holds a CPU's figure.
 """
@@ -333,12 +335,12 @@ def span(values: list[float], fmt: str) -> str:
 
 def weight_bytes(model: Any) -> tuple[int, int, int]:
     """(all parameter bytes, bytes one decode step reads: all less the input embedding table unless it
-    is tied to the LM head, parameters)."""
+    is tied to the LM head, parameters that multiply: all less that table, a lookup)."""
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     n = sum(p.numel() for p in model.parameters())
     emb = model.get_input_embeddings().weight
-    tied = getattr(model.config, "tie_word_embeddings", False)
-    return total, total - (0 if tied else emb.numel() * emb.element_size()), n
+    lookup = 0 if getattr(model.config, "tie_word_embeddings", False) else emb.numel()
+    return total, total - lookup * emb.element_size(), n - lookup
 
 
 def kv_bytes_per_token(model: Any) -> int:
@@ -416,7 +418,7 @@ def main() -> int:
           f"prompt_tokens(mean)={sum(map(len, s.contexts)) / B:.0f} max_new_tokens={s.limit} turns={args.turns} "
           f"tool_tokens={len(s.tool_ids) if args.turns > 1 else 0} temperature={args.temperature} repeats={args.repeats} "
           f"(+1 untimed full-batch warm-up) torch_threads={torch.get_num_threads()}")
-    print(f"weights: {total_b / 1e6:,.1f} MB ({n_params / 1e6:,.2f}M parameters), {read_b / 1e6:,.1f} MB read per decode "
+    print(f"weights: {total_b / 1e6:,.1f} MB ({n_params / 1e6:,.2f}M parameters that multiply), {read_b / 1e6:,.1f} MB read per decode "
           f"step; KV cache {kv_bytes_per_token(s.model) / 1e3:.1f} kB per token")
     if bw is None:
         print(f"bound: none on {name}: " + ("no bandwidth figure for this device" if device.type == "cuda" else

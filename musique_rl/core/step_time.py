@@ -63,6 +63,14 @@ STEP_TIME_METRICS: tuple[StepTimeMetric, ...] = (
                    "synchronised at both ends (logging and checkpoint saves run after on_step_end, outside it)"),
 )
 STEP_KEY = "time/step_s"
+# What ``summary`` adds to a run's metrics.json (<part> is each of PARTS).
+STEP_TIME_SUMMARY: tuple[StepTimeMetric, ...] = (
+    StepTimeMetric("time/mean/<part>_s", "s", "the part's mean per step over the logged steps after the first"),
+    StepTimeMetric("time/mean/step_s", "s", "the mean step over the same steps"),
+    StepTimeMetric("time/share/<part>", "fraction", "the part's share of the mean step (the shares add up to 1)"),
+    StepTimeMetric("time/steps_timed", "steps", "steps averaged"),
+    StepTimeMetric("time/first_step_dropped", "0/1", "1 when the first step (one-off costs) was left out"),
+)
 
 
 def part_key(part: str) -> str:
