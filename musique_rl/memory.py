@@ -168,6 +168,19 @@ def weights_gb(arch: dict[str, Any]) -> float:
     return 2 * params(arch)["total"] / GIB
 
 
+def architecture_of(config: dict[str, Any]) -> dict[str, Any]:
+    """The estimate's numbers from a transformers config as a dict (``config.json``, or a loaded
+    model's ``config.to_dict()``)."""
+    text = config.get("text_config") or config
+    heads = int(text["num_attention_heads"])
+    return dict(family=str(text.get("model_type", "")), hidden=int(text["hidden_size"]),
+                intermediate=int(text["intermediate_size"]), layers=int(text["num_hidden_layers"]), heads=heads,
+                kv_heads=int(text.get("num_key_value_heads") or heads),
+                head_dim=int(text.get("head_dim") or int(text["hidden_size"]) // heads),
+                vocab=int(text["vocab_size"]), tie=bool(text.get("tie_word_embeddings", False)),
+                max_positions=text.get("max_position_embeddings"))
+
+
 def architecture(name_or_path: str) -> dict[str, Any] | None:
     """``ARCHITECTURES``' numbers for a model config's hub id (conf/model/*.yaml), or a local model
     directory's config.json; None when neither says (the memory plan then names what it skipped)."""
@@ -176,15 +189,7 @@ def architecture(name_or_path: str) -> dict[str, Any] | None:
 
     local = Path(name_or_path) / "config.json"
     if local.is_file():
-        c = _json.loads(local.read_text())
-        text = c.get("text_config", c)
-        heads = int(text["num_attention_heads"])
-        return dict(family=str(text.get("model_type", "")), hidden=int(text["hidden_size"]),
-                    intermediate=int(text["intermediate_size"]), layers=int(text["num_hidden_layers"]), heads=heads,
-                    kv_heads=int(text.get("num_key_value_heads") or heads),
-                    head_dim=int(text.get("head_dim") or int(text["hidden_size"]) // heads),
-                    vocab=int(text["vocab_size"]), tie=bool(text.get("tie_word_embeddings", False)),
-                    max_positions=text.get("max_position_embeddings"))
+        return architecture_of(_json.loads(local.read_text()))
     for path in sorted((CONF_DIR / "model").glob("*.yaml")):
         if path.stem in ARCHITECTURES and f"name_or_path: {name_or_path}\n" in path.read_text():
             return ARCHITECTURES[path.stem]

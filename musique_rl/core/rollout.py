@@ -45,6 +45,7 @@ from typing import Any
 
 from musique_rl.core.config import TrainSettings
 from musique_rl.core.faults import Fault
+from musique_rl.core.step_time import TimedGenerator, clock_of
 from musique_rl.env import parsing, prompts, tools
 from musique_rl.env.answer_formats import answer_format as answer_format_of
 from musique_rl.env.config import EnvConfig
@@ -345,15 +346,17 @@ class RolloutEngine:
     def rollout_func(self, prompts_batch: list, trainer: Any) -> dict:
         """``GRPOTrainer(rollout_func=...)``: ``prompts_batch`` holds B x G prompts (already
         repeated, in order), each carrying its record id on the user message."""
-        records = [self.records_by_id[record_id_of(p)] for p in prompts_batch]
-        episodes = self.run(records, trainer.musique_generator)
-        return {
-            "prompt_ids": [ep.prompt_ids for ep in episodes],
-            "completion_ids": [ep.completion_ids for ep in episodes],
-            "logprobs": [ep.logprobs for ep in episodes],
-            "env_mask": [ep.env_mask for ep in episodes],
-            "episode": [ep.as_dict() for ep in episodes],
-        }
+        clock = clock_of(trainer)  # a training step's clock (core/step_time.py): generation apart from the environment
+        with clock.section("environment"):
+            records = [self.records_by_id[record_id_of(p)] for p in prompts_batch]
+            episodes = self.run(records, TimedGenerator(trainer.musique_generator, clock))
+            return {
+                "prompt_ids": [ep.prompt_ids for ep in episodes],
+                "completion_ids": [ep.completion_ids for ep in episodes],
+                "logprobs": [ep.logprobs for ep in episodes],
+                "env_mask": [ep.env_mask for ep in episodes],
+                "episode": [ep.as_dict() for ep in episodes],
+            }
 
 
 def turn_text(tokenizer: Any, ids: list[int]) -> str:

@@ -44,7 +44,7 @@ from typing import Any
 import torch
 from trl import GRPOTrainer
 
-from musique_rl.core import checkpoints
+from musique_rl.core import checkpoints, step_callbacks, step_time
 from musique_rl.core.config import JobConfig, LoraConfig, TrainSettings
 from musique_rl.core.faults import Fault
 from musique_rl.core.generation import (
@@ -159,9 +159,13 @@ class MusiqueGRPOTrainer(GRPOTrainer):
         **trl_kwargs: Any,
     ):
         check_trl_version()
+        # Where each step's time goes (core/step_time.py): set before TRL's __init__, whose hooks may
+        # open sections (they time nothing outside a step). Every call on the instruments is theirs.
+        self.step_clock = step_time.StepClock()
         super().__init__(rollout_func=engine.rollout_func, **trl_kwargs)
         self.musique_engine = engine
-        self.instruments = instruments
+        self.instruments = None if instruments is None else step_time.TimedCalls(instruments, self.step_clock,
+                                                                                 "instruments")
         self._sampler_model = sampler_model  # None = the sampler is the trained model itself
         self._base_model = base_model  # frozen start (full fine-tuning), for the parity probe
         self._adv_epsilon = adv_epsilon
@@ -180,7 +184,24 @@ class MusiqueGRPOTrainer(GRPOTrainer):
         else:
             self.musique_generator = build_generator(musique_train, tokenizer, trainer=self)  # read by RolloutEngine.rollout_func
         if instruments is not None:  # before any callback that reads its on_log additions (h08/grad_norm_before_clip)
-            self.add_callback(instruments.callback(sink=lambda metrics: self.merge_metrics(metrics, "train")))
+            self.add_callback(step_callbacks.TimedCallback(
+                instruments.callback(sink=lambda metrics: self.merge_metrics(metrics, "train")), self.step_clock,
+                "instruments"))
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        """Transformers' train, with the step clock's callbacks first and last of every callback added
+        by now (``time/*`` of every step, core/step_time.py)."""
+        step_callbacks.install(self.callback_handler, self.step_clock, lambda m: self.merge_metrics(m, "train"))
+        return super().train(*args, **kwargs)
+
+    @step_time.timed_method("backward_optimizer")  # generation and scoring inside keep their own sections
+    def training_step(self, model, inputs, num_items_in_batch):
+        """TRL's training_step; after a step's last micro-batch, the clipping and optimizer step that
+        follow, up to on_step_end, are the update's time too."""
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        if self._step % self.current_gradient_accumulation_steps == 0:  # TRL's own test for a step's last micro-batch
+            self.step_clock.set_base("backward_optimizer")
+        return loss
 
     # ---- checkpoints written whole or not at all (musique_rl/core/checkpoints.py)
     _staging_checkpoint = False
@@ -221,12 +242,14 @@ class MusiqueGRPOTrainer(GRPOTrainer):
         for k, v in (metrics or {}).items():
             self._metrics[mode][k].append(float(v))
 
+    @step_time.timed_method("reward")
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
         rewards_per_func = self._fault.rewards(rewards_per_func, int(self.state.global_step))
         self._last_rewards_per_func = rewards_per_func  # gathered over all processes
         return rewards_per_func
 
+    @step_time.timed_method("generation")  # the rollout_func inside times its environment apart
     def _generate(self, prompts: list):
         result = super()._generate(prompts)
         self._scoring_tool_mask = result[2]  # tool_mask lists (or None), one per completion
@@ -247,6 +270,7 @@ class MusiqueGRPOTrainer(GRPOTrainer):
         finally:
             self.use_vllm = False
 
+    @step_time.timed_method("scoring")  # generation, rewards and instruments inside keep their own sections
     def _generate_and_score_completions(self, inputs):
         try:
             with self._as_vllm():

@@ -50,10 +50,13 @@ def run(cfg: DictConfig, work: Work | None = None) -> float | None:
         import traceback
 
         from musique_rl.core.checkpoints import DiskFullError
+        from musique_rl.job.out_of_memory import OutOfMemoryStop
         from musique_rl.tracking.redact import redact
         from musique_rl.tracking.store import TrackingUnavailable
 
-        said = (schema.ConfigValueError, launch.RunDirError, TrackingUnavailable, DiskFullError)  # the message is the story
+        said = (schema.ConfigValueError, launch.RunDirError, TrackingUnavailable, DiskFullError, OutOfMemoryStop)  # the message is the story
+        if isinstance(exc, OutOfMemoryStop):  # the result line too: what metrics.json holds, status out_of_memory
+            print(JobResult(exc.summary, None).line(), flush=True)
         text = f"{type(exc).__name__}: {exc}\n" if isinstance(exc, said) else "".join(traceback.format_exception(exc))
         sys.stderr.write(redact(text))
         sys.stderr.flush()

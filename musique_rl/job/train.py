@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from musique_rl.core import step_time
 from musique_rl.job.result import JobResult
 
 if TYPE_CHECKING:
@@ -173,6 +174,7 @@ def _print_summary(summary: dict, run_dir: Path) -> None:
             if b is not None:
                 parts.append(f"{k} {b:.3f} -> {a:.3f}")
         lines.append(f"held-out {label} " + "   ".join(parts))
+    lines += step_time.table(g)
     lines.append(f"warm start {g.get('warm_start/hash')} ({gate_line(g)}); machine {g.get('machine/cpu')}, "
                  f"{g.get('machine/torch_threads')} torch thread(s), {g.get('machine/device')}")
     if g.get("mlflow/run_id"):
@@ -183,6 +185,13 @@ def _print_summary(summary: dict, run_dir: Path) -> None:
 
 
 # ---------------------------------------------------------------- the job
+def _overrides() -> list[str] | None:
+    """The job's command-line overrides (Hydra's task overrides), None outside a Hydra run."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else None
+
+
 def _quiet_library_deprecations() -> None:
     """transformers 5.x warns, for every trainer and model it builds, that gradient_checkpointing will
     be renamed in v6 (TRL still uses the old name): nothing a user can act on, so it does not fill the
@@ -198,6 +207,7 @@ def train(cfg: DictConfig | Config, tracker: Tracker | None = None, run_dir: str
     ``train/reward_gain`` as the objective. ``tracker``: the job's MLflow run (None: not tracked).
     ``callbacks``: extra transformers TrainerCallbacks (musique_rl.smoke times the steps with one).
     The caller checks the config first (``app.run``: ``schema.validate``, ``rewards.check_task``)."""
+    import torch
     import transformers
 
     from musique_rl.core import faults
@@ -291,10 +301,23 @@ def train(cfg: DictConfig | Config, tracker: Tracker | None = None, run_dir: str
     trainer.pop_callback(ProgressCallback)  # TRL's dict per step; StepLog keeps the bar, writes one line
     trainer.add_callback(StepLog(out_dir / METRICS_FILE, full=cfg.train.console == "full",
                                  warmup_steps=cfg.loss.warmup_steps))
-    trainer.train(resume_from_checkpoint=resume)
+    try:
+        trainer.train(resume_from_checkpoint=resume)
+    except torch.OutOfMemoryError as exc:  # the knobs, the estimate and the checkpoint to resume from (job/out_of_memory.py)
+        from musique_rl.job.out_of_memory import stopped
+
+        partial = summarise(reward_curve(trainer.state.log_history), {}, {}, {}, {})
+        partial.update(step_time.summary(trainer.state.log_history))
+        partial.update(origin)
+        partial["git/commit"] = git_string()
+        if tracker is not None:
+            partial["mlflow/run_id"] = tracker.run_id
+        raise stopped(exc, cfg=cfg, trainer=trainer, ckpt_dir=ckpt_dir, run_dir=out_dir, overrides=_overrides(),
+                      summary=partial, tracker=tracker, write=state.is_main_process) from exc
     after, after_g = evaluate("after", trainer_model_source(trainer))  # every rank gathers ZeRO-3 shards
 
     summary = summarise(reward_curve(trainer.state.log_history), before, after, before_g, after_g)
+    summary.update(step_time.summary(trainer.state.log_history))  # where a step's time went (core/step_time.py)
     summary["time/seconds"] = round(time.time() - t0, 1)
     summary.update(origin)
     summary["git/commit"] = git_string()
