@@ -63,9 +63,10 @@ def engine_sync(sync_class: type, model: torch.nn.Module, dtype: torch.dtype) ->
 def expected_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """What the engine must hold after a sync: PEFT's own merge of a float32 copy (merge_and_unload),
     each tensor cast once to the trained model's dtype, under the base model's names."""
-    dtype = next(model.parameters()).dtype
+    dtypes = {n.replace(".base_layer", ""): p.dtype for n, p in model.get_base_model().named_parameters()
+              if "lora_" not in n}
     merged = copy.deepcopy(model).float().merge_and_unload()
-    return {n: p.detach().to(dtype) for n, p in merged.named_parameters()}
+    return {n: p.detach().to(dtypes[n]) for n, p in merged.named_parameters()}
 
 
 def frozen(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -59,9 +59,14 @@ def _eos_ids(model, tok) -> set[int]:
 
 
 def _engine_factory(model, tok, recorder, cfg):
+    """The engine vLLM builds for ``model``: its dtype is the model's (vLLM's dtype="auto" reads the
+    checkpoint's: a bf16 model is served in bf16)."""
+    dtype = next(model.parameters()).dtype
+
     def build(max_model_len=None, logprobs_mode="raw_logprobs", **_):
         limit = max_model_len or int(cfg.env.max_prompt_tokens) + int(cfg.env.max_completion_tokens)
-        return FakeEngine(model.config, _eos_ids(model, tok), recorder, max_model_len=limit, logprobs_mode=logprobs_mode)
+        return FakeEngine(model.config, _eos_ids(model, tok), recorder, max_model_len=limit, logprobs_mode=logprobs_mode,
+                          dtype=dtype)
 
     return build
 

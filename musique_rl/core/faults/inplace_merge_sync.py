@@ -18,7 +18,7 @@ class InplaceMergeSync(Fault):
 
     name = "inplace_merge_sync"
     expected = "h06"
-    fingerprint = "`h06/base_checksum_drift` > 1e-6 (h06 base_drift): the frozen base changes"
+    fingerprint = "`h06/base_checksum_drift` > 1e-9 (h06 base_drift): the frozen base changes"
     overlay = {"model": {"dtype": "bfloat16"}}
     defaults = [{"override /lora": "r8"}]
 
