@@ -116,14 +116,15 @@ class FakeEngine:
     """A model of the trained architecture, loaded only through syncs, sampled with vLLM's rules."""
 
     def __init__(self, config: Any, eos_ids: set[int], recorder: Recorder, *, max_model_len: int,
-                 logprobs_mode: str = "processed_logprobs", dtype: torch.dtype | None = None):
+                 logprobs_mode: str = "processed_logprobs", dtype: torch.dtype | None = None,
+                 device: str | torch.device = "cpu"):
         from transformers import AutoModelForCausalLM
 
         # ``dtype``: the engine's own (vLLM's ``--dtype``; a bf16 checkpoint's config gives bf16). The
         # weights a sync sends are cast to it on load, as vLLM's ``default_weight_loader`` copies them.
-        self.model = AutoModelForCausalLM.from_config(copy.deepcopy(config)).eval()
-        if dtype is not None:
-            self.model.to(dtype)
+        # ``device``: where its weights live (a GPU benchmark's engine sits on the trainer's card).
+        with torch.device(device):
+            self.model = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=dtype).eval()
         with torch.no_grad():
             for p in self.model.parameters():
                 p.fill_(float("nan"))  # an engine nobody synced answers NaN log-probs

@@ -21,15 +21,17 @@ from musique_rl.core import weight_sync
 from musique_rl.diagnostics.sync import BaseChecksum
 
 
-def lora_model(model: torch.nn.Module, lora_cfg, dtype: torch.dtype) -> torch.nn.Module:
-    """A PEFT copy of ``model`` with the lora group's adapter (``trainer.lora_config``), in ``dtype``,
+def lora_model(model: torch.nn.Module, lora_cfg, dtype: torch.dtype, *, copy_model: bool = True) -> torch.nn.Module:
+    """A PEFT copy of ``model`` (``copy_model=False``: ``model`` itself) in ``dtype`` with the lora group's
+    adapter (``trainer.lora_config``) as TRL makes it (PEFT keeps a bf16 base's adapter in float32),
     B made non-zero (as after a few steps: PEFT starts it at 0, which would merge nothing)."""
     from peft import get_peft_model
 
     from musique_rl.core.trainer import lora_config
 
     torch.manual_seed(0)
-    peft = get_peft_model(copy.deepcopy(model), lora_config(lora_cfg)).to(dtype)
+    base = (copy.deepcopy(model) if copy_model else model).to(dtype)
+    peft = get_peft_model(base, lora_config(lora_cfg))
     with torch.no_grad():
         for name, p in peft.named_parameters():
             if "lora_B" in name:
@@ -43,8 +45,8 @@ def step_adapter(model: torch.nn.Module, step: float, gen: torch.Generator) -> N
     the adapter's dtype)."""
     for name, p in model.named_parameters():
         if "lora_A" in name or "lora_B" in name:
-            sign = torch.randint(0, 2, p.shape, generator=gen).float().mul_(2).sub_(1)
-            p.copy_((p.float() + step * sign.to(p.device)).to(p.dtype))
+            sign = torch.randint(0, 2, p.shape, generator=gen, device=p.device).float().mul_(2).sub_(1)
+            p.copy_((p.float() + step * sign).to(p.dtype))
 
 
 def engine_sync(sync_class: type, model: torch.nn.Module, dtype: torch.dtype) -> tuple[object, FakeEngine]:
@@ -54,10 +56,29 @@ def engine_sync(sync_class: type, model: torch.nn.Module, dtype: torch.dtype) ->
 
     recorder = Recorder()
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    llm = fake_llm_class(lambda **_: FakeEngine(base.config, set(), recorder, max_model_len=64, dtype=dtype), recorder)()
+    device = next(model.parameters()).device
+    llm = fake_llm_class(lambda **_: FakeEngine(base.config, set(), recorder, max_model_len=64, dtype=dtype,
+                                                device=device), recorder)()
     sync = weight_sync.detached(sync_class, model, Accelerator())
     sync.mode, sync.enable_sleep_mode, sync.llm = "colocate", False, llm
     return sync, llm.engine
+
+
+@torch.no_grad()
+def engine_matches_merge(model: torch.nn.Module, engine: FakeEngine) -> bool:
+    """Every adapted tensor the engine holds equals ``W + scale·B@A`` computed in float32 and cast once
+    (per module: no copy of the model, for the 7B shape; ``expected_weights`` is PEFT's own merge)."""
+    from musique_rl.core.weight_sync import lora_layers
+
+    names = {id(p): n.removeprefix("base_model.model.").replace(".base_layer", "") for n, p in model.named_parameters()}
+    for pid, layer in lora_layers(model).items():
+        w = layer.get_base_layer().weight
+        want = w.float()
+        for a in layer.active_adapters:
+            want = want + (layer.lora_B[a].weight.float() @ layer.lora_A[a].weight.float()) * layer.scaling[a]
+        if not torch.equal(engine.params[names[pid]], want.to(w.dtype)):
+            return False
+    return True
 
 
 def expected_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -91,6 +112,12 @@ class Drift:
         return 1e3 * statistics.median(self.sync_seconds) if self.sync_seconds else float("nan")
 
 
+def synchronize(model: torch.nn.Module) -> None:
+    """Wait for the model's device (CUDA kernels run asynchronously: a sync's time is its kernels' too)."""
+    if next(model.parameters()).is_cuda:
+        torch.cuda.synchronize()
+
+
 def drift_of(start: dict[str, torch.Tensor], model: torch.nn.Module) -> Drift:
     now = frozen(model)
     rel = {n: float((now[n].double() - w.double()).norm() / w.double().norm().clamp(min=1e-30)) for n, w in start.items()}
@@ -101,24 +128,30 @@ def drift_of(start: dict[str, torch.Tensor], model: torch.nn.Module) -> Drift:
 
 
 def run_cycles(sync_class: type, model: torch.nn.Module, cycles: int, *, step: float = 1e-3, seed: int = 0,
-               check_every: int = 1) -> Drift:
+               check_every: int = 1, whole_model_check: bool = True) -> Drift:
     """``cycles`` x (adapter step, sync) on ``model`` (modified: its adapter trains; TRL's sync also
-    writes its base). Every ``check_every`` cycles the engine's weights are compared with
-    ``expected_weights`` (bit for bit); the count of syncs that differ is ``mismatched_syncs``."""
+    writes its base). Every ``check_every`` cycles (and after the last) the engine's weights are
+    compared bit for bit with ``expected_weights`` (``whole_model_check``) or, per module, with
+    ``engine_matches_merge``; the count of checked syncs that differ is ``mismatched_syncs``."""
     dtype = next(model.parameters()).dtype
     sync, engine = engine_sync(sync_class, model, dtype)
     start, checksum = frozen(model), BaseChecksum(model)
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     times, mismatched = [], 0
     for i in range(cycles):
         step_adapter(model, step, gen)
+        synchronize(model)
         t0 = time.perf_counter()
         sync.sync_weights()
+        synchronize(model)
         times.append(time.perf_counter() - t0)
-        if check_every and (i % check_every == 0 or i == cycles - 1):
-            want = expected_weights(model)
-            if any(not torch.equal(engine.params[n], w) for n, w in want.items()):
-                mismatched += 1
+        if (check_every and i % check_every == 0) or i == cycles - 1:
+            if whole_model_check:
+                want = expected_weights(model)
+                ok = all(torch.equal(engine.params[n], w) for n, w in want.items())
+            else:
+                ok = engine_matches_merge(model, engine)
+            mismatched += not ok
     out = drift_of(start, model)
     out.checksum, out.sync_seconds, out.mismatched_syncs = checksum.drift(), times, mismatched
     return out
