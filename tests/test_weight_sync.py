@@ -81,7 +81,7 @@ def test_a_sync_is_one_rounding_of_the_float32_merge_under_trls_names(warm_tiny,
     synced = engine.recorder.syncs[-1]
     want = expected_weights(peft)
     assert list(synced) == list(want)  # vLLM's names, in the trained model's order, all of them
-    assert all(torch.equal(synced[n], w) and synced[n].dtype == torch.bfloat16 for n, w in want.items())
+    assert all(torch.equal(synced[n], w.cpu()) and synced[n].dtype == torch.bfloat16 for n, w in want.items())
     assert all(torch.equal(p, params_before[n]) for n, p in peft.named_parameters())
     assert not any(getattr(m, "merged", False) for m in peft.modules())
     # TRL's in-place sync of the same model streams the same names in the same order
@@ -90,7 +90,7 @@ def test_a_sync_is_one_rounding_of_the_float32_merge_under_trls_names(warm_tiny,
     assert list(trl_engine.recorder.syncs[-1]) == list(synced)
     # the bf16 merge (delta rounded to bf16, then the sum) differs from ours somewhere: one rounding is a real constraint
     bf16_merge = copy.deepcopy(peft).merge_and_unload()
-    assert any(not torch.equal(synced[n], p) for n, p in bf16_merge.named_parameters())
+    assert any(not torch.equal(synced[n], p.cpu()) for n, p in bf16_merge.named_parameters())
 
 
 def test_unsupported_adapters_are_refused_before_any_sync(warm_tiny):
@@ -120,7 +120,7 @@ def test_trainer_syncs_bf16_lora_exactly_and_keeps_its_base(mode, warm_tiny, tmp
     assert len(recorder.syncs) == tv.STEPS == len(rollouts)
     for sync, r in zip(recorder.syncs, rollouts, strict=True):
         assert set(sync) == set(r["expected"])
-        assert all(torch.equal(sync[n], w) for n, w in r["expected"].items())
+        assert all(torch.equal(sync[n], w.cpu()) for n, w in r["expected"].items())  # the stand-in keeps CPU copies
     assert recorder.syncs[0]["model.layers.0.self_attn.q_proj.weight"].dtype == torch.bfloat16
     assert all(torch.equal(p, tr.musique_frozen_start[n]) for n, p in frozen(peft).items())
     assert any(not torch.equal(recorder.syncs[0][n], recorder.syncs[1][n]) for n in recorder.syncs[0])
@@ -235,3 +235,26 @@ def test_in_process_sampler_uses_the_updated_adapter(backend, dtype, tolerance, 
     print(f"gap to the new adapter {gap_new:.3g}, to the old {gap_old:.3g} nats/token")
     assert gap_new < tolerance, gap_new
     assert gap_old > 10 * max(gap_new, 1e-6), (gap_new, gap_old)  # the update moved them: a stale copy would show
+
+
+@pytest.mark.slow
+def test_the_fault_run_on_the_hf_backend_is_diagnosed_base_drift_and_the_same_run_without_it_is_clean(tmp_path):
+    """The job end to end (``train``, the instruments, metrics.jsonl, the doctor) as bench_faults.py runs
+    it on a CPU: +fault=inplace_merge_sync runs TRL's sync before each hf rollout; the doctor's top
+    finding is h06 base_drift. The same bf16 LoRA run without the fault has an exactly-0 checksum."""
+    from musique_rl.diagnostics.doctor import diagnose_log
+    from musique_rl.diagnostics.sources import read_run_dir
+    from musique_rl.job.train import train
+
+    small = [*TEST_OVERRIDES, "train.max_steps=6", "train.prompts_per_step=2", "train.num_generations=4",
+             "train.eval_episodes=0", "diagnostics.parity_probe_every=2"]
+    for fault, overrides in (("inplace_merge_sync", ["+fault=inplace_merge_sync"]),
+                             ("none", ["lora=r8", "model.dtype=bfloat16"])):
+        train(job_cfg([*small, *overrides]), run_dir=tmp_path / fault)
+        run = read_run_dir(tmp_path / fault)
+        drift = [v for _, v in run.histories["h06/base_checksum_drift"]]
+        flagged = [(d["hypothesis"], d["check"]) for d in diagnose_log(run) if d["flagged"]]
+        if fault == "none":
+            assert drift and set(drift) == {0.0} and ("h06", "base_drift") not in flagged
+        else:
+            assert max(drift) > CHECKSUM_DRIFT_MAX and flagged[0] == ("h06", "base_drift"), flagged

@@ -4,7 +4,7 @@ TRL 1.16's ``VLLMGeneration._iter_named_params`` (the tensors every sync streams
 server alike) merges the adapter INTO the trainer's frozen base (``merge_adapter()``), reads the
 weights, then unmerges in place (``unmerge_adapter()``). In bf16 ``W + s·BA - s·BA != W``: every sync
 leaves a rounding error in the base, and it accumulates (TRL #6688; 1,000 syncs of the tiny model
-in bf16 drift its adapted weights by percents: docs/records/lora_sync_bf16.md). The frozen base is
+in bf16 drift each of its 14 adapted weights by ~1% relative: docs/records/lora_sync_bf16.md). The frozen base is
 then no longer the model LoRA started from, the reference model of the KL (the base with the adapter
 disabled) drifts with it, and the doctor's h06 ``base_drift`` rule measures TRL's rounding.
 
