@@ -78,7 +78,10 @@ def _install(monkeypatch, mode, model, tok, cfg, recorder):
     monkeypatch.setattr(vg, "is_vllm_available", lambda *a, **k: True)
     monkeypatch.setitem(sys.modules, "vllm", fake_vllm_module())
     for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):  # colocate sets them
-        monkeypatch.delenv(var, raising=False)
+        # set, then deleted: monkeypatch records the variable only when it exists, and what TRL's
+        # colocate init sets must be undone after the test (a later subprocess would rendezvous on it)
+        monkeypatch.setenv(var, "")
+        monkeypatch.delenv(var)
     build = _engine_factory(model, tok, recorder, cfg)
     if mode == "colocate":
         monkeypatch.setattr(vg, "LLM", fake_llm_class(build, recorder), raising=False)
