@@ -5,9 +5,10 @@ replaced is only what TRL would import from vLLM; everything TRL does around it 
 with its PEFT merge, the ``VLLMClient`` HTTP calls and their parsing, the importance-sampling
 tensors) runs as shipped:
 
-- ``FakeEngine``: the engine. It owns a model of the trained architecture whose weights start as
-  NaN, so it can only answer with the weights a sync loaded (``load_weights``, vLLM's loader API,
-  HF parameter names). It samples as vLLM's v1 sampler does: logits / temperature, then vLLM's
+- ``FakeEngine``: the engine. It owns a model of the trained architecture, in the engine's dtype
+  (``dtype``, vLLM's ``--dtype``: bf16 for a bf16 checkpoint), whose weights start as NaN, so it can
+  only answer with the weights a sync loaded (``load_weights``, vLLM's loader API, HF parameter
+  names, each tensor cast to the engine's dtype as vLLM's loader copies it). It samples as vLLM's v1 sampler does: logits / temperature, then vLLM's
   ``apply_top_k_top_p`` (top_k 0 or -1 = off), the exponential-race draw of ``random_sample``;
   ``logprobs_mode="processed_logprobs"`` returns the log-softmax of the processed logits, the
   sampled token's logprob (and its rank) per position; a request stops on a ``stop_token_ids``
@@ -115,10 +116,15 @@ class FakeEngine:
     """A model of the trained architecture, loaded only through syncs, sampled with vLLM's rules."""
 
     def __init__(self, config: Any, eos_ids: set[int], recorder: Recorder, *, max_model_len: int,
-                 logprobs_mode: str = "processed_logprobs"):
+                 logprobs_mode: str = "processed_logprobs", dtype: torch.dtype | None = None,
+                 device: str | torch.device = "cpu"):
         from transformers import AutoModelForCausalLM
 
-        self.model = AutoModelForCausalLM.from_config(copy.deepcopy(config)).eval()
+        # ``dtype``: the engine's own (vLLM's ``--dtype``; a bf16 checkpoint's config gives bf16). The
+        # weights a sync sends are cast to it on load, as vLLM's ``default_weight_loader`` copies them.
+        # ``device``: where its weights live (a GPU benchmark's engine sits on the trainer's card).
+        with torch.device(device):
+            self.model = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=dtype).eval()
         with torch.no_grad():
             for p in self.model.parameters():
                 p.fill_(float("nan"))  # an engine nobody synced answers NaN log-probs

@@ -106,6 +106,7 @@ def test_a_clean_run_hooks_change_nothing(tiny_cfg):
     assert hooks.rewards(x, 7) is x and hooks.attention_mask(x, 2, None) is x and hooks.kl_mask(x, None) is x
     assert (hooks.env_mask_value(0), hooks.reward_read_turn("last"), hooks.kl_beta(0.04)) == (0, "last", 0.04)
     assert hooks.sampler_model(object()) is None
+    assert hooks.weight_sync(Fault) is Fault
 
 
 def test_each_hook_acts_only_under_its_fault(tiny_cfg):
@@ -122,11 +123,12 @@ def test_each_hook_acts_only_under_its_fault(tiny_cfg):
             "attention_mask": not torch.equal(h.attention_mask(torch.ones(1, 8), 5, None), torch.ones(1, 8)),
             "kl_beta": h.kl_beta(0.04) != 0.04,
             "kl_mask": h.kl_mask(x, torch.ones(4, 3)) is not x,
+            "weight_sync": h.weight_sync(Fault) is not Fault,
         }.items() if changed}
     assert acted == {"none": set(), "blind_context": {"attention_mask"}, "env_tokens_trained": {"env_mask_value"},
                      "first_turn_reward": {"reward_read_turn"}, "kl_flipped": {"kl_beta"},
                      "kl_tool_tokens": {"kl_mask"}, "stale_sampler": set(), "std_epsilon": {"rewards"},
-                     "tiny_budgets": set(), "tiny_updates": set()}
+                     "tiny_budgets": set(), "tiny_updates": set(), "inplace_merge_sync": {"weight_sync"}}
 
 
 def test_std_epsilon_noise_is_float_level_and_the_same_for_a_step(tiny_cfg):

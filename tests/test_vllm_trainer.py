@@ -59,9 +59,14 @@ def _eos_ids(model, tok) -> set[int]:
 
 
 def _engine_factory(model, tok, recorder, cfg):
+    """The engine vLLM builds for ``model``: its dtype is the model's (vLLM's dtype="auto" reads the
+    checkpoint's: a bf16 model is served in bf16)."""
+    dtype = next(model.parameters()).dtype
+
     def build(max_model_len=None, logprobs_mode="raw_logprobs", **_):
         limit = max_model_len or int(cfg.env.max_prompt_tokens) + int(cfg.env.max_completion_tokens)
-        return FakeEngine(model.config, _eos_ids(model, tok), recorder, max_model_len=limit, logprobs_mode=logprobs_mode)
+        return FakeEngine(model.config, _eos_ids(model, tok), recorder, max_model_len=limit, logprobs_mode=logprobs_mode,
+                          dtype=dtype)
 
     return build
 
@@ -73,7 +78,10 @@ def _install(monkeypatch, mode, model, tok, cfg, recorder):
     monkeypatch.setattr(vg, "is_vllm_available", lambda *a, **k: True)
     monkeypatch.setitem(sys.modules, "vllm", fake_vllm_module())
     for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):  # colocate sets them
-        monkeypatch.delenv(var, raising=False)
+        # set, then deleted: monkeypatch records the variable only when it exists, and what TRL's
+        # colocate init sets must be undone after the test (a later subprocess would rendezvous on it)
+        monkeypatch.setenv(var, "")
+        monkeypatch.delenv(var)
     build = _engine_factory(model, tok, recorder, cfg)
     if mode == "colocate":
         monkeypatch.setattr(vg, "LLM", fake_llm_class(build, recorder), raising=False)

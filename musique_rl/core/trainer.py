@@ -23,8 +23,11 @@ max_grad_norm, temperature / top_p / top_k; PEFT ``LoraConfig``) and hands TRL o
     ``blind_context`` hides the context there).
 With ``train.importance_sampling`` set on the HF backend, TRL's vLLM importance-sampling correction
 runs as it would with vLLM (``_as_vllm``): TRL gates that code on ``use_vllm`` only.
+With ``train.backend=vllm``, TRL's ``VLLMGeneration`` syncs the weights before each rollout with
+LoRA merged out of place (musique_rl/core/weight_sync.py: TRL's own sync merges into the frozen base
+and unmerges, which drifts it in bf16); the in-process backends sample from the live model.
 A planted fault (musique_rl/core/faults/, off by default) acts through its hooks, each called once
-here: rewards, attention mask, KL coefficient and mask, sampler model.
+here: rewards, attention mask, KL coefficient and mask, sampler model, weight sync.
 
 Reference model for the KL (beta > 0): under PEFT, TRL disables the adapter (no second copy);
 with full fine-tuning, TRL loads a reference copy.
@@ -56,6 +59,7 @@ from musique_rl.core.generation import (
 )
 from musique_rl.core.importance import importance_metrics
 from musique_rl.core.rollout import RolloutEngine, env_token_mask
+from musique_rl.core.weight_sync import ExactLoraSync, adopt, detached, drain
 from musique_rl.env.config import EnvConfig
 
 log = logging.getLogger(__name__)
@@ -163,6 +167,15 @@ class MusiqueGRPOTrainer(GRPOTrainer):
         # open sections (they time nothing outside a step). Every call on the instruments is theirs.
         self.step_clock = step_time.StepClock()
         super().__init__(rollout_func=engine.rollout_func, **trl_kwargs)
+        # The weight sync: with vLLM, TRL's sync streams LoRA merged out of place (core/weight_sync.py: TRL's
+        # own merges into the base and unmerges, which drifts a bf16 base); the planted fault
+        # inplace_merge_sync keeps TRL's, and runs it before each in-process rollout too (no engine there).
+        sync_class = fault.weight_sync(ExactLoraSync)
+        self._detached_sync, self._detached_synced_step = None, -1
+        if self.use_vllm:
+            adopt(self.vllm_generation, sync_class)
+        elif sync_class is not ExactLoraSync:
+            self._detached_sync = detached(sync_class, self.model, self.accelerator)
         self.musique_engine = engine
         self.instruments = None if instruments is None else step_time.TimedCalls(instruments, self.step_clock,
                                                                                  "instruments")
@@ -251,6 +264,9 @@ class MusiqueGRPOTrainer(GRPOTrainer):
 
     @step_time.timed_method("generation")  # the rollout_func inside times its environment apart
     def _generate(self, prompts: list):
+        if self._detached_sync is not None and self.state.global_step != self._detached_synced_step:
+            drain(self._detached_sync)  # TRL's sync rule: once per optimizer step, before its rollout
+            self._detached_synced_step = self.state.global_step
         result = super()._generate(prompts)
         self._scoring_tool_mask = result[2]  # tool_mask lists (or None), one per completion
         return result

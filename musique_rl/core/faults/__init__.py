@@ -105,8 +105,16 @@ class Fault:
         """trainer.py `build_trainer`: a model to sample from instead of the trained one, or None (the trained one)."""
         return None
 
+    def weight_sync(self, exact: type) -> type:
+        """trainer.py `MusiqueGRPOTrainer`: the class whose sync streams the weights before each rollout (`exact`: ours, LoRA merged out of place).
 
-HOOKS = ("env_mask_value", "reward_read_turn", "rewards", "attention_mask", "kl_beta", "kl_mask", "sampler_model")
+        A class other than ``exact`` (a TRL ``VLLMGeneration``) also runs before each rollout of the
+        in-process backends, its tensors discarded (there is no engine to receive them)."""
+        return exact
+
+
+HOOKS = ("env_mask_value", "reward_read_turn", "rewards", "attention_mask", "kl_beta", "kl_mask", "sampler_model",
+         "weight_sync")
 
 
 class Clean(Fault):
