@@ -58,9 +58,12 @@ class Scripted:
 
 
 def run_in_copy(tmp_path: Path, new_module: str, source: str, script: str) -> subprocess.CompletedProcess:
-    """Copy musique_rl/ (its configs included) into ``tmp_path``, write ``source`` to ``musique_rl/<new_module>``
-    (the only new or changed file), and run ``script`` with that copy first on the path."""
+    """Copy musique_rl/ and the top-level folders it reads (conf/, sweeps/, launchers/) into ``tmp_path``, write
+    ``source`` to ``musique_rl/<new_module>`` (the only new or changed file), and run ``script`` with that copy
+    first on the path."""
     shutil.copytree(ROOT / "musique_rl", tmp_path / "musique_rl", ignore=shutil.ignore_patterns("warm_starts", "__pycache__"))
+    for folder in ("conf", "sweeps", "launchers"):
+        shutil.copytree(ROOT / folder, tmp_path / folder)
     target = tmp_path / "musique_rl" / new_module
     assert not target.exists(), target
     target.write_text(source)
