@@ -17,14 +17,16 @@ max_grad_norm, temperature / top_p / top_k; PEFT ``LoraConfig``) and hands TRL o
     template) and calls the diagnostics (``instruments.observe_batch``; parity probe after each
     weight sync).
   - ``_compute_loss``: calls TRL's loss with the KL coefficient and mask the job's fault gives,
-    and ``instruments.observe_loss``.
+    and ``instruments.observe_loss``; arms the point-of-use probe (its advantages and reference
+    log-probs as gradient-reading leaves, diagnostics/loss_inputs.py), which ``training_step``
+    reads once the micro-batch's backward has run.
   - ``_get_per_token_logps_and_entropies``: every forward pass of the trainer (loss, old and
     reference log-probs) gets the attention mask the job's fault gives (the planted
     ``blind_context`` hides the context there).
 With ``train.importance_sampling`` set on the HF backend, TRL's vLLM importance-sampling correction
 runs as it would with vLLM (``_as_vllm``): TRL gates that code on ``use_vllm`` only.
 A planted fault (musique_rl/core/faults/, off by default) acts through its hooks, each called once
-here: rewards, attention mask, KL coefficient and mask, sampler model.
+here: rewards, attention mask, KL coefficient and mask, the loss's inputs, sampler model.
 
 Reference model for the KL (beta > 0): under PEFT, TRL disables the adapter (no second copy);
 with full fine-tuning, TRL loads a reference copy.
