@@ -88,6 +88,7 @@ def test_a_clean_run_reads_clean_at_the_point_of_use(tiny_cfg, warm_tiny, tmp_pa
     assert max(_first(seen, "h02/loss_assistant_left_out_share")) == 0.0
     assert all(abs(r - 1) < 1e-4 for r in _first(seen, "h02/loss_normaliser_ratio"))
     assert max(_first(seen, "h06/identical_group_share")) <= 0.5
+    assert max(seen.get("h05/scorer_overlap_disagreement_share", [0.0])) == 0.0
     if beta:
         assert max(_first(seen, "h03/loss_kl_moved")) > 1e-4  # the policy moved after step 0 ...
         assert max(_first(seen, "h03/kl_term_zero_with_beta")) == 0.0  # ... and the penalty acts
@@ -230,3 +231,32 @@ def test_every_point_of_use_metric_is_declared_with_a_stage_and_a_reason():
     assert read, "the rules read declared metrics"
     import re
     assert set(re.findall(r'"(h0\d/[a-z_]+)"', src)) <= set(METRICS)  # every metric a rule reads is declared
+
+
+def test_overlapping_scorers_disagree_when_one_reads_another_turn(toy_record):
+    """An episode that cites every document it was shown: citation recall >= retrieval recall. A
+    citation scorer that reads the first turn (a tool call, no citation) breaks it."""
+    from musique_rl.diagnostics.batch import Batch
+    from musique_rl.diagnostics.point_of_use import _scorers_agree
+    from musique_rl.diagnostics.scorer_overlap import citation_retrieval_overlap
+
+    docs = "\n\n".join(f"Document ID: {p['idx']}\n# {p['title']}\n{p['paragraph_text']}"
+                        for p in toy_record["paragraphs"] if p["idx"] in (1, 4))
+    msgs = [{"role": "user", "content": toy_record["question"]},
+            {"role": "assistant", "content": "<search>Zephyr car maker founder</search>"},
+            {"role": "tool", "content": docs},
+            {"role": "assistant", "content": "<think>.</think><cite>1, 4</cite><answer>Ada Lovelace</answer>"}]
+    good = rewards.score_episode(toy_record, msgs, "last")
+    misread = {**good, "citation_recall": rewards.score_episode(toy_record, msgs, "first")["citation_recall"]}
+
+    def share(components):
+        batch = Batch(num_generations=2, near_zero_std=0.05, rewards=torch.zeros(2), advantages=torch.zeros(2),
+                      prompt_mask=torch.ones(2, 1), completion_mask=torch.ones(2, 1), loss_mask=torch.ones(2, 1),
+                      episodes=[{"messages": msgs}] * 2,
+                      reward_components={k: [v, v] for k, v in components.items()})
+        return citation_retrieval_overlap(batch)
+
+    assert share(good) == {"h05/scorer_overlap_checked": 2.0, "h05/scorer_overlap_disagreement_share": 0.0}
+    bad = share(misread)
+    assert bad["h05/scorer_overlap_disagreement_share"] == 1.0
+    assert [f.flagged for f in _scorers_agree({k: [(0, v)] for k, v in bad.items()}, {})] == [True]

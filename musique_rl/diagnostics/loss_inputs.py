@@ -116,6 +116,13 @@ METRICS: dict[str, MetricDecl] = {
     "h03/loss_kl_env_token_share": MetricDecl(
         "share of env tokens", "loss", "tool/template tokens with a KL gradient (where ref != logp)", "0",
         "the KL belongs on the policy's own tokens (docs/failure_modes.md defect 3)"),
+    "h05/scorer_overlap_checked": MetricDecl(
+        "episodes", "reward", "episodes citing every document they were shown (where the citation and "
+        "retrieval scorers overlap; diagnostics/scorer_overlap.py)", "-", "how much evidence the check below has"),
+    "h05/scorer_overlap_disagreement_share": MetricDecl(
+        "share of episodes", "reward", "of those, episodes whose citation recall < retrieval recall",
+        "0 (doctor: mean > 0.01)", "citing every shown document counts every supporting paragraph retrieval "
+        "counts; less is one scorer reading the wrong ids"),
     "h06/identical_group_share": MetricDecl(
         "share of groups", "sampling", "groups whose G completions are token-identical", "-",
         "reported: a sharp policy may legitimately repeat itself"),

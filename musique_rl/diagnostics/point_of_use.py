@@ -43,7 +43,10 @@ STAGES = {
     "kl_beta_not_as_configured": "loss",
     "kl_on_env_tokens_in_loss": "loss",
     "sampling_not_diverse": "sampling",
+    "scorers_disagree_on_overlap": "reward",
 }
+# Episodes where overlapping scorers contradict each other (mean share): 1%, as components_disagree.
+OVERLAP_DISAGREEMENT_MAX = 0.01
 
 
 def _stage(check: str) -> str:
@@ -182,3 +185,16 @@ def poisson_tail(k: int, mean: float) -> float:
         below += term
         term *= mean / (i + 1)
     return max(0.0, 1.0 - below)
+
+
+@rule("h05/scorer_overlap_disagreement_share")
+def _scorers_agree(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
+    share = _mean(m, "h05/scorer_overlap_disagreement_share") or 0.0
+    checked = sum(values(m.get("h05/scorer_overlap_checked")))
+    c = "scorers_disagree_on_overlap"
+    return judged("h05", c, share > OVERLAP_DISAGREEMENT_MAX, 3 + magnitude(1 + 100 * share),
+                  {"h05/scorer_overlap_disagreement_share (mean)": share, "h05/scorer_overlap_checked (sum)": checked},
+                  f"{share:.0%} of the episodes that cite every document they were shown score a lower citation "
+                  "recall than retrieval recall: one of the two scorers reads other ids than the episode's "
+                  "(another turn, another message)." + _stage(c),
+                  "The citation and retrieval scorers agree where they overlap." + _stage(c))
