@@ -74,11 +74,14 @@ def _first(seen, key):
 
 
 # ---------------------------------------------------------------- clean runs read clean
-@pytest.mark.parametrize("loss_type,micro,beta", [("grpo", None, 0.04), ("dapo", 2, 0.0), ("dr_grpo", 2, 0.04),
-                                                   ("bnpo", 2, 0.0)])
-def test_a_clean_run_reads_clean_at_the_point_of_use(tiny_cfg, warm_tiny, tmp_path, loss_type, micro, beta):
+@pytest.mark.parametrize("loss_type,micro,beta,extra", [
+    ("grpo", None, 0.04, {}), ("dapo", 2, 0.0, {}), ("dr_grpo", 2, 0.04, {}), ("bnpo", 2, 0.0, {}),
+    # TRL's importance-sampling correction on the HF sampler: old log-probs and per-token IS weights
+    ("dapo", None, 0.04, {"train.importance_sampling": "token_truncate"}),
+])
+def test_a_clean_run_reads_clean_at_the_point_of_use(tiny_cfg, warm_tiny, tmp_path, loss_type, micro, beta, extra):
     cfg = _cfg(tiny_cfg, {"train.max_steps": 3, "loss.loss_type": loss_type, "train.micro_batch_size": micro,
-                          "loss.beta": beta})
+                          "loss.beta": beta, **extra})
     seen = _run(cfg, warm_tiny, tmp_path)
     assert _first(seen, "h01/loss_adv_from_inputs") == [1.0] * len(seen["h01/loss_adv_from_inputs"])
     assert max(_first(seen, "h01/loss_adv_misaligned_share")) == 0.0

@@ -332,7 +332,10 @@ class LossInputCheck:
         tol = PAIRING_ATOL + PAIRING_RTOL * a_ref.abs()
         tol = torch.where(scale < NEAR_TIE_SCALE, tol * 10 + 10 * PAIRING_ATOL, tol)
         err = (a_applied - a_ref).abs()
-        judged = matched & ((row.abs() > 0) | (expected_row.abs() > 0))  # rows the loss should train
+        # rows the loss should train; a row with a clipped token is not judged: that token's policy
+        # gradient is 0 while dL/dA still counts it (num_iterations > 1 only; coef is 1 otherwise)
+        clipped = (coef < 1 - self.epsilon_low) | (coef > 1 + self.epsilon_high)
+        judged = matched & ((row.abs() > 0) | (expected_row.abs() > 0)) & ~(clipped & assistant).any(dim=1)
         if judged.any():
             out["h01/loss_adv_pairing_error"] = float(err[judged].max())
             out["h01/loss_adv_misaligned_share"] = float((err[judged] > tol[judged]).double().mean())
@@ -344,7 +347,6 @@ class LossInputCheck:
         if env_sig.any():
             out["h02/loss_tool_token_share"] = float((trained & env_sig).sum() / env_sig.sum())
         if expect_full_mask:
-            clipped = (coef < 1 - self.epsilon_low) | (coef > 1 + self.epsilon_high)
             dropped = torch.zeros_like(clipped) if is_ratio is None else is_ratio.detach().cpu() == 0
             asst_sig = assistant & signal.unsqueeze(1) & ~clipped & ~dropped
             if asst_sig.any():
