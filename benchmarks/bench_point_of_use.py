@@ -8,7 +8,7 @@ Two numbers, because a shared CPU makes wall-clock step times noisy:
     reference after scoring, the read after backward), summed over the run and divided by its
     steps, with the checks' share of the step;
   - TRL's `step_time` (median over the steps after the first), the same seed with the checks on and
-    off (``Instruments.loss_check`` None), runs alternated to spread the machine's load over both.
+    off (``Instruments.loss_check`` None), runs alternated (on-off, off-on, ...) to spread the machine's load over both.
 Every other instrument is on in both runs.
 """
 
@@ -77,11 +77,14 @@ def main() -> None:
     cfg = with_keys(base, {"train.max_steps": args.steps, "train.save_steps": 1000, "loss.beta": 0.04, "seed": 1})
     warm = load_model(cfg, warm_start=ensure(cfg))
     on, off, spent = [], [], []
-    for _ in range(args.repeats):
-        t, s = run(cfg, warm, True)
-        on += t[1:]
-        spent.append(s / args.steps)
-        off += run(cfg, warm, False)[0][1:]
+    for k in range(args.repeats):
+        for checks in ((True, False) if k % 2 == 0 else (False, True)):  # alternated: load drifts over time
+            t, s = run(cfg, warm, checks)
+            if checks:
+                on += t[1:]
+                spent.append(s / args.steps)
+            else:
+                off += t[1:]
     med_on, med_off = statistics.median(on), statistics.median(off)
     inside = statistics.median(spent)
     print(f"tiny model, {cfg.train.prompts_per_step} x {cfg.train.num_generations} episodes/step, loss_type "

@@ -100,6 +100,17 @@ def test_a_clean_run_reads_clean_at_the_point_of_use(tiny_cfg, warm_tiny, tmp_pa
     assert _flagged(seen, {"loss.loss_type": loss_type, "train.prompts_per_step": "2"}) == set()
 
 
+def test_near_tie_round_off_is_not_read_as_misalignment(tiny_cfg, warm_tiny, tmp_path):
+    """fault=std_epsilon (rewards with 1e-6 noise over std + 1e-8): TRL's float32 advantages of a
+    near-tie group are round-off, amplified; h01 amplification judges them, the pairing must not."""
+    em_only = {f"reward.weights.{k}": float(k == "answer_em") for k in tiny_cfg.reward.weights}  # binary: ties
+    seen = _run(_cfg(tiny_cfg, {"fault": "std_epsilon", "loss.adv_epsilon": 1e-8, "train.max_steps": 1,
+                                "train.prompts_per_step": 8, **em_only}), warm_tiny, tmp_path)
+    assert max(seen["h01/amplification_max"]) > 1e3  # a near-tie group is there, its noise amplified
+    assert max(_first(seen, "h01/loss_adv_misaligned_share")) == 0.0
+    assert "advantages_not_paired_in_loss" not in _flagged(seen)
+
+
 # ---------------------------------------------------------------- planted defects, after the old read points
 def test_advantages_rolled_in_the_loss_inputs_are_caught(tiny_cfg, warm_tiny, tmp_path):
     """fault=adv_shuffled: the loss's advantages moved one row against its completions. The scored

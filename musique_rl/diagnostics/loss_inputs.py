@@ -48,8 +48,8 @@ from musique_rl.diagnostics.ledger import Source, env_token_mask
 PAIRING_ATOL = 1e-3
 PAIRING_RTOL = 1e-2
 # A group whose std + epsilon is below this amplifies float32 round-off of its centred rewards
-# (~1e-7) by > 1e4: its reference advantage is only known to PAIRING_ATOL x 10 (h01 amplification
-# judges such groups; pairing must not).
+# (~1e-7 for rewards ~1) by > 1e3 into the advantage: its rows are not judged for pairing (h01
+# amplification judges such groups).
 NEAR_TIE_SCALE = 1e-3
 # Rows whose applied advantage is below this carry no gradient to read a mask from.
 SIGNAL_MIN = 1e-6
@@ -140,7 +140,8 @@ def reference_advantages(rewards: torch.Tensor, num_generations: int, scale_rewa
                          epsilon: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(advantages, scale) recomputed from the rewards by the GRPO definition, in float64:
     (r - group mean) / (std + epsilon), std per group (``group``), over the batch (``batch``) or none;
-    NaN rewards are left out of the statistics and get 0. ``scale`` (N,): the divisor used (1 for none).
+    NaN rewards are left out of the statistics and get 0. ``scale`` (N,): the divisor used (1 for none,
+    and for an exactly tied group, whose advantages are exactly 0).
     Written here, not imported from the trainer, so a defect there is not copied into the reference."""
     r = rewards.detach().double().flatten().cpu()
     g = r.view(-1, num_generations)
@@ -158,7 +159,9 @@ def reference_advantages(rewards: torch.Tensor, num_generations: int, scale_rewa
     else:
         scale = torch.ones_like(g)
     adv = torch.where(ok, centred / scale, 0.0)
-    return adv.flatten(), scale.flatten()
+    # an exactly tied group's advantages are exactly 0 (no round-off to amplify): reported as scale 1
+    tied = (centred == 0).all(dim=1, keepdim=True).expand_as(g)
+    return adv.flatten(), torch.where(tied, 1.0, scale).flatten()
 
 
 def _row_key(prompt_row: torch.Tensor, completion_row: torch.Tensor) -> bytes:
@@ -330,12 +333,12 @@ class LossInputCheck:
         # -- the advantage that multiplied each row, vs its own
         a_applied = torch.where(row.abs() > 0, -P.sum(dim=1) / row.where(row.abs() > 0, torch.ones_like(row)), 0.0)
         tol = PAIRING_ATOL + PAIRING_RTOL * a_ref.abs()
-        tol = torch.where(scale < NEAR_TIE_SCALE, tol * 10 + 10 * PAIRING_ATOL, tol)
         err = (a_applied - a_ref).abs()
         # rows the loss should train; a row with a clipped token is not judged: that token's policy
         # gradient is 0 while dL/dA still counts it (num_iterations > 1 only; coef is 1 otherwise)
         clipped = (coef < 1 - self.epsilon_low) | (coef > 1 + self.epsilon_high)
         judged = matched & ((row.abs() > 0) | (expected_row.abs() > 0)) & ~(clipped & assistant).any(dim=1)
+        judged &= scale >= NEAR_TIE_SCALE  # a near-tie group's advantage is round-off: not judged here
         if judged.any():
             out["h01/loss_adv_pairing_error"] = float(err[judged].max())
             out["h01/loss_adv_misaligned_share"] = float((err[judged] > tol[judged]).double().mean())
