@@ -109,10 +109,16 @@ def _loss_mask_and_normaliser(m: Mapping[str, History], params: Mapping[str, str
         lo, hi = NORMALISER_BAND
         off = max(r / hi, lo / r) if r > 0 else math.inf
         lt = params.get("loss.loss_type", "the configured loss_type")
-        out += judged("h02", c, not lo <= r <= hi, 2 + magnitude(off), {"h02/loss_normaliser_ratio (median)": r},
+        # a wrong mask changes the token count the loss divides by: then the ratio is its consequence
+        mask_wrong = any(f.flagged and f.check in ("loss_trains_env_tokens", "loss_leaves_sampled_tokens_out")
+                         for f in out)
+        consequence = (" A consequence of the mask above (the loss counts other tokens), not a separate cause."
+                       if mask_wrong else "")
+        out += judged("h02", c, not lo <= r <= hi, (1 if mask_wrong else 2) + magnitude(off),
+                      {"h02/loss_normaliser_ratio (median)": r},
                       f"The loss divides a row's tokens by {r:.3g}x what {lt} implies (the weight -dL/dA the loss "
                       "gave the row vs tokens x loss_type's normaliser): every update is scaled, per row, by the "
-                      "wrong amount." + _stage(c), f"The loss normalises as {lt} says." + _stage(c))
+                      "wrong amount." + consequence + _stage(c), f"The loss normalises as {lt} says." + _stage(c))
     return out
 
 
