@@ -112,6 +112,7 @@ def test_a_clean_run_hooks_change_nothing(tiny_cfg):
 def test_each_hook_acts_only_under_its_fault(tiny_cfg):
     """Each fault changes what its declaration says it changes (the other hooks stay identity)."""
     x = torch.zeros(4, 3)
+    loss_in = {"advantages": torch.arange(4.0), "tool_mask": torch.tensor([[1, 0, 1]] * 4)}
     acted = {}
     for name in FAULTS:
         cfg = OmegaConf.merge(tiny_cfg, {"fault": name})
@@ -124,11 +125,13 @@ def test_each_hook_acts_only_under_its_fault(tiny_cfg):
             "kl_beta": h.kl_beta(0.04) != 0.04,
             "kl_mask": h.kl_mask(x, torch.ones(4, 3)) is not x,
             "weight_sync": h.weight_sync(Fault) is not Fault,
+            "loss_inputs": any(not torch.equal(v, loss_in[k]) for k, v in h.loss_inputs(dict(loss_in)).items()),
         }.items() if changed}
     assert acted == {"none": set(), "blind_context": {"attention_mask"}, "env_tokens_trained": {"env_mask_value"},
                      "first_turn_reward": {"reward_read_turn"}, "kl_flipped": {"kl_beta"},
                      "kl_tool_tokens": {"kl_mask"}, "stale_sampler": set(), "std_epsilon": {"rewards"},
-                     "tiny_budgets": set(), "tiny_updates": set(), "inplace_merge_sync": {"weight_sync"}}
+                     "tiny_budgets": set(), "tiny_updates": set(), "inplace_merge_sync": {"weight_sync"},
+                     "adv_shuffled": {"loss_inputs"}, "loss_mask_env": {"loss_inputs"}, "kl_beta_dropped": {"kl_beta"}}
 
 
 def test_std_epsilon_noise_is_float_level_and_the_same_for_a_step(tiny_cfg):

@@ -17,7 +17,9 @@ max_grad_norm, temperature / top_p / top_k; PEFT ``LoraConfig``) and hands TRL o
     template) and calls the diagnostics (``instruments.observe_batch``; parity probe after each
     weight sync).
   - ``_compute_loss``: calls TRL's loss with the KL coefficient and mask the job's fault gives,
-    and ``instruments.observe_loss``.
+    and ``instruments.observe_loss``; arms the point-of-use probe (its advantages and reference
+    log-probs as gradient-reading leaves, diagnostics/loss_inputs.py), which ``training_step``
+    reads once the micro-batch's backward has run.
   - ``_get_per_token_logps_and_entropies``: every forward pass of the trainer (loss, old and
     reference log-probs) gets the attention mask the job's fault gives (the planted
     ``blind_context`` hides the context there).
@@ -27,7 +29,7 @@ With ``train.backend=vllm``, TRL's ``VLLMGeneration`` syncs the weights before e
 LoRA merged out of place (musique_rl/core/weight_sync.py: TRL's own sync merges into the frozen base
 and unmerges, which drifts it in bf16); the in-process backends sample from the live model.
 A planted fault (musique_rl/core/faults/, off by default) acts through its hooks, each called once
-here: rewards, attention mask, KL coefficient and mask, sampler model, weight sync.
+here: rewards, attention mask, KL coefficient and mask, the loss's inputs, sampler model, weight sync.
 
 Reference model for the KL (beta > 0): under PEFT, TRL disables the adapter (no second copy);
 with full fine-tuning, TRL loads a reference copy.
@@ -187,6 +189,8 @@ class MusiqueGRPOTrainer(GRPOTrainer):
         self._fault = fault  # the job's planted fault's hooks (a clean run's leave everything as is)
         self._scoring_tool_mask: torch.Tensor | list | None = None  # the rows' env masks while scoring passes run
         self._last_attention: torch.Tensor | None = None  # the attention mask of the last scoring pass
+        self._loss_probe: Any = None  # the micro-batch's point-of-use probe while TRL's loss runs
+        self._loss_probes: list = []  # probes whose backward has not been read yet
         # TRL applies its importance-sampling correction only with use_vllm; on the HF backend with a
         # mode set, _generate_and_score_completions and _compute_loss run with use_vllm raised.
         self._hf_is = musique_train.backend != "vllm" and musique_train.importance_sampling not in ("auto", "off")
@@ -309,6 +313,8 @@ class MusiqueGRPOTrainer(GRPOTrainer):
             width = output["completion_ids"].shape[1]
             output["token_sources"] = self._token_sources(width).to(output["completion_ids"].device)
             self._observe_batch(output, rewards[local], num_generations)
+            if mode == "train":  # the reference the loss's inputs are checked against (loss_inputs.py)
+                self._remember_rollout(output, rewards, local)
             # After scoring, not before the rollout: the weights are still those the sampler was
             # synced to, and the first batch has supplied the probe sequences, so step 0 gets
             # its baseline too.
@@ -360,6 +366,36 @@ class MusiqueGRPOTrainer(GRPOTrainer):
         )
         self.merge_metrics(metrics)
 
+    def _remember_rollout(self, output: dict, rewards: torch.Tensor, local: slice) -> None:
+        device = output["completion_ids"].device
+
+        def gather_sum(local_count: float) -> float:  # a count summed over the trainer processes
+            return float(self.accelerator.gather(torch.tensor([local_count], device=device)).sum())
+
+        self.merge_metrics(self.instruments.remember_rollout(
+            rewards=rewards.detach().cpu(), local=local, prompt_ids=output["prompt_ids"].cpu(),
+            completion_ids=output["completion_ids"].cpu(), token_sources=output["token_sources"].cpu(),
+            gather_sum=gather_sum,
+            sampling_logps=output["sampling_per_token_logps"].cpu() if "sampling_per_token_logps" in output else None,
+        ))
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        self._read_loss_probes()  # the micro-batch's backward has run: its gradients are readable
+        return loss
+
+    def _read_loss_probes(self) -> None:
+        """Point-of-use metrics of the micro-batches whose backward has run (loss_inputs.py)."""
+        probes, self._loss_probes = self._loss_probes, []
+        for probe, is_ratio in probes:
+            self.merge_metrics(self.instruments.read_loss(
+                probe, accumulation=float(self.args.gradient_accumulation_steps),
+                num_processes=self.accelerator.num_processes, steps_per_generation=self.args.steps_per_generation,
+                max_completion_length=self.max_completion_length, is_ratio=is_ratio,
+                expect_full_mask=self.top_entropy_quantile >= 1.0 and self.off_policy_mask_threshold is None
+                and not self.mask_truncated_completions,
+            ), "train")
+
     def _parity_probe(self) -> None:
         """After the weight sync that preceded this rollout (and before the update that follows
         it): do trainer, sampler and base agree?"""
@@ -392,6 +428,8 @@ class MusiqueGRPOTrainer(GRPOTrainer):
             model, input_ids, attention_mask, logits_to_keep, *args, **kwargs
         )
         self._captured_logps = logps
+        if self._loss_probe is not None:
+            self.instruments.watch_loss_logps(self._loss_probe, logps)
         return logps, entropies, aux
 
     def _accumulation_steps(self) -> float:
@@ -399,6 +437,13 @@ class MusiqueGRPOTrainer(GRPOTrainer):
         return float(getattr(self, "current_gradient_accumulation_steps", 1) or 1) if self.model.training else 1.0
 
     def _compute_loss(self, model, inputs):
+        probe = None
+        if self.instruments is not None and self.model.training and torch.is_grad_enabled():
+            # the point-of-use probe (loss_inputs.py): advantages and reference log-probs as leaves
+            # whose gradients say what the loss multiplied; read after backward (training_step)
+            probe = self.instruments.arm_loss(inputs)
+            inputs = probe.inputs if probe is not None else inputs
+        inputs = self._fault.loss_inputs(inputs)
         completion_mask = inputs["completion_mask"]
         tool_mask = inputs.get("tool_mask")
         loss_mask = completion_mask if tool_mask is None else completion_mask * tool_mask
@@ -410,12 +455,18 @@ class MusiqueGRPOTrainer(GRPOTrainer):
         # loss_type, across micro-batches): the fault's coefficient (kl_flipped: negated) takes its place.
         applied_beta = self._fault.kl_beta(beta)
         self.beta = applied_beta
+        self._loss_probe = probe
         try:
             with self._as_vllm():
                 loss = super()._compute_loss(model, inputs)
         finally:
             self.beta = beta
             self._scoring_tool_mask = None
+            self._loss_probe = None
+        if probe is not None:
+            applies_is = (self.use_vllm or self._hf_is) and self.vllm_importance_sampling_correction \
+                and self.loss_type != "vespo" and "importance_sampling_ratio" in inputs
+            self._loss_probes.append((probe, inputs["importance_sampling_ratio"] if applies_is else None))
         per_token_logps = self._captured_logps
         attention = self._last_attention  # what the scoring pass attended to (blind under blind_context)
         if attention is None:

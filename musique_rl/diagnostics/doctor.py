@@ -38,7 +38,7 @@ from typing import Any
 
 # Rules registered in their own modules (@rule): imported for their registration (trl_rules: over
 # TRL's own metric names, which also serve another framework's logs).
-from musique_rl.diagnostics import alarms, invariants, trl_rules  # noqa: F401
+from musique_rl.diagnostics import alarms, invariants, point_of_use, trl_rules  # noqa: F401
 from musique_rl.diagnostics.findings import (
     RULES,
     Finding,

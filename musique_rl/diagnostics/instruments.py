@@ -84,6 +84,7 @@ class Instruments:
         reward_cfg: RewardConfig | None = None,
         reward_audit_size: int = 4,
         seed: int = 0,
+        loss_check: Any = None,
     ):
         if num_generations < 2:
             raise ValueError(f"num_generations must be >= 2 for group statistics, got {num_generations}")
@@ -108,11 +109,16 @@ class Instruments:
 
             self.reward_audit = RewardAudit(reward_cfg, records_by_id, tokenizer, reward_audit_size, seed)
         self._fit_done = False
+        # point-of-use checks of the loss's own inputs (loss_inputs.py); None = not run
+        self.loss_check = loss_check if enabled else None
 
     @classmethod
     def from_config(cls, cfg: InstrumentedJobConfig, **kwargs: Any) -> Instruments:
         """Build from the composed config (`cfg.diagnostics`, `cfg.train`, `cfg.env`)."""
+        from musique_rl.diagnostics.loss_inputs import from_loss_config
+
         d = cfg.diagnostics
+        kwargs.setdefault("loss_check", from_loss_config(cfg.loss, cfg.train))
         return cls(
             num_generations=cfg.train.num_generations,
             near_zero_std=d.near_zero_std,
@@ -259,6 +265,26 @@ class Instruments:
         if attention_mask is not None and prompt_mask is not None and completion_mask is not None:
             out.update(attention_coverage(attention_mask, prompt_mask, completion_mask))
         return out
+
+    # ------------------------------------------------------------------ 2b. at the loss's point of use
+    def remember_rollout(self, **rollout: Any) -> dict[str, float]:
+        """After scoring: the rollout's episodes as the reference of the point-of-use checks
+        (`loss_inputs.LossInputCheck.remember`); returns the sampling-diversity metrics."""
+        return self.loss_check.remember(**rollout) if self.loss_check is not None else {}
+
+    def arm_loss(self, inputs: dict) -> Any:
+        """Before TRL's loss: the loss inputs with their advantages and reference log-probs made
+        gradient-reading leaves (`LossInputCheck.arm`), or None when the check is off."""
+        return self.loss_check.arm(inputs) if self.loss_check is not None else None
+
+    def watch_loss_logps(self, probe: Any, logps: torch.Tensor) -> None:
+        """The per-token log-probs the loss differentiates, as soon as they exist."""
+        if probe is not None:
+            self.loss_check.watch(probe, logps)
+
+    def read_loss(self, probe: Any, **context: Any) -> dict[str, float]:
+        """After the micro-batch's backward: what the loss multiplied (`LossInputCheck.read`)."""
+        return self.loss_check.read(probe, **context) if probe is not None and self.loss_check is not None else {}
 
     # ------------------------------------------------------------------ 3. around optimizer.step()
     def observe_update(

@@ -101,6 +101,10 @@ class Fault:
         """trainer.py `_compute_loss`: the tokens the KL penalty covers (a mask wider than the loss mask adds KL there)."""
         return loss_mask
 
+    def loss_inputs(self, inputs: dict) -> dict:
+        """trainer.py `_compute_loss`: the micro-batch TRL's loss receives (advantages, masks, log-probs), after every reading instrument."""
+        return inputs
+
     def sampler_model(self, model: Any) -> Any:
         """trainer.py `build_trainer`: a model to sample from instead of the trained one, or None (the trained one)."""
         return None
@@ -113,8 +117,8 @@ class Fault:
         return exact
 
 
-HOOKS = ("env_mask_value", "reward_read_turn", "rewards", "attention_mask", "kl_beta", "kl_mask", "sampler_model",
-         "weight_sync")
+HOOKS = ("env_mask_value", "reward_read_turn", "rewards", "attention_mask", "kl_beta", "kl_mask", "loss_inputs",
+         "sampler_model", "weight_sync")
 
 
 class Clean(Fault):

@@ -1,0 +1,276 @@
+"""Point-of-use checks (diagnostics/loss_inputs.py): what the loss multiplies, read from its own
+gradient against the rollout's references, on the tiny model. Each planted defect acts AFTER the
+older instruments' read point (inside the loss's inputs, or in TRL's loss itself) and is caught at
+steps 0-2; the clean run reads clean."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import with_keys
+
+from musique_rl.core import faults
+from musique_rl.core import trainer as trainer_mod
+from musique_rl.diagnostics.instruments import Instruments
+from musique_rl.env import rewards
+from musique_rl.env.data import load_records
+from musique_rl.env.retrieval import build_retriever
+
+
+def _cfg(tiny_cfg, overrides: dict):
+    base = {"train.max_steps": 2, "train.prompts_per_step": 2, "train.num_generations": 4, "train.save_steps": 1000,
+            "loss.warmup_steps": 0, "seed": 3}
+    return with_keys(tiny_cfg, {**base, **overrides})
+
+
+def _run(cfg, warm_tiny, tmp_path, patch=None):
+    """Train cfg.train.max_steps steps with instruments; the point-of-use metrics of every micro-batch."""
+    model, tok = warm_tiny
+    recs = load_records(cfg.env.data, cfg.env, int(cfg.seed))[:40]
+    reward_fn = rewards.RewardFunction(cfg.reward, {r["id"]: r for r in recs})
+    inst = Instruments.from_config(cfg, tokenizer=tok, artifact_logger=None)
+    tr = trainer_mod.build_trainer(cfg, copy.deepcopy(model), tok, recs, build_retriever(cfg.env, recs), reward_fn,
+                                   tmp_path, fault=faults.of(cfg), instruments=inst)
+    seen: dict[str, list[float]] = {}
+    merge = tr.merge_metrics
+
+    def record(metrics, mode=None):
+        for k, v in (metrics or {}).items():
+            seen.setdefault(k, []).append(float(v))
+        return merge(metrics, mode)
+
+    tr.merge_metrics = record
+    if patch is not None:
+        patch(tr)
+    tr.train()
+    return seen
+
+
+def _histories(seen: dict[str, list[float]]) -> dict[str, list[tuple[int, float]]]:
+    return {k: list(enumerate(v)) for k, v in seen.items()}
+
+
+def _flagged(seen, params=None) -> set[str]:
+    """The point-of-use rules' flagged checks on a run's metrics."""
+    from musique_rl.diagnostics import point_of_use
+    from musique_rl.diagnostics.findings import RULES
+
+    mine = {f.__name__ for f in vars(point_of_use).values() if callable(f)}
+    out = set()
+    for r in RULES:
+        if r.__name__ in mine:
+            out |= {f.check for f in r(_histories(seen), params or {}) if f.flagged}
+    return out
+
+
+POU = ("h01/loss_", "h02/loss_", "h03/kl_term", "h03/kl_beta", "h03/loss_", "h06/identical")
+
+
+def _first(seen, key):
+    assert key in seen, f"{key} never produced; produced: {sorted(k for k in seen if k.startswith(POU))}"
+    return seen[key]
+
+
+# ---------------------------------------------------------------- clean runs read clean
+@pytest.mark.parametrize("loss_type,micro,beta,extra", [
+    ("grpo", None, 0.04, {}), ("dapo", 2, 0.0, {}), ("dr_grpo", 2, 0.04, {}), ("bnpo", 2, 0.0, {}),
+    # TRL's importance-sampling correction on the HF sampler: old log-probs and per-token IS weights
+    ("dapo", None, 0.04, {"train.importance_sampling": "token_truncate"}),
+])
+def test_a_clean_run_reads_clean_at_the_point_of_use(tiny_cfg, warm_tiny, tmp_path, loss_type, micro, beta, extra):
+    cfg = _cfg(tiny_cfg, {"train.max_steps": 3, "loss.loss_type": loss_type, "train.micro_batch_size": micro,
+                          "loss.beta": beta, **extra})
+    seen = _run(cfg, warm_tiny, tmp_path)
+    assert _first(seen, "h01/loss_adv_from_inputs") == [1.0] * len(seen["h01/loss_adv_from_inputs"])
+    assert max(_first(seen, "h01/loss_adv_misaligned_share")) == 0.0
+    assert max(_first(seen, "h01/loss_adv_pairing_error")) < 1e-3
+    assert max(_first(seen, "h01/loss_rows_unmatched_share")) == 0.0
+    assert max(_first(seen, "h02/loss_tool_token_share")) == 0.0
+    assert max(_first(seen, "h02/loss_assistant_left_out_share")) == 0.0
+    assert all(abs(r - 1) < 1e-4 for r in _first(seen, "h02/loss_normaliser_ratio"))
+    assert max(_first(seen, "h06/identical_group_share")) <= 0.5
+    assert max(seen.get("h05/scorer_overlap_disagreement_share", [0.0])) == 0.0
+    if beta:
+        assert max(_first(seen, "h03/loss_kl_moved")) > 1e-4  # the policy moved after step 0 ...
+        assert max(_first(seen, "h03/kl_term_zero_with_beta")) == 0.0  # ... and the penalty acts
+        assert all(abs(r - 1) < 1e-2 for r in _first(seen, "h03/kl_beta_applied_ratio"))
+        assert max(_first(seen, "h03/loss_kl_env_token_share")) == 0.0
+    assert _flagged(seen, {"loss.loss_type": loss_type, "train.prompts_per_step": "2"}) == set()
+
+
+def test_near_tie_round_off_is_not_read_as_misalignment(tiny_cfg, warm_tiny, tmp_path):
+    """fault=std_epsilon (rewards with 1e-6 noise over std + 1e-8): TRL's float32 advantages of a
+    near-tie group are round-off, amplified; h01 amplification judges them, the pairing must not."""
+    em_only = {f"reward.weights.{k}": float(k == "answer_em") for k in tiny_cfg.reward.weights}  # binary: ties
+    seen = _run(_cfg(tiny_cfg, {"fault": "std_epsilon", "loss.adv_epsilon": 1e-8, "train.max_steps": 1,
+                                "train.prompts_per_step": 8, **em_only}), warm_tiny, tmp_path)
+    assert max(seen["h01/amplification_max"]) > 1e3  # a near-tie group is there, its noise amplified
+    assert max(_first(seen, "h01/loss_adv_misaligned_share")) == 0.0
+    assert "advantages_not_paired_in_loss" not in _flagged(seen)
+
+
+# ---------------------------------------------------------------- planted defects, after the old read points
+def test_advantages_rolled_in_the_loss_inputs_are_caught(tiny_cfg, warm_tiny, tmp_path):
+    """fault=adv_shuffled: the loss's advantages moved one row against its completions. The scored
+    batch (h01 invariants) is intact; the loss's gradient is not."""
+    seen = _run(_cfg(tiny_cfg, {"fault": "adv_shuffled", "train.max_steps": 1}), warm_tiny, tmp_path)
+    assert seen["h01/adv_sign_mismatch_share"] == [0.0] and seen["h01/adv_group_sum_rel_max"][0] < 1e-3  # old: clean
+    assert _first(seen, "h01/loss_adv_misaligned_share")[0] > 0.5
+    assert _first(seen, "h01/loss_adv_pairing_error")[0] > 0.1
+    assert "advantages_not_paired_in_loss" in _flagged(seen)
+
+
+def test_advantages_permuted_inside_trls_loss_are_caught(tiny_cfg, warm_tiny, tmp_path, monkeypatch):
+    """The defect acts inside TRL's own _compute_loss (after our wrapper and every hook): only the
+    gradient, read after backward, sees it."""
+    from trl import GRPOTrainer
+
+    original = GRPOTrainer._compute_loss
+
+    def permuted(self, model, inputs):
+        adv = inputs["advantages"]
+        return original(self, model, {**inputs, "advantages": adv.flip(0)})
+
+    monkeypatch.setattr(GRPOTrainer, "_compute_loss", permuted)
+    seen = _run(_cfg(tiny_cfg, {"train.max_steps": 1}), warm_tiny, tmp_path)
+    assert _first(seen, "h01/loss_adv_misaligned_share")[0] > 0.5
+    assert seen["h01/loss_adv_from_inputs"] == [1.0]  # still the inputs' advantages, on other rows
+
+
+def test_env_mask_dropped_in_the_loss_path_is_caught(tiny_cfg, warm_tiny, tmp_path):
+    """fault=loss_mask_env: the rollout masks tool tokens (the h02 ledger reads that mask: 0 env
+    tokens with loss), the loss trains them; the reference is the rollout's token sources."""
+    seen = _run(_cfg(tiny_cfg, {"fault": "loss_mask_env", "train.max_steps": 1}), warm_tiny, tmp_path)
+    assert seen["h02/env_tokens_with_loss"] == [0.0]  # the old instrument, read where the mask is produced
+    assert _first(seen, "h02/loss_tool_token_share")[0] > 0.9
+    assert "loss_trains_env_tokens" in _flagged(seen)
+
+
+def test_an_off_by_one_mask_inside_trls_loss_is_caught(tiny_cfg, warm_tiny, tmp_path, monkeypatch):
+    """The loss mask shifted one token right inside TRL's loss: the first token of each assistant
+    turn is left out and the first env token after it trains."""
+    from trl import GRPOTrainer
+
+    original = GRPOTrainer._compute_loss
+
+    def shifted(self, model, inputs):
+        tm = inputs["tool_mask"]
+        return original(self, model, {**inputs, "tool_mask": torch.cat([tm[:, :1], tm[:, :-1]], dim=1)})
+
+    monkeypatch.setattr(GRPOTrainer, "_compute_loss", shifted)
+    seen = _run(_cfg(tiny_cfg, {"train.max_steps": 1}), warm_tiny, tmp_path)
+    assert _first(seen, "h02/loss_tool_token_share")[0] > 0
+    assert _first(seen, "h02/loss_assistant_left_out_share")[0] > 0
+    assert {"loss_trains_env_tokens", "loss_leaves_sampled_tokens_out"} <= _flagged(seen)
+
+
+def test_a_normaliser_not_the_configured_loss_types_is_caught(tiny_cfg, warm_tiny, tmp_path):
+    """loss.loss_type=grpo configured, TRL's loss divides as dr_grpo (the loss type not forwarded):
+    each row's weight is off by max_completion_length / its length."""
+    seen = _run(_cfg(tiny_cfg, {"train.max_steps": 1}), warm_tiny, tmp_path,
+                patch=lambda tr: setattr(tr, "loss_type", "dr_grpo"))
+    assert _first(seen, "h02/loss_normaliser_ratio")[0] > 2
+    assert max(seen["h01/loss_adv_misaligned_share"]) == 0.0  # the advantages are still paired right
+    assert "loss_normaliser_off" in _flagged(seen)
+
+
+def test_a_kl_coefficient_dropped_before_the_loss_is_caught(tiny_cfg, warm_tiny, tmp_path):
+    """fault=kl_beta_dropped: beta 0.04 configured, 0 applied. The old h03 instruments read the
+    penalty the wrapper reports and see nothing wrong; the gradient on the reference log-probs is
+    0 once the policy moved (step 1)."""
+    seen = _run(_cfg(tiny_cfg, {"fault": "kl_beta_dropped", "loss.beta": 0.04}), warm_tiny, tmp_path)
+    assert max(seen.get("h03/kl_negative_share", [0.0])) == 0.0  # old: clean
+    assert _first(seen, "h03/kl_term_zero_with_beta") == [1.0]
+    assert "kl_penalty_not_applied" in _flagged(seen, {"loss.beta": "0.04"})
+
+
+def test_beta_not_forwarded_to_trl_is_caught_at_step_0(tiny_cfg, warm_tiny, tmp_path, monkeypatch):
+    """GRPOConfig built without the configured beta: TRL computes no reference log-probs at all."""
+    original = trainer_mod.grpo_config
+
+    def without_beta(cfg, output_dir):
+        args = original(cfg, output_dir)
+        args.beta = 0.0
+        return args
+
+    monkeypatch.setattr(trainer_mod, "grpo_config", without_beta)
+    seen = _run(_cfg(tiny_cfg, {"loss.beta": 0.04, "train.max_steps": 1}), warm_tiny, tmp_path)
+    assert _first(seen, "h03/kl_term_zero_with_beta") == [1.0]
+
+
+def test_a_flipped_kl_sign_reads_as_beta_minus_one(tiny_cfg, warm_tiny, tmp_path):
+    seen = _run(_cfg(tiny_cfg, {"fault": "kl_flipped", "loss.beta": 0.04}), warm_tiny, tmp_path)
+    assert all(abs(r + 1) < 1e-2 for r in _first(seen, "h03/kl_beta_applied_ratio"))
+    assert "kl_beta_not_as_configured" in _flagged(seen)
+
+
+def test_a_sampler_that_does_not_sample_is_caught(tiny_cfg, warm_tiny, tmp_path, monkeypatch):
+    """train.temperature=1, but the sampler decodes greedily (its log-probs still those of T=1):
+    every group ties, which the sampler's own probabilities make improbable."""
+    from musique_rl.core.generation import HFGenerator
+
+    original = HFGenerator.generate
+    monkeypatch.setattr(HFGenerator, "generate", lambda self, contexts, max_new_tokens, greedy=False:
+                        original(self, contexts, max_new_tokens, greedy=True))
+    seen = _run(_cfg(tiny_cfg, {"train.max_steps": 3}), warm_tiny, tmp_path)
+    print(seen["h06/identical_group_share"], seen["h06/identical_group_expected_share"])
+    assert _first(seen, "h06/identical_group_share") == [1.0, 1.0, 1.0]
+    assert max(_first(seen, "h06/identical_group_expected_share")) < 0.5
+    assert "sampling_not_diverse" in _flagged(seen, {"train.prompts_per_step": "2"})
+
+
+# ---------------------------------------------------------------- the reference and the declarations
+def test_reference_advantages_equal_the_trainers_formula():
+    from musique_rl.diagnostics.loss_inputs import reference_advantages
+
+    torch.manual_seed(0)
+    r = torch.rand(16)
+    r[3] = float("nan")
+    for scale in ("group", "batch", "none"):
+        ref, _ = reference_advantages(r, 4, scale, 1e-4)
+        assert torch.allclose(ref.float(), trainer_mod.group_advantages(r, 4, scale, 1e-4), atol=1e-5)
+
+
+def test_every_point_of_use_metric_is_declared_with_a_stage_and_a_reason():
+    from musique_rl.diagnostics import point_of_use
+    from musique_rl.diagnostics.loss_inputs import METRICS
+
+    stages = {"inputs", "sampling", "environment", "reward", "signal", "loss", "gradient", "update", "policy change"}
+    assert all(d.stage in stages and d.reason and d.unit for d in METRICS.values())
+    assert set(point_of_use.STAGES.values()) <= stages
+    src = open(point_of_use.__file__).read()
+    read = {k for k in METRICS if f'"{k}"' in src}
+    assert read, "the rules read declared metrics"
+    import re
+    assert set(re.findall(r'"(h0\d/[a-z_]+)"', src)) <= set(METRICS)  # every metric a rule reads is declared
+
+
+def test_overlapping_scorers_disagree_when_one_reads_another_turn(toy_record):
+    """An episode that cites every document it was shown: citation recall >= retrieval recall. A
+    citation scorer that reads the first turn (a tool call, no citation) breaks it."""
+    from musique_rl.diagnostics.batch import Batch
+    from musique_rl.diagnostics.point_of_use import _scorers_agree
+    from musique_rl.diagnostics.scorer_overlap import citation_retrieval_overlap
+
+    docs = "\n\n".join(f"Document ID: {p['idx']}\n# {p['title']}\n{p['paragraph_text']}"
+                        for p in toy_record["paragraphs"] if p["idx"] in (1, 4))
+    msgs = [{"role": "user", "content": toy_record["question"]},
+            {"role": "assistant", "content": "<search>Zephyr car maker founder</search>"},
+            {"role": "tool", "content": docs},
+            {"role": "assistant", "content": "<think>.</think><cite>1, 4</cite><answer>Ada Lovelace</answer>"}]
+    good = rewards.score_episode(toy_record, msgs, "last")
+    misread = {**good, "citation_recall": rewards.score_episode(toy_record, msgs, "first")["citation_recall"]}
+
+    def share(components):
+        batch = Batch(num_generations=2, near_zero_std=0.05, rewards=torch.zeros(2), advantages=torch.zeros(2),
+                      prompt_mask=torch.ones(2, 1), completion_mask=torch.ones(2, 1), loss_mask=torch.ones(2, 1),
+                      episodes=[{"messages": msgs}] * 2,
+                      reward_components={k: [v, v] for k, v in components.items()})
+        return citation_retrieval_overlap(batch)
+
+    assert share(good) == {"h05/scorer_overlap_checked": 2.0, "h05/scorer_overlap_disagreement_share": 0.0}
+    bad = share(misread)
+    assert bad["h05/scorer_overlap_disagreement_share"] == 1.0
+    assert [f.flagged for f in _scorers_agree({k: [(0, v)] for k, v in bad.items()}, {})] == [True]
