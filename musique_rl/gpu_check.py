@@ -375,7 +375,10 @@ def provenance(m: dict[str, Any], bundle: dict[str, Any] | None, tokenizer: str)
     dirty = bool(_git(["status", "--porcelain", "--untracked-files=no"])) if commit else False
     if not commit and bundle:  # a lent machine's copy of the checkout has no .git: the bundle says
         commit, dirty = bundle.get("commit", "unknown"), bool(bundle.get("dirty"))
-    return {"commit": (commit or "unknown") + (" (+ uncommitted changes)" if dirty else ""),
+    import shlex
+
+    command = "python -m musique_rl.gpu_check " + " ".join(shlex.quote(x) for x in sys.argv[1:])
+    return {"commit": (commit or "unknown") + (" (+ uncommitted changes)" if dirty else ""), "command": command.strip(),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "tokenizer": tokenizer, **m}
 
 
@@ -400,7 +403,7 @@ def record(rows: list[Row], prov: dict[str, Any], budget_s: float, elapsed: floa
         f"- tokenizer of the 7B steps: {m['tokenizer']}",
         f"- budget {budget_s:.0f} s, used {elapsed:.0f} s; "
         + ("two lanes (tiny-model steps beside the 7B steps; bench alone)" if lanes > 1 else "one lane"),
-        "- command: `python -m musique_rl.gpu_check` (docs/howto/gpu.md); each step's log: `<workdir>/logs/<step>.log`",
+        f"- command: `{m['command']}` (docs/howto/gpu.md); each step's log: `<workdir>/logs/<step>.log`",
         "",
         "| step | status | s | dtype | result | note |",
         "|---|---|---|---|---|---|",
@@ -486,7 +489,7 @@ RUN_SH = """#!/usr/bin/env bash
 # BUDGET (seconds, default {budget}) bounds the whole check; OUT (if set) receives the record.
 set -u
 here="$(cd "$(dirname "${{BASH_SOURCE[0]}}")" && pwd)"
-cd "$here/.."
+cd "$here/{root}"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$here"/wheels/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD JAX_PLATFORMS=cpu XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
 python3 -m musique_rl.gpu_check --bundle "$here" --budget "${{BUDGET:-{budget}}}" ${{OUT:+--copy-to "$OUT"}} "$@"
@@ -528,7 +531,8 @@ def prepare(dest: Path, wheels: bool, limit_mb: float) -> int:
          "wheels": pins or "none (--no-wheels)", "tokenizer": f"{STANDIN} stand-in {key} (tests/tokenizer_fixtures.py)"},
         indent=1))
     run = dest / "run.sh"
-    run.write_text(RUN_SH.format(budget=540))
+    # 540 s: a lent machine runs one command for at most 600 s; ~15 s install, the rest margin
+    run.write_text(RUN_SH.format(budget=540, root=os.path.relpath(ROOT, dest.resolve())))
     run.chmod(0o755)
     size, tree = dir_bytes(dest), tree_bytes()
     mb = 2**20
