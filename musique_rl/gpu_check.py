@@ -140,7 +140,9 @@ def machine() -> dict[str, Any]:
         out.update(gpu=torch.cuda.get_device_name(0), gpu_memory_gib=round(props.total_memory / 2**30, 1),
                    gpus=torch.cuda.device_count())
     else:
-        out.update(gpu="none", cpu=platform.processor() or platform.machine())
+        from musique_rl.core.warm_start import machine as where
+
+        out.update(gpu="none", cpu=where()["cpu"])
     return out
 
 
@@ -343,6 +345,9 @@ def job_result(step: Step, row: Row, output: str) -> None:
         gain = metrics.get("train/reward_gain")
         if isinstance(gain, int | float) and gain == gain:
             parts.append(f"gain {gain:+.3f}")
+    # the run's step-time breakdown, where the summary carries one (time/<part> keys besides the total)
+    parts_of_time = {k: v for k, v in (metrics or {}).items()
+                     if k.startswith("time/") and k != "time/seconds" and isinstance(v, int | float)}
     diagnosis = _json(run_dir / "diagnosis.json")
     if isinstance(diagnosis, list):
         flagged = [d for d in diagnosis if d.get("flagged")]
@@ -358,6 +363,8 @@ def job_result(step: Step, row: Row, output: str) -> None:
                 row.status = "FAIL"
     elif row.status == "ok":
         row.note = "no diagnosis.json written"
+    if parts_of_time:
+        parts.append("time: " + ", ".join(f"{k[5:]} {v:.3g}" for k, v in sorted(parts_of_time.items())))
     row.result = "; ".join(parts)
     if row.status == "FAIL" and not row.note.startswith("also") and step.expected is None:
         row.note = _last_error(output)

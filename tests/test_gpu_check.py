@@ -62,7 +62,7 @@ def test_the_budget_skips_what_no_longer_fits_and_a_lone_step_waits_for_the_othe
 
 
 def test_a_job_row_reads_the_run_directory_and_names_a_misnamed_fault(tmp_path):
-    (tmp_path / "metrics.json").write_text(json.dumps({"train/reward_gain": 0.352}))
+    (tmp_path / "metrics.json").write_text(json.dumps({"train/reward_gain": 0.352, "time/seconds": 80.0}))
     (tmp_path / "diagnosis.json").write_text(json.dumps([
         {"hypothesis": "h06", "check": "gap_grows", "flagged": True},
         {"hypothesis": "h08", "check": "spike", "flagged": True},
@@ -78,6 +78,10 @@ def test_a_job_row_reads_the_run_directory_and_names_a_misnamed_fault(tmp_path):
     (tmp_path / "diagnosis.json").write_text("[]")
     gpu_check.summarise(gpu_check.Step("default_bf16", ["x"], 1, run_dir=str(tmp_path)), clean, output)
     assert clean.status == "ok" and clean.result.endswith("diagnosis: clean")
+    # a step-time breakdown in the run's summary (time/<part>, besides the total) joins the row
+    (tmp_path / "metrics.json").write_text(json.dumps({"time/seconds": 80.0, "time/generation_s": 41.5, "time/backward_s": 9.25}))
+    gpu_check.summarise(gpu_check.Step("default_bf16", ["x"], 1, run_dir=str(tmp_path)), clean, output)
+    assert clean.result.endswith("diagnosis: clean; time: backward_s 9.25, generation_s 41.5")
 
 
 def test_a_tests_row_counts_and_names_the_failures():
