@@ -491,6 +491,15 @@ def download_wheels(dest: Path) -> list[str]:
                     "--implementation", "cp", *platforms, "-d", str(dest), *binary], check=True)
     for n in SDIST_ONLY:
         subprocess.run([*pip, "wheel", "-q", "--no-deps", "-w", str(dest), f"{n}=={pins[n]}"], check=True)
+    # what the GPU machine's `pip install --no-index --no-deps --target` will do, dry, for Python 3.12
+    # on x86-64: a wheel of another Python or platform, or two versions of one package, fail here
+    check = subprocess.run([*pip, "install", "--dry-run", "-q", "--no-index", "--no-deps", "--only-binary=:all:",
+                            "--python-version", "3.12", "--implementation", "cp", *platforms, "--target",
+                            str(dest / ".dry-run"), *map(str, sorted(dest.glob("*.whl")))],
+                           capture_output=True, text=True)
+    if check.returncode != 0:
+        raise SystemExit(f"gpu_check --prepare: the wheels in {dest} do not install on Python 3.12 x86-64:\n"
+                         + check.stderr[-2000:])
     return sorted(f"{n}=={v}" for n, v in pins.items())
 
 
