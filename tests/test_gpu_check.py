@@ -157,3 +157,23 @@ def test_gpu_check_runs_end_to_end_on_cpu_with_tiny_shapes(tmp_path):
     assert "3/4 steps ok; not ok: default_fp32" in text and "--timeout default_fp32=3" in text  # the command
     assert {p.name for p in copy_to.iterdir()} == {"record.md", "record.json", "gpu_check_logs.tar.gz"}
     assert json.loads((copy_to / "record.json").read_text())["provenance"]["cuda"] is False
+
+
+def test_a_gpu_record_names_the_card_and_its_file_the_gpu():
+    """The CUDA branch of the record, on a machine description as machine() returns it on an H200."""
+    m = {"cuda": True, "gpu": "NVIDIA H200", "gpu_memory_gib": 139.8, "gpus": 1, "torch": "2.11.0+cu130",
+         "cuda_version": "13.0", "transformers": "5.23.0", "trl": "1.16.0", "peft": "0.21.2", "python": "3.12.3",
+         "cpus": 16, "xdist": True, "flash_attn": False}
+    prov = gpu_check.provenance(m, {"commit": "abc1234", "dirty": False}, "qwen2.5-instruct stand-in b7c5")
+    rows = [gpu_check.Row("tests", "ok", 134.0, "91 passed", dtype="-"),
+            gpu_check.Row("bench", "TIMEOUT", 150.0, "", "killed after its time box of 150 s", dtype="bfloat16",
+                          output_tail=["arm  tok/s", "hf   1340", "\rLoading weights: 100%|#| 339/339 [00:01<00:00, 9.1it/s]"])]
+    text = gpu_check.record(rows, prov, 560, 548.2, lanes=2)
+    assert gpu_check.slug(m) == "nvidia_h200"
+    assert "# gpu_check on NVIDIA H200" in text
+    assert "- machine: NVIDIA H200 (139.8 GiB, 1 visible), torch 2.11.0+cu130, CUDA 13.0" in text
+    assert "pytest-xdist yes; flash-attn no" in text and "qwen2.5-instruct stand-in b7c5" in text
+    assert "budget 560 s, used 548 s; two lanes" in text
+    assert "| bench | TIMEOUT | 150 | bfloat16 |  | killed after its time box of 150 s |" in text
+    assert "1/2 steps ok; not ok: bench" in text
+    assert "hf   1340" in text and "Loading weights" not in text  # the bench's own table, no progress bars
