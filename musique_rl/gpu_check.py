@@ -226,9 +226,11 @@ def step_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def run_one(step: Step, timeout_s: float, log_path: Path, env: dict[str, str]) -> tuple[str, float, str]:
+def run_one(step: Step, timeout_s: float, log_path: Path, env: dict[str, str],
+            live: dict[str, int] | None = None) -> tuple[str, float, str]:
     """Run ``step`` in its own process group, killed whole after ``timeout_s`` (pytest-xdist workers,
-    a job's data loaders). Returns (status, seconds, output)."""
+    a job's data loaders). ``live``: step name -> process group while it runs (``run_steps`` kills
+    them if the check itself is stopped). Returns (status, seconds, output)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     with open(log_path, "w", encoding="utf-8", errors="replace") as fh:
@@ -236,6 +238,8 @@ def run_one(step: Step, timeout_s: float, log_path: Path, env: dict[str, str]) -
         fh.flush()
         proc = subprocess.Popen(step.command, cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT,
                                 start_new_session=True)
+        if live is not None:
+            live[step.name] = proc.pid
         try:
             code = proc.wait(timeout=timeout_s)
             status = "ok" if code == 0 else "FAIL"
@@ -243,6 +247,9 @@ def run_one(step: Step, timeout_s: float, log_path: Path, env: dict[str, str]) -
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             status = "TIMEOUT"
+        finally:
+            if live is not None:
+                live.pop(step.name, None)
     return status, round(time.time() - t0, 1), log_path.read_text(encoding="utf-8", errors="replace")
 
 
@@ -253,6 +260,7 @@ def run_steps(steps: list[Step], budget_s: float, logs: Path, lanes: int, env: d
     deadline = time.time() + budget_s
     rows = {s.name: Row(s.name, dtype=s.dtype, lane=s.lane) for s in steps}
     lock = threading.Lock()
+    live: dict[str, int] = {}  # the running steps' process groups
     names = [s.lane for s in steps]
     lane_names = list(dict.fromkeys(names)) if lanes > 1 else ["all"]
     done = {lane: threading.Event() for lane in lane_names}
@@ -274,7 +282,7 @@ def run_steps(steps: list[Step], budget_s: float, logs: Path, lanes: int, env: d
                     continue
                 box = min(s.timeout_s, left)
                 print(f"[gpu_check] {s.name}: start (time box {box:.0f} s, lane {lane})", flush=True)
-                status, seconds, output = run_one(s, box, logs / f"{s.name}.log", env)
+                status, seconds, output = run_one(s, box, logs / f"{s.name}.log", env, live)
                 row.status, row.seconds = status, seconds
                 summarise(s, row, output)
                 if status == "TIMEOUT":
@@ -291,8 +299,17 @@ def run_steps(steps: list[Step], budget_s: float, logs: Path, lanes: int, env: d
     threads = [threading.Thread(target=work, args=(lane,), daemon=True) for lane in lane_names]
     for t in threads:
         t.start()
-    for t in threads:
-        t.join()
+    try:
+        for t in threads:
+            while t.is_alive():  # a timed join: the main thread stays free to take a signal
+                t.join(timeout=0.5)
+    except BaseException:  # stopped (SIGTERM through main's handler, Ctrl-C): no step outlives the check
+        for pgid in list(live.values()):
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        raise
     return [rows[s.name] for s in steps]
 
 
@@ -582,6 +599,10 @@ def build_7b(out: Path, tokenizer: Path | None) -> int:
 
 
 # ---------------------------------------------------------------- the command
+def _stop(signum: int, _frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
 def _timeouts(items: list[str] | None) -> dict[str, float]:
     out = {}
     for item in items or []:
@@ -637,6 +658,9 @@ def main(argv: list[str] | None = None) -> int:
     def checkpoint(rows: list[Row]) -> None:  # after every step: a run cut short still leaves its record
         write_outputs(record(rows, prov, a.budget, time.time() - t0, lanes), rows, prov, out, logs, copy_to)
 
+    # each step runs in a session of its own (so that a time box kills it whole): a stopped check
+    # ends them too (run_steps), SIGTERM included
+    signal.signal(signal.SIGTERM, _stop)
     rows = run_steps(steps, a.budget - (time.time() - t0), logs, lanes, step_env(), on_row=checkpoint)
     text = record(rows, prov, a.budget, time.time() - t0, lanes)
     written = write_outputs(text, rows, prov, out, logs, copy_to)

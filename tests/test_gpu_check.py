@@ -177,3 +177,25 @@ def test_a_gpu_record_names_the_card_and_its_file_the_gpu():
     assert "| bench | TIMEOUT | 150 | bfloat16 |  | killed after its time box of 150 s |" in text
     assert "1/2 steps ok; not ok: bench" in text
     assert "hf   1340" in text and "Loading weights" not in text  # the bench's own table, no progress bars
+
+
+def test_a_stopped_check_ends_the_step_it_was_running(tmp_path):
+    """Steps run in sessions of their own (a time box kills one whole): SIGTERM to the check must not
+    leave one running on a lent machine."""
+    import signal
+
+    marker = tmp_path / "pid"
+    step = f"import os, time; open({str(marker)!r}, 'w').write(str(os.getpid())); time.sleep(120)"
+    driver = ("import signal, sys; from pathlib import Path; from musique_rl import gpu_check as g; "
+              "signal.signal(signal.SIGTERM, g._stop); "
+              f"g.run_steps([g.Step('s', [sys.executable, '-c', {step!r}], 120)], 300, Path({str(tmp_path)!r}), 1, g.step_env())")
+    proc = subprocess.Popen([PY, "-c", driver], cwd=ROOT)
+    deadline = time.time() + 60
+    while not (marker.exists() and marker.read_text()) and time.time() < deadline:
+        time.sleep(0.2)
+    child = int(marker.read_text())
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+    time.sleep(0.5)
+    stat = Path(f"/proc/{child}/stat")  # gone, or a zombie nobody reaped yet: not running either way
+    assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
