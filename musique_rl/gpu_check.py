@@ -11,11 +11,12 @@ process group, recorded ``TIMEOUT``, and the next step runs; one that fails is r
   4. ``build_7b``, ``7b_hf``, ``7b_paged``: Qwen2.5-7B's shape (random bf16 weights built on the GPU,
      saved) with the Qwen2.5 stand-in tokenizer (real vocabulary, chat template, generation_config;
      built on CPU by ``--prepare``) on each in-process backend, 2 steps, with diagnosis;
-  5. ``bench``: ``benchmarks/bench_generation.py --shape 7b`` (its own output in the record).
+  5. ``bench`` / ``bench_static``: ``benchmarks/bench_generation.py --shape 7b`` over hf and paged, then
+     hf and hf-static (its own output in the record).
 
 On CUDA the tiny-model steps (1-3) run in one lane beside the 7B steps (4) in another, as they
-share the GPU lightly; ``bench`` waits until the other lane is done, so its figures are the card's
-alone. The whole run keeps to ``--budget`` seconds: a step gets the smaller of its own time box
+share the GPU lightly; the benchmarks wait until the other lane is done, so their figures are the
+card's alone. The whole run keeps to ``--budget`` seconds: a step gets the smaller of its own time box
 and what is left, and is ``skipped`` when too little is. Without CUDA the same steps run the CPU
 variants (small shapes, a few steps, the mini 7B stand-in ``memory.MINI``, the tiny bench) and the
 record says so.
@@ -76,7 +77,10 @@ CPU_SHAPES = ["train.prompts_per_step=2", "train.num_generations=4", "env.synthe
 CPU_7B = ["train.prompts_per_step=2", "train.num_generations=2", "env.max_tokens_per_turn=8",
           "env.max_completion_tokens=24", "train.eval_episodes=1"]
 BENCH_CUDA = ["--shape", "7b", "--batch", "64", "--max-new-tokens", "128", "--repeats", "3"]
-BENCH_CPU = ["--shape", "tiny", "--batch", "4", "--max-new-tokens", "8", "--repeats", "1"]
+BENCH_CPU = ["--shape", "tiny", "--batch", "4", "--max-new-tokens", "8", "--repeats", "3"]
+# bench: the training backends; bench_static: transformers' static cache (compiled decode on CUDA),
+# measured for exactness and speed before anything adopts it (benchmarks/bench_generation.py)
+BENCH_ARMS = {"bench": "hf,paged", "bench_static": "hf,hf-static"}
 # Pinned packages a CUDA image typically lacks (/work/shared/docs/GPU-NOTES.md: torch, accelerate,
 # pytest and the rest are there; mlflow is not needed with tracking.enabled=false), and pytest-xdist
 # so the test step runs in parallel. Versions: the preparing environment's (the pins).
@@ -198,8 +202,9 @@ def plan(m: dict[str, Any], work: Path, tokenizer: Path | None, a: argparse.Name
                                          f"model.dtype={dtype}", f"train.backend={backend}",
                                          f"train.max_steps={steps_of(2)}"],
                        work, 200 if cuda else 300, py, lane="heavy", dtype=dtype))
-    out.append(Step("bench", [py, str(ROOT / "benchmarks" / "bench_generation.py"), *(BENCH_CUDA if cuda else BENCH_CPU)],
-                    180 if cuda else 300, lane="heavy", alone=cuda, kind="bench", dtype=dtype))
+    for name, arms in BENCH_ARMS.items():
+        out.append(Step(name, [py, str(ROOT / "benchmarks" / "bench_generation.py"), *(BENCH_CUDA if cuda else BENCH_CPU),
+                               "--backends", arms], 180 if cuda else 300, lane="heavy", alone=cuda, kind="bench", dtype=dtype))
     for name, seconds in (a.timeout or {}).items():
         for s in out:
             if s.name == name:
@@ -362,9 +367,10 @@ def job_result(step: Step, row: Row, output: str) -> None:
         gain = metrics.get("train/reward_gain")
         if isinstance(gain, int | float) and gain == gain:
             parts.append(f"gain {gain:+.3f}")
-    # the run's step-time breakdown, where the summary carries one (time/<part> keys besides the total)
-    parts_of_time = {k: v for k, v in (metrics or {}).items()
-                     if k.startswith("time/") and k != "time/seconds" and isinstance(v, int | float)}
+    # where a step's time went (core/step_time.py's summary: time/mean/step_s, time/share/<part>)
+    shares = {k[len("time/share/"):]: v for k, v in (metrics or {}).items()
+              if k.startswith("time/share/") and isinstance(v, int | float) and v == v}
+    mean_step = (metrics or {}).get("time/mean/step_s")
     diagnosis = _json(run_dir / "diagnosis.json")
     if isinstance(diagnosis, list):
         flagged = [d for d in diagnosis if d.get("flagged")]
@@ -380,8 +386,9 @@ def job_result(step: Step, row: Row, output: str) -> None:
                 row.status = "FAIL"
     elif row.status == "ok":
         row.note = "no diagnosis.json written"
-    if parts_of_time:
-        parts.append("time: " + ", ".join(f"{k[5:]} {v:.3g}" for k, v in sorted(parts_of_time.items())))
+    if shares and isinstance(mean_step, int | float):
+        top = sorted(shares.items(), key=lambda kv: -kv[1])[:4]
+        parts.append(f"step {mean_step:.2f} s: " + ", ".join(f"{k} {100 * v:.0f}%" for k, v in top))
     row.result = "; ".join(parts)
     if row.status == "FAIL" and not row.note.startswith("also") and step.expected is None:
         row.note = _last_error(output)
@@ -442,11 +449,10 @@ def record(rows: list[Row], prov: dict[str, Any], budget_s: float, elapsed: floa
     skipped = [r.step for r in rows if r.status in ("skipped", "pending")]
     lines += ["", f"{sum(r.status == 'ok' for r in rows)}/{len(rows)} steps ok"
               + (f"; not ok: {', '.join(bad)}" if bad else "") + (f"; not run: {', '.join(skipped)}" if skipped else "")]
-    bench = next((r for r in rows if r.step == "bench" and r.output_tail), None)
-    if bench is not None:
+    for bench in (r for r in rows if r.step in BENCH_ARMS and r.output_tail):
         table = [ln for ln in bench.output_tail  # the command line and progress bars left out
-                 if ln.strip() and not ln.startswith("$ ") and "it/s]" not in ln and "s/it]" not in ln][-25:]
-        lines += ["", "## bench output (tail)", "", "```", *table, "```"]
+                 if ln.strip() and not ln.startswith("$ ") and "it/s]" not in ln and "s/it]" not in ln][-30:]
+        lines += ["", f"## {bench.step} output (tail)", "", "```", *table, "```"]
     return "\n".join(lines) + "\n"
 
 
@@ -454,7 +460,9 @@ def write_outputs(text: str, rows: list[Row], prov: dict[str, Any], out: Path, l
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)
     data = out.with_suffix(".json")
-    data.write_text(json.dumps({"provenance": prov, "rows": [asdict(r) for r in rows]}, indent=1))
+    # each row's output tail where a reader needs it (a step not ok, a benchmark); the logs hold the rest
+    kept = [{**asdict(r), "output_tail": r.output_tail if r.status != "ok" or r.step in BENCH_ARMS else []} for r in rows]
+    data.write_text(json.dumps({"provenance": prov, "rows": kept}, indent=1))
     written = [out, data]
     if copy_to is not None:
         copy_to.mkdir(parents=True, exist_ok=True)

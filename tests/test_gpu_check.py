@@ -78,10 +78,13 @@ def test_a_job_row_reads_the_run_directory_and_names_a_misnamed_fault(tmp_path):
     (tmp_path / "diagnosis.json").write_text("[]")
     gpu_check.summarise(gpu_check.Step("default_bf16", ["x"], 1, run_dir=str(tmp_path)), clean, output)
     assert clean.status == "ok" and clean.result.endswith("diagnosis: clean")
-    # a step-time breakdown in the run's summary (time/<part>, besides the total) joins the row
-    (tmp_path / "metrics.json").write_text(json.dumps({"time/seconds": 80.0, "time/generation_s": 41.5, "time/backward_s": 9.25}))
+    # where a step's time went (the run summary's time/mean/step_s and time/share/<part>): the top parts
+    (tmp_path / "metrics.json").write_text(json.dumps({
+        "time/seconds": 80.0, "time/mean/step_s": 1.25, "time/share/generation": 0.62, "time/share/backward_optimizer": 0.2,
+        "time/share/scoring": 0.1, "time/share/reward": 0.01, "time/share/environment": 0.05, "time/share/other": 0.02}))
     gpu_check.summarise(gpu_check.Step("default_bf16", ["x"], 1, run_dir=str(tmp_path)), clean, output)
-    assert clean.result.endswith("diagnosis: clean; time: backward_s 9.25, generation_s 41.5")
+    assert clean.result.endswith(
+        "diagnosis: clean; step 1.25 s: generation 62%, backward_optimizer 20%, scoring 10%, environment 5%")
 
 
 def test_a_tests_row_counts_and_names_the_failures():
