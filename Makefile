@@ -66,6 +66,16 @@ SMOKE_PY = $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PY))
 gpu-smoke: ## Every fault, hypothesis arm and a 7B-shaped model on this machine's GPU; a table (CPU: small shapes)
 	$(SMOKE_PY) -m musique_rl.smoke $(ARGS)
 
+# gpu-bundle on a CPU machine with pip and the .venv; gpu-check on the GPU machine (its own python3
+# with the bundle's wheels: bash .gpu_bundle/run.sh does both steps there), docs/howto/gpu.md.
+GPU_BUNDLE ?= .gpu_bundle
+.PHONY: gpu-bundle gpu-check
+gpu-bundle: $(STAMP) ## Build .gpu_bundle/ (GPU_BUNDLE=dir) for a lent GPU machine: Python 3.12 wheels, Qwen2.5 stand-in tokenizer, run.sh (< 64 MB)
+	$(BIN)/python -m musique_rl.gpu_check --prepare $(GPU_BUNDLE) $(ARGS)
+
+gpu-check: ## Everything a GPU can check here, time-boxed, one table in docs/records/gpu_check_<gpu>.md (CPU: small shapes)
+	$(SMOKE_PY) -m musique_rl.gpu_check $(if $(wildcard $(GPU_BUNDLE)/PROVENANCE.json),--bundle $(GPU_BUNDLE)) $(ARGS)
+
 lint: $(STAMP) ## ruff over the package, tests and benchmarks
 	$(BIN)/ruff check musique_rl tests benchmarks
 

@@ -131,21 +131,36 @@ def compose(overrides: list[str]) -> Any:
         return hydra_compose("train", overrides=overrides)
 
 
-def large_model_dir(root: Path, cuda: bool) -> tuple[Path, float]:
-    """The 7b case's model directory (built once per smoke run) and the seconds it took."""
+def large_model_dir(root: Path, cuda: bool, tokenizer_dir: str | Path | None = None,
+                    arch: dict[str, Any] | None = None) -> tuple[Path, float]:
+    """The 7b case's model directory (built once per smoke run) and the seconds it took.
+    ``tokenizer_dir``: a saved tokenizer to build it with (a Qwen2.5 stand-in's: real vocabulary,
+    template and generation_config.json); default the tiny model's. ``arch``: the shape (default
+    Qwen2.5-7B's on CUDA, ``memory.MINI`` on a CPU)."""
     import torch
 
     from musique_rl import memory
     from musique_rl.core.models import load_model
+    from musique_rl.schema import job_config
 
     out = root / "qwen2.5-7b-shaped"
     if (out / "config.json").exists():
         return out, 0.0
     t0 = time.time()
-    tokenizer = load_model(compose(["tracking.enabled=false"]))[1]  # the tiny model's tokenizer
-    arch = memory.ARCHITECTURES[LARGE] if cuda else memory.MINI
+    if tokenizer_dir is not None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    else:  # the tiny model's tokenizer; load_model takes the typed config (schema.job_config)
+        tokenizer = load_model(job_config(compose(["tracking.enabled=false"])))[1]
+    arch = arch or (memory.ARCHITECTURES[LARGE] if cuda else memory.MINI)
     memory.save_random_model(arch, tokenizer, str(out), device="cuda" if cuda else "cpu",
                              dtype=torch.bfloat16 if cuda else torch.float32)
+    shipped = Path(tokenizer_dir or "") / "generation_config.json"
+    if tokenizer_dir is not None and shipped.exists():  # the model's own sampling defaults and stop ids
+        import shutil
+
+        shutil.copy(shipped, out / "generation_config.json")
     return out, time.time() - t0
 
 

@@ -120,3 +120,35 @@ def test_paged_backend_trains(tiny_cfg, warm_tiny, tmp_path):
     logged = [h["sampling/sampling_logp_difference/max"] for h in tr.state.log_history
               if "sampling/sampling_logp_difference/max" in h]
     assert len(logged) == 2 and max(logged) < 1e-4, logged
+
+
+@pytest.mark.parametrize(("device", "flash", "backend", "warned"), [
+    ("cuda", False, "paged", True),   # a GPU without flash-attn: paged|sdpa, slower than hf
+    ("cuda", True, "paged", False),   # flash-attn installed: no dense mask
+    ("cpu", False, "paged", False),   # CPU figures are in docs/records/generation_cpu.md
+    ("cuda", False, "hf", False),     # only the paged backend warns
+])
+def test_the_paged_backend_says_once_when_it_is_slower_than_hf(warm_tiny, tiny_cfg, monkeypatch, caplog,
+                                                                device, flash, backend, warned):
+    """The CUDA check faked: the trained model reports a CUDA device, transformers reports flash-attn
+    present or not. Building the trainer's generator (once per job) logs one warning saying why."""
+    import logging
+    import types
+
+    import transformers.utils
+
+    model, tok = warm_tiny
+    if device == "cuda":  # the property the check reads; no CUDA kernel runs in this test
+        monkeypatch.setattr(type(model), "device", property(lambda self: torch.device("cuda", 0)))
+    monkeypatch.setattr(transformers.utils, "is_flash_attn_2_available", lambda: flash)
+    trainer = types.SimpleNamespace(model=model, model_wrapped=model, accelerator=types.SimpleNamespace(unwrap_model=lambda m: m))
+    cfg = with_keys(tiny_cfg, {"train.backend": backend})
+    with caplog.at_level(logging.WARNING, logger="musique_rl.core.generation_paged"):
+        gen = build_generator(cfg.train, tok, trainer=trainer)
+    assert isinstance(gen, PagedGenerator) == (backend == "paged")
+    said = [r.getMessage() for r in caplog.records if r.name == "musique_rl.core.generation_paged"]
+    if warned:
+        assert len(said) == 1
+        assert "SLOWER than train.backend=hf" in said[0] and "flash-attn" in said[0] and "paged|sdpa" in said[0]
+    else:
+        assert said == []

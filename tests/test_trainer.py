@@ -120,7 +120,7 @@ def test_step0_trainer_logprobs_equal_the_samplers(tiny_cfg, warm_tiny, tmp_path
     from musique_rl.diagnostics.ledger import Source, sources_tensor
 
     sources = sources_tensor([ep.sources for ep in tr.musique_engine.last_episodes], loss_mask.shape[1])
-    assert torch.equal(loss_mask, sources == int(Source.ASSISTANT))
+    assert torch.equal(loss_mask.cpu(), sources == int(Source.ASSISTANT))  # the batch is on the model's device
 
 
 def test_blind_context_fault_breaks_parity(tiny_cfg, warm_tiny, tmp_path):
@@ -146,6 +146,22 @@ def test_blind_attention_hides_the_prompt_and_the_tool_results_only():
     blind = blind_attention(attention, 5, tool_mask)
     assert blind.tolist() == [[0, 0, 0, 1, 0, 0, 1, 0]]
     assert blind_attention(attention, 5).tolist() == [[0, 0, 0, 1, 1, 1, 1, 0]]
+
+
+@pytest.mark.parametrize("name", sorted(FAULTS))
+def test_every_fault_hook_keeps_the_models_device(tiny_cfg, name):
+    """A CUDA stand-in on a CPU machine: the batch on the "meta" device (a second device whose ops
+    refuse a CPU operand, as CUDA's do), the tool mask as TRL's padded lists come (CPU). Each hook's
+    tensor comes back on the batch's device, without a device error (GPU-NOTES: the blind_context
+    fault failed on CUDA with "index is on cpu, different from other tensors on cuda:0")."""
+    fault = faults.of(with_keys(tiny_cfg, {"fault": name}))
+    meta = torch.device("meta")
+    attention = torch.ones(2, 8, dtype=torch.long, device=meta)
+    tool_mask = torch.tensor([[1, 0, 0, 1, 1], [1, 1, 1, 1, 1]])
+    assert fault.attention_mask(attention, 5, tool_mask).device == meta
+    loss_mask, completion_mask = (torch.ones(2, 5, device=meta) for _ in range(2))
+    assert fault.kl_mask(loss_mask, completion_mask).device == meta
+    assert fault.rewards(torch.ones(8, 1, device=meta), 0).device == meta
 
 
 def test_the_context_defect_acts_in_multi_turn_environments_only(tiny_cfg):

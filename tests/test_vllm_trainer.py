@@ -108,21 +108,22 @@ def _install(monkeypatch, mode, model, tok, cfg, recorder):
 
 def _expected_engine_weights(model) -> dict[str, torch.Tensor]:
     """The weights vLLM must hold: the trained model's, LoRA adapters merged by hand
-    (base + B @ A x scaling), under the HF names of the base model."""
+    (base + B @ A x scaling), under the HF names of the base model. On the CPU, as the stand-in
+    engine keeps what a sync sent (the trained model may be on a GPU)."""
     if not hasattr(model, "get_base_model"):
-        return {n: p.detach().clone() for n, p in model.named_parameters()}
+        return {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
     base = model.get_base_model()
     out = {}
     for name, module in base.named_modules():
         if hasattr(module, "lora_A") and "default" in module.lora_A:
             delta = module.lora_B["default"].weight @ module.lora_A["default"].weight * module.scaling["default"]
-            out[f"{name}.weight"] = (module.base_layer.weight + delta).detach().clone()
+            out[f"{name}.weight"] = (module.base_layer.weight + delta).detach().cpu().clone()
             if module.base_layer.bias is not None:
-                out[f"{name}.bias"] = module.base_layer.bias.detach().clone()
+                out[f"{name}.bias"] = module.base_layer.bias.detach().cpu().clone()
     for name, p in base.named_parameters():
         if "lora_" in name or ".base_layer." in name:
             continue
-        out[name] = p.detach().clone()
+        out[name] = p.detach().cpu().clone()
     return out
 
 
@@ -218,7 +219,7 @@ def test_vllm_backend_trains_with_a_synced_engine(mode, lora, tiny_cfg, warm_tin
     if lora != "none":  # and under LoRA it is the merged adapter, not the frozen base
         base_model = tr.accelerator.unwrap_model(tr.model).get_base_model()
         q = "model.layers.0.self_attn.q_proj"
-        frozen = dict(base_model.named_modules())[q].base_layer.weight
+        frozen = dict(base_model.named_modules())[q].base_layer.weight.detach().cpu()  # syncs are kept on the CPU
         assert not torch.allclose(second[f"{q}.weight"], frozen, atol=1e-7, rtol=0)
         # step 0: lora_B starts at zero (PEFT's merge and unmerge of later syncs leave float rounding in the base)
         assert torch.allclose(first[f"{q}.weight"], frozen, atol=1e-6, rtol=0)

@@ -456,6 +456,10 @@ def build_generator(
         raise ValueError(f"train.backend={backend!r}: expected 'hf', 'paged' or 'vllm'")
     in_process = PagedGenerator if backend == "paged" else HFGenerator
     if trainer is not None:
+        if backend == "paged":  # the job's one paged generator: say once if it is the slow choice here
+            from musique_rl.core.generation_paged import warn_if_slow
+
+            warn_if_slow(_policy_of(trainer))
         return in_process(trainer_model_source(trainer), tokenizer, settings)
     if model is None:
         raise ValueError("build_generator needs a model or a trainer")

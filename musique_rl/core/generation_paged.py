@@ -25,8 +25,11 @@ distribution (only evaluation decodes greedily, and it does not read them).
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 PAGE_SIZE = 256  # tokens per cache page per layer (transformers' default)
 RESULT_POLL_S = 1.0  # how long one wait for a finished request blocks before the engine thread is checked
@@ -40,6 +43,39 @@ def _cache_settings(
     blocks = headroom * sum(math.ceil((len(c) + int(m)) / page_size) + 1 for c, m in zip(contexts, limits, strict=True))
     return {"page_size": page_size, "num_blocks": blocks,
             "max_batch_tokens": max(page_size, min(sum(len(c) for c in contexts), 8 * page_size))}
+
+
+def slow_on_this_machine(device_type: str, flash_attn: bool) -> str | None:
+    """Why ``train.backend=paged`` is slower than ``hf`` on a model of ``device_type``, or None.
+
+    On CUDA without flash-attn, transformers' continuous batching runs its ``paged|sdpa`` path: it
+    packs every running request into one sequence with a dense mask over the whole packed batch
+    (each query also scores every other request's cache) and expands the grouped KV heads to the
+    query heads. Measured on one H200 (code of f87b655, docs/howto/gpu.md): 1.5-1.7 s/step against
+    hf's 0.44-0.64 on the tiny model; 7B shape 64 s then 31 s per step against 55 s then 18 s; a 7B
+    batch of 64 at 452 sampled tokens/s against 1,340. On a CPU the figures are in
+    docs/records/generation_cpu.md; with flash-attn the dense mask is gone (not measured here)."""
+    if device_type != "cuda" or flash_attn:
+        return None
+    return ("train.backend=paged on CUDA without flash-attn is SLOWER than train.backend=hf here: transformers' "
+            "continuous batching then runs its paged|sdpa path, which packs every request into one sequence with a "
+            "dense mask and expands the grouped KV heads (measured on one H200: 452 sampled tokens/s against hf's 1,340 "
+            "on a 7B shape; 1.5-1.7 s/step against 0.44-0.64 on the tiny model). Use train.backend=hf, or install flash-attn "
+            "(docs/howto/gpu.md, 'Which backend')")
+
+
+def warn_if_slow(model: Any) -> str | None:
+    """Log ``slow_on_this_machine``'s warning for ``model``'s device; called where the job's one
+    paged generator is built (the trainer's), so a job says it once. Returns the warning."""
+    from transformers.utils import is_flash_attn_2_available
+
+    device = getattr(model, "device", None)
+    if device is None:
+        device = next(model.parameters()).device
+    why = slow_on_this_machine(getattr(device, "type", str(device)), bool(is_flash_attn_2_available()))
+    if why:
+        log.warning(why)
+    return why
 
 
 class ContinuousBatchingSampler:

@@ -22,7 +22,7 @@ def blind_attention(attention_mask: torch.Tensor, width: int, tool_mask: torch.T
 
     completion = attention_mask[:, -width:]
     if tool_mask is not None:
-        completion = completion * tool_mask.to(completion.dtype)
+        completion = completion * tool_mask.to(completion.device, completion.dtype)  # the mask's device wins
     return torch.cat([torch.zeros_like(attention_mask[:, :-width]), completion], dim=1)
 
 
