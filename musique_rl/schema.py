@@ -16,6 +16,7 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+from musique_rl import rundir
 from musique_rl.core import config as core_config
 from musique_rl.core.config import (  # noqa: F401  (the groups' types and enums, as schema.<name>)
     Backend,
@@ -308,9 +309,7 @@ def register() -> None:
     if not OmegaConf.has_resolver("first_set"):  # ${first_set:a,b}: a unless it is null or empty, else b
         OmegaConf.register_new_resolver("first_set", lambda *values: next((v for v in values if v not in (None, "")), None))
     if not OmegaConf.has_resolver("launch_stamp"):  # the unique part of a run / sweep dir name; cached: one per launch
-        from musique_rl.job.launch import stamp
-
-        OmegaConf.register_new_resolver("launch_stamp", stamp, use_cache=True)
+        OmegaConf.register_new_resolver("launch_stamp", rundir.stamp, use_cache=True)
     if not OmegaConf.has_resolver("mul"):
         OmegaConf.register_new_resolver("mul", lambda a, b: a * b)
     # One root schema types every group: the option files merge into its typed nodes.
