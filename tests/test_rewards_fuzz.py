@@ -102,7 +102,7 @@ def test_fuzz_parsing_tools_and_every_reward(toy_record):
     totals = combined(prompts=[None] * N, completions=[""] * N, episode=episodes)
     assert combined.errors == 0 and len(totals) == N
     configs = {name: as_spec(preset(name)) for name in PRESETS}
-    for comps, t in zip(combined.last_components, totals, strict=True):
+    for comps, t in zip(combined.components(episodes), totals, strict=True):
         assert set(comps) == set(COMPONENTS) and all(in_unit(comps[k]) for k in COMPONENTS), comps
         assert 0.0 <= t <= max_total(hops, configs["combined"]) + 1e-9
         for name, cfg in configs.items():

@@ -109,6 +109,9 @@ def test_step0_trainer_logprobs_equal_the_samplers(tiny_cfg, warm_tiny, tmp_path
     log-probs agree to float precision on every token that carries loss."""
     model, tok = warm_tiny
     tr = _trainer(_cfg(tiny_cfg, {}), copy.deepcopy(model), tok, tmp_path)
+    rolled = []  # the episodes the rollout handed to TRL's outputs (passed as an argument, not read back)
+    to_trl = tr.musique_engine.trl_outputs
+    tr.musique_engine.trl_outputs = lambda episodes: rolled.extend(episodes) or to_trl(episodes)
     torch.manual_seed(1)
     out = _batch(tr)
     loss_mask = (out["completion_mask"] * out["tool_mask"]).bool()
@@ -119,7 +122,7 @@ def test_step0_trainer_logprobs_equal_the_samplers(tiny_cfg, warm_tiny, tmp_path
     # the trainer attaches them to the batch only when instruments read them)
     from musique_rl.diagnostics.ledger import Source, sources_tensor
 
-    sources = sources_tensor([ep.sources for ep in tr.musique_engine.last_episodes], loss_mask.shape[1])
+    sources = sources_tensor([ep.sources for ep in rolled], loss_mask.shape[1])
     assert torch.equal(loss_mask, sources == int(Source.ASSISTANT))
 
 
