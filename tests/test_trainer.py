@@ -303,10 +303,12 @@ def test_micro_batch_size_sets_trls_accumulation_and_bad_values_name_the_key(tin
     assert trainer_mod.batch_layout(cfg.train, 1) == (16, 1)
     cfg = with_keys(cfg, {"train.micro_batch_size": 64})  # more than the batch: the batch in one pass
     assert trainer_mod.batch_layout(cfg.train, 1) == (16, 1)
-    for bad in (3, 0, -2):
-        cfg = with_keys(cfg, {"train.micro_batch_size": bad})
-        with pytest.raises(ValueError, match=f"train.micro_batch_size={bad}: .*divide the 16 episodes"):
-            trainer_mod.grpo_config(cfg, tmp_path)
+    cfg = with_keys(cfg, {"train.micro_batch_size": 3})
+    with pytest.raises(ValueError, match="train.micro_batch_size=3: .*divide the 16 episodes"):
+        trainer_mod.grpo_config(cfg, tmp_path)
+    for bad in (0, -2):  # no batch at all: the config type refuses it before any layout is made
+        with pytest.raises(ValueError, match=f"train.micro_batch_size={bad}: must be >= 1 or null"):
+            with_keys(cfg, {"train.micro_batch_size": bad})
 
 
 def test_vllm_modes_reach_grpo_config(tiny_cfg, tmp_path, monkeypatch):
