@@ -2,9 +2,10 @@
 (How a default run or sweep directory is named, ``rundir.stamp``, and what it holds: musique_rl/rundir.py.)
 
 - ``claim(run_dir, cfg)``: holds an inter-process lock on the run directory for the job's life, and
-  records the config's identity (``tracking.provenance.identity``) in ``launch.json``. A second launch into the same directory while
-  the first runs is refused, naming the holder; a later launch (a requeue, a resume) is accepted
-  only with the same config, else refused naming the keys that differ. The identity leaves out the
+  records the config's identity (``tracking.provenance.identity``) in ``launch.json``. A second
+  launch into the same directory while the first runs is refused, naming the holder; a later
+  launch (a requeue, a resume) is accepted only with the same config, else refused naming the keys
+  that differ. The identity leaves out the
   keys that say how a job is resumed or where it reports or runs, so a requeue, ``sweep.resume``,
   ``train.resume`` or the GPU topology's own ports are the same job.
 - ``terminate_as_interrupt()``: SIGTERM (what SLURM and most schedulers send first) raises

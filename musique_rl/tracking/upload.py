@@ -31,8 +31,8 @@ def upload_run_dir(run_dir: str | Path, uri: str | None = None, run_id: str | No
     from mlflow.tracking import MlflowClient
 
     run_dir = Path(run_dir)
-    saved = rundir.read_config(run_dir)
-    cfg = OmegaConf.create(saved) if saved is not None else None
+    config_file = run_dir / rundir.CONFIG
+    cfg = OmegaConf.load(config_file) if config_file.exists() else None
     # the run's saved config has its URI redacted: a password comes from --uri or the environment
     uri = uri or os.environ.get("MLFLOW_TRACKING_URI") or tracking_uri(cfg, base_dir=Path.cwd())
     client = MlflowClient(uri)
