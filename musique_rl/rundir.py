@@ -144,7 +144,7 @@ def metric_history(path: str | Path, key: str) -> list[tuple[int, float]]:
 def _write_json(path: Path, data: Any, indent: int, sort_keys: bool = True) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=indent, sort_keys=sort_keys) + "\n")
+    tmp.write_text(json.dumps(data, indent=indent, sort_keys=sort_keys, default=str) + "\n")  # a Path as its str
     os.replace(tmp, path)  # a reader never sees half a summary
     return path
 
