@@ -29,13 +29,13 @@ sys.path.insert(0, str(ROOT))
 from musique_rl.env.data import load_records  # noqa: E402
 from musique_rl.env.retrieval import BM25Retriever, build_retriever  # noqa: E402
 from musique_rl.env.tasks.musique import sub_questions  # noqa: E402
-from musique_rl.schema import EnvConfig  # noqa: E402
+from musique_rl.schema import EnvSchema  # noqa: E402
 
 SHARED = ROOT.parent / "shared" / "data" / "musique"
 
 
 def env(**kw):
-    return OmegaConf.merge(OmegaConf.structured(EnvConfig(data="x")), kw)
+    return OmegaConf.merge(OmegaConf.structured(EnvSchema(data="x")), kw)
 
 
 def throughput(fn, pairs, seconds: float) -> float:

@@ -86,24 +86,24 @@ def mask_off_by_one() -> None:
     rollout.Episode.add_environment = add_environment
 
 
-@held_out("h02", "`RolloutEngine.rollout_func` returns prompt ids re-rendered without the tool schema the sampler "
+@held_out("h02", "`RolloutEngine.trl_outputs` returns prompt ids re-rendered without the tool schema the sampler "
                  "saw (template drift between sampling and training, docs/failure_modes.md defect 2)")
 def train_prompt_without_tools() -> None:
     from musique_rl.core import rollout
 
-    original = rollout.RolloutEngine.rollout_func
+    original = rollout.RolloutEngine.trl_outputs
 
-    def rollout_func(self, prompts_batch, trainer):
-        out = original(self, prompts_batch, trainer)
+    def trl_outputs(self, episodes):
+        out = original(self, episodes)
         ids = []
-        for ep in self.last_episodes:  # the trainer's prompt re-rendered without tools=...
+        for ep in episodes:  # the trainer's prompt re-rendered without tools=...
             head = [m for m in ep.messages if m.get("role") in ("system", "user")]
             ids.append(list(self.tokenizer.apply_chat_template(head, add_generation_prompt=True, tokenize=True,
                                                                return_dict=False)))
         out["prompt_ids"] = ids
         return out
 
-    rollout.RolloutEngine.rollout_func = rollout_func
+    rollout.RolloutEngine.trl_outputs = trl_outputs
 
 
 @held_out("h04", "`tools.format_documents` cuts each document to 60 characters between retriever and prompt")

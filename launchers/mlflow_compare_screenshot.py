@@ -7,8 +7,13 @@
 It starts `mlflow server --workers 1` on 127.0.0.1 (a free port, job execution off) over the
 tracking store (`--tracking-uri`, else $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db), drives
 Debian's headless Chromium through Selenium (launchers/install_browser.sh installs it), waits
-until both run names and a diagnostic metric are on the page, saves the screenshot and stops the
-server. Exit status 0 only when the compare view really shows both runs.
+until the run names are on the page, saves the screenshot and stops the server.
+
+Which view, from what the store holds (``choose_view``), said in one line before the browser starts:
+a clean and a faulted run: their comparison; two runs of one kind: the two latest, compared; one
+run (a newcomer's first ``make train``): its own page, and the command whose run a comparison
+needs. Exit status 0 only when the page really shows the runs it was opened for; 2 when the store
+holds no finished training run.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import tempfile
 import time
 import urllib.parse
 import urllib.request
+from dataclasses import dataclass, field
 from pathlib import Path
 
 CHROMIUM_FLAGS = [
@@ -61,21 +67,74 @@ def start_server(uri: str, port: int, artifacts: str | None) -> subprocess.Popen
     raise RuntimeError("mlflow server did not answer /health within 120 s")
 
 
-def pick_runs(uri: str) -> tuple[list[str], list[str]]:
-    """The latest finished clean run (tag fault=none) and the latest finished faulted run."""
+# what a second run adds, as the command that makes it (a planted fault the doctor names: docs/failure_modes.md)
+FAULTED_RUN = "make train ARGS=+fault=stale_sampler"
+CLEAN_RUN = "make train"
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    run_id: str
+    experiment_id: str
+    name: str
+    fault: str  # the run's `fault` tag: "none" for a clean run
+    hypothesis: str = "none"
+
+
+@dataclass
+class View:
+    """What the UI check opens: ``runs`` (one: the run's page; two: the compare view) and why."""
+
+    runs: list[RunInfo] = field(default_factory=list)
+    message: str = ""
+
+    @property
+    def kind(self) -> str:
+        return {0: "none", 1: "run"}.get(len(self.runs), "compare")
+
+    def url(self, base_url: str) -> str:
+        if self.kind == "run":
+            r = self.runs[0]
+            return f"{base_url}/#/experiments/{r.experiment_id}/runs/{r.run_id}"
+        runs = [r.run_id for r in self.runs]
+        exps = sorted({r.experiment_id for r in self.runs})
+        query = f"runs={urllib.parse.quote(json.dumps(runs))}&experiments={urllib.parse.quote(json.dumps(exps))}"
+        return f"{base_url}/#/compare-runs?{query}"
+
+
+def choose_view(runs: list[RunInfo], uri: str) -> View:
+    """The view ``runs`` (finished training runs, newest first) allow, and what a next run would add."""
+    clean = [r for r in runs if r.fault == "none"]
+    # prefer a plain clean run (no hypothesis arm) over a hypothesis sweep's job
+    clean.sort(key=lambda r: r.hypothesis != "none")
+    faulted = [r for r in runs if r.fault != "none"]
+    if clean and faulted:
+        pair = [clean[0], faulted[0]]
+        return View(pair, f"comparing the latest clean run ({pair[0].name}) with the latest faulted run ({pair[1].name})")
+    if not runs:
+        return View([], f"no finished training run in {uri}: run `{CLEAN_RUN}` first (or pass --demo for a "
+                        "throwaway store with two runs)")
+    wanted = (f"a faulted run (`{FAULTED_RUN}`) shows what the doctor's instruments catch beside it" if clean else
+              f"a clean run (`{CLEAN_RUN}`) shows what the fault changed")
+    if len(runs) == 1:
+        return View(runs[:1], f"one run found ({runs[0].name}): showing its metrics page; {wanted}, "
+                              "and `make ui-check` then compares the two")
+    pair = (clean or faulted)[:2]
+    kind = "clean" if clean else "faulted"
+    return View(pair, f"no {'faulted' if clean else 'clean'} run yet: comparing the two latest {kind} runs "
+                      f"({pair[0].name}, {pair[1].name}); {wanted}")
+
+
+def finished_runs(uri: str) -> list[RunInfo]:
+    """The store's finished training runs (no sweep parent, no eval job), newest first."""
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(uri)
     exps = [e.experiment_id for e in client.search_experiments()]
     runs = client.search_runs(exps, "attributes.status = 'FINISHED'", order_by=["attributes.start_time DESC"])
-    runs = [r for r in runs if r.data.tags.get("sweep_parent") != "true" and r.data.tags.get("mode", "train") == "train"]
-    # prefer a plain clean run (no hypothesis arm) over a hypothesis sweep's job
-    clean = next((r for r in runs if r.data.tags.get("fault") == "none" and r.data.tags.get("hypothesis") == "none"),
-                 next((r for r in runs if r.data.tags.get("fault") == "none"), None))
-    faulted = next((r for r in runs if r.data.tags.get("fault", "none") != "none"), None)
-    if clean is None or faulted is None:
-        raise SystemExit(f"need a finished clean run and a finished faulted run in {uri}; pass --runs or --demo")
-    return [clean.info.run_id, faulted.info.run_id], sorted({clean.info.experiment_id, faulted.info.experiment_id})
+    return [RunInfo(r.info.run_id, r.info.experiment_id, r.data.tags.get("mlflow.runName", r.info.run_id),
+                    r.data.tags.get("fault", "none"), r.data.tags.get("hypothesis", "none"))
+            for r in runs if r.data.tags.get("sweep_parent") != "true" and r.data.tags.get("mode", "train") == "train"]
 
 
 def demo_store(root: Path) -> tuple[str, list[str], list[str]]:
@@ -103,7 +162,7 @@ def demo_store(root: Path) -> tuple[str, list[str], list[str]]:
     return uri, ids, [exp]
 
 
-def screenshot(base_url: str, runs: list[str], experiments: list[str], out: Path, expect: list[str]) -> str:
+def screenshot(url: str, out: Path, expect: list[str]) -> str:
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
     from selenium.webdriver.support.ui import WebDriverWait
@@ -116,8 +175,6 @@ def screenshot(base_url: str, runs: list[str], experiments: list[str], out: Path
     opts.binary_location = chromium
     for f in CHROMIUM_FLAGS:
         opts.add_argument(f)
-    query = f"runs={urllib.parse.quote(json.dumps(runs))}&experiments={urllib.parse.quote(json.dumps(experiments))}"
-    url = f"{base_url}/#/compare-runs?{query}"
     driver = webdriver.Chrome(service=Service(executable_path=driver_bin), options=opts)
     try:
         driver.get(url)
@@ -149,7 +206,8 @@ def _arrange(driver) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--runs", nargs=2, metavar="RUN_ID", help="the two runs (default: latest clean vs latest faulted)")
+    ap.add_argument("--runs", nargs="+", metavar="RUN_ID",
+                    help="one run (its page) or two (compared); default: what the store holds (choose_view)")
     ap.add_argument("--tracking-uri", default=os.environ.get("MLFLOW_TRACKING_URI", "sqlite:///mlflow.db"))
     ap.add_argument("--demo", action="store_true", help="make a throwaway store with a clean and a faulted run")
     ap.add_argument("--out", type=Path, default=Path("mlflow_compare.png"))
@@ -159,30 +217,34 @@ def main(argv: list[str] | None = None) -> int:
 
     tmp = tempfile.TemporaryDirectory() if args.demo else None
     if tmp is not None:
-        uri, runs, exps = demo_store(Path(tmp.name))
+        uri, ids, _ = demo_store(Path(tmp.name))
     else:
-        uri = args.tracking_uri
-        if args.runs:
-            client = MlflowClient(uri)
-            runs = list(args.runs)
-            exps = sorted({client.get_run(r).info.experiment_id for r in runs})
-        else:
-            runs, exps = pick_runs(uri)
-    client = MlflowClient(uri)
-    names = [client.get_run(r).data.tags.get("mlflow.runName", r) for r in runs]
+        uri, ids = args.tracking_uri, list(args.runs or [])
+    if ids:
+        client = MlflowClient(uri)
+        got = [client.get_run(r) for r in ids[:2]]
+        view = View([RunInfo(r.info.run_id, r.info.experiment_id, r.data.tags.get("mlflow.runName", r.info.run_id),
+                             r.data.tags.get("fault", "none")) for r in got], "the runs asked for")
+    else:
+        view = choose_view(finished_runs(uri), uri)
+    print(f"ui-check: {view.message}", flush=True)
+    if view.kind == "none":
+        return 2
+    names = [r.name for r in view.runs]
     port = free_port()
     server = start_server(uri, port, None)
     try:
-        text = screenshot(f"http://127.0.0.1:{port}", runs, exps, args.out, expect=names)
+        text = screenshot(view.url(f"http://127.0.0.1:{port}"), args.out, expect=names)
     finally:
         server.terminate()
         server.wait(timeout=30)
         if tmp is not None:
             tmp.cleanup()
     shown = [n for n in names if n in text]
-    print(json.dumps({"screenshot": str(args.out), "runs": runs, "run_names_shown": shown,
+    print(json.dumps({"screenshot": str(args.out), "view": view.kind, "runs": [r.run_id for r in view.runs],
+                      "run_names_shown": shown, "message": view.message,
                       "diagnostic_metrics_shown": sorted({w for w in text.split() if w.startswith(("h0", "preflight/"))})[:20]}))
-    return 0 if len(shown) == 2 else 1
+    return 0 if len(shown) == len(names) else 1
 
 
 if __name__ == "__main__":

@@ -31,6 +31,8 @@ from typing import Any
 
 import numpy as np
 
+from musique_rl import rundir
+
 log = logging.getLogger(__name__)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -136,7 +138,7 @@ def _arm_of(job_dir: Path) -> str | None:
     """The ``+case=<arm>`` override the job ran with (its .hydra/overrides.yaml)."""
     from omegaconf import OmegaConf
 
-    path = job_dir / ".hydra" / "overrides.yaml"
+    path = job_dir / rundir.OVERRIDES
     if not path.exists():
         return None
     for item in OmegaConf.load(path):
@@ -155,7 +157,7 @@ def collect(sweep_dir: Path) -> list[Job]:
     if not sweep_dir.is_dir():
         raise SystemExit(f"case study: sweep directory {sweep_dir} does not exist (run `make case-study`)")
     jobs = []
-    for cfg_path in sorted(p for p in sweep_dir.glob("*/.hydra/config.yaml") if ".submitit" not in p.parts):
+    for cfg_path in sorted(p for p in sweep_dir.glob(f"*/{rundir.CONFIG}") if ".submitit" not in p.parts):
         job_dir = cfg_path.parent.parent
         arm = _arm_of(job_dir)
         if arm not in ARM_NAMES:
@@ -233,10 +235,7 @@ def judge_comparison(c: Comparison, arms: dict[str, dict[int, Job]], metric: str
 def _history(path: Path) -> dict[str, list[tuple[int, float]]]:
     """{metric: [(step, value)]} of a job's metrics.jsonl: the doctor's input without MLflow."""
     hist: dict[str, list[tuple[int, float]]] = {}
-    for line in path.read_text().splitlines():
-        if not line.strip():
-            continue
-        row = json.loads(line)
+    for row in rundir.read_metrics_log(path):
         step = int(row.get("step", 0))
         for k, v in row.items():
             if k != "step" and isinstance(v, (int, float)):
@@ -251,7 +250,7 @@ def doctor_on(job: Job) -> dict[str, Any]:
     from musique_rl.diagnostics import doctor
 
     run_id, uri = (job.metrics or {}).get("mlflow/run_id"), (job.metrics or {}).get("mlflow/uri")
-    diagnosis, source = None, "metrics.jsonl"
+    diagnosis, source = None, rundir.METRICS_LOG
     if run_id:
         try:
             diagnosis = doctor.diagnose_run(str(run_id), str(uri) if uri else None)
@@ -260,7 +259,7 @@ def doctor_on(job: Job) -> dict[str, Any]:
         except Exception as exc:  # the store moved or is unreachable: the job's own files still hold the metrics
             log.warning("doctor on MLflow run %s failed (%s); reading %s/metrics.jsonl", run_id, exc, job.job_dir)
     if diagnosis is None:
-        diagnosis = doctor.diagnose_metrics(_history(job.job_dir / "metrics.jsonl"), job.params)
+        diagnosis = doctor.diagnose_metrics(_history(job.job_dir / rundir.METRICS_LOG), job.params)
     flagged = [d for d in diagnosis if d["flagged"]]
     top = flagged[0] if flagged else None
     return {"arm": job.arm, "seed": job.seed, "source": source, "top": top["hypothesis"] if top else "clean",
@@ -613,9 +612,8 @@ def main(argv: list[str] | None = None) -> int:
     dirs = [Path(a) for a in args.paths if "=" not in a]
     rc = 0
     if args.run:
-        from musique_rl.job.launch import stamp as launch_stamp
 
-        stamp = f"{dt.datetime.now():%Y-%m-%d}_{launch_stamp()}"  # two case studies started together stay apart
+        stamp = f"{dt.datetime.now():%Y-%m-%d}_{rundir.stamp()}"  # two case studies started together stay apart
         dirs = dirs[:1] or [Path("multirun") / "case_study" / stamp]
         rc = run_sweep(dirs[0], args.seeds, overrides)  # a failed job is a named gap in the report, not an abort
     elif overrides:

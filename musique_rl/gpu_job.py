@@ -50,7 +50,6 @@ See the plan and commands without running anything (no GPU needed):
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shlex
 import signal
@@ -64,9 +63,10 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from musique_rl import rundir
+
 # the process and port rules the trainer (RL core) applies too; here re-exported for the topology
 from musique_rl.core.devices import ROLE_ENV, free_port, resolve_vllm_mode, visible_gpus  # noqa: F401
-from musique_rl.job.result import JobResult
 from musique_rl.schema import LAUNCHERS_DIR, Config, job_config
 
 # launchers/accelerate/ in a checkout; package data in a wheel, so an installed package launches with them too.
@@ -461,11 +461,11 @@ def execute(topo: Topology, *, health_timeout_s: float, poll_s: float = 5.0) -> 
         stop(server)
 
 
-def run(cfg: DictConfig | Config, job_dir: Path) -> JobResult:
+def run(cfg: DictConfig | Config, job_dir: Path) -> float | None:
     """The topology for this Hydra job in ``job_dir`` (called by app.run inside the job's MLflow run).
     The trainer processes run the job's pipe themselves (``python -m musique_rl`` in ``job_dir``:
     they adopt its MLflow run, diagnose their metrics.jsonl and print the result line); this process
-    hands the sweeper their ``train/reward_gain`` from ``metrics.json``."""
+    returns their ``train/reward_gain`` from ``metrics.json`` (the sweeper's objective; None without one)."""
     from hydra.core.hydra_config import HydraConfig
 
     cfg = job_config(cfg)  # the one place a GPU job's composed DictConfig becomes its typed, read-only Config
@@ -476,9 +476,8 @@ def run(cfg: DictConfig | Config, job_dir: Path) -> JobResult:
     code = execute(topo, health_timeout_s=cfg.gpu.vllm_health_timeout_s)
     if code != 0:
         raise TopologyError(f"trainer exited with code {code}: {shlex.join(topo.trainer_cmd)}")
-    summary = job_dir / "metrics.json"
-    gain = json.loads(summary.read_text()).get("train/reward_gain") if summary.is_file() else None
-    return JobResult(None, None if gain is None else float(gain))
+    gain = (rundir.read_summary(job_dir) or {}).get("train/reward_gain")
+    return None if gain is None else float(gain)
 
 
 def main(argv: list[str] | None = None) -> int:

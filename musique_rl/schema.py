@@ -11,11 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+from musique_rl import rundir
 from musique_rl.core import config as core_config
 from musique_rl.core.config import (  # noqa: F401  (the groups' types and enums, as schema.<name>)
     Backend,
@@ -37,12 +38,16 @@ from musique_rl.env.answer_formats import ANSWER_FORMATS
 from musique_rl.env.config import (  # noqa: F401
     CONF_DIR,
     LAUNCHERS_DIR,
+    POSITIVE,
     SWEEPS_DIR,
+    UNIT_OPEN_CLOSED,
     ArithConfig,
+    ConfigValueError,
     ReadOnly,
     RetrievalScope,
     RewardConfig,
     SyntheticConfig,
+    at_least,
 )
 from musique_rl.env.policies import POLICIES
 from musique_rl.env.retrieval import RETRIEVERS
@@ -84,15 +89,16 @@ class Priority(StrEnum):
 # ---------------------------------------------------------------- groups
 # Each layer declares the groups it reads (env/config.py, core/config.py, diagnostics/config.py),
 # naming a plug-in as a str; here each plug-in field is narrowed to its registry's enum, so a typo
-# fails at composition naming the allowed values.
+# fails at composition naming the allowed values. Named ``*Schema`` to keep them apart from the
+# layers' own ``EnvConfig`` / ``ModelConfig``, which they extend.
 @dataclass
-class EnvConfig(env_config.EnvConfig):
+class EnvSchema(env_config.EnvConfig):
     task: Task = Task["musique"]
     retriever: Retriever = Retriever["bm25"]
 
 
 @dataclass
-class ModelConfig(core_config.ModelConfig):
+class ModelSchema(core_config.ModelConfig):
     tool_call_format: ToolCallFormat = ToolCallFormat["hermes"]
     answer_format: AnswerFormat = AnswerFormat["tags"]
 
@@ -107,6 +113,9 @@ class GpuSettings(ReadOnly):
     vllm_health_timeout_s: float = 900.0  # the server must answer /health within this (weights load from disk)
     # accelerate's config for the trainer processes; None = launchers/accelerate/zero3.yaml (DeepSpeed ZeRO-3)
     accelerate_config: Optional[str] = None
+
+    RULES: ClassVar = {"vllm_max_model_len": at_least(1), "vllm_gpu_memory_utilization": UNIT_OPEN_CLOSED,
+                       "vllm_health_timeout_s": POSITIVE}
 
 
 @dataclass
@@ -140,11 +149,11 @@ class SweepSettings(ReadOnly):
 
 @dataclass
 class Config(ReadOnly):  # a core.config.JobConfig (and diagnostics.config.InstrumentedJobConfig)
-    model: ModelConfig = MISSING
+    model: ModelSchema = MISSING
     lora: LoraConfig = MISSING
     loss: LossConfig = MISSING
     reward: RewardConfig = MISSING
-    env: EnvConfig = MISSING
+    env: EnvSchema = MISSING
     hypothesis: Optional[HypothesisConfig] = None  # set by +hypothesis=hNN
     mode: Mode = Mode.train
     policy: Policy = Policy["model"]
@@ -156,6 +165,8 @@ class Config(ReadOnly):  # a core.config.JobConfig (and diagnostics.config.Instr
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     sweep: SweepSettings = field(default_factory=SweepSettings)
     gpu: GpuSettings = field(default_factory=GpuSettings)
+
+    RULES: ClassVar = {"seed": at_least(0)}
 
 
 def job_config(cfg: DictConfig | Config) -> Config:
@@ -169,83 +180,19 @@ def job_config(cfg: DictConfig | Config) -> Config:
     if not OmegaConf.is_config(cfg):
         raise TypeError(f"schema.job_config takes a composed DictConfig, not {type(cfg).__name__}")
     typed = cfg if OmegaConf.get_type(cfg) is Config else OmegaConf.merge(OmegaConf.structured(Config), cfg)
+    validate(typed)  # every bad value named by its dotted key, before a group's own check names it alone
     return OmegaConf.to_object(typed)
 
 
 # ---------------------------------------------------------------- values that cannot work
-# The types above refuse a wrong type or name; these refuse a well-typed value no job can run with
-# (a group of 1 has no advantage, a zero temperature divides by zero, top_n=0 retrieves nothing),
-# which would otherwise train silently or fail after the model loads in TRL's or torch's words.
-def _positive(v: Any) -> bool:
-    return v > 0
-
-
-def _at_least(n: float) -> Any:
-    return lambda v: v >= n
-
-
-def _unit_open_closed(v: Any) -> bool:
-    return 0 < v <= 1
-
-
-def _unit_closed_open(v: Any) -> bool:
-    return 0 <= v < 1
-
-
-# (test, what the value must be, the keys it holds for); a null value passes (null means "off" or
-# "default" wherever allowed)
-_RULES: list[tuple[Any, str, tuple[str, ...]]] = [
-    (_positive, "> 0", ("model.learning_rate", "model.tiny.sft_learning_rate", "model.tiny.sft_epochs",
-                        "lora.lora_alpha", "loss.learning_rate", "loss.epsilon", "loss.epsilon_high",
-                        "loss.max_grad_norm", "reward.normalizer", "train.temperature", "gpu.vllm_health_timeout_s")),
-    (_positive, "> 0 or null", ("train.importance_sampling_clip_max", "train.eval_temperature")),
-    (_at_least(0), ">= 0", ("seed", "loss.adv_epsilon", "loss.beta", "loss.warmup_steps", "env.synthetic.num_eval",
-                            "env.arith.num_eval", "train.eval_episodes", "diagnostics.near_zero_std",
-                            "diagnostics.reward_audit_size", "diagnostics.trajectory_views")),
-    (_at_least(0), ">= 0 (0 = off)", ("train.top_k",)),
-    (_at_least(0), ">= 0 or null", ("train.importance_sampling_clip_min",)),
-    (_at_least(1), ">= 1", ("lora.r", "loss.num_iterations", "env.top_n", "env.max_turns", "env.max_prompt_tokens",
-                            "env.max_tokens_per_turn", "env.max_completion_tokens", "env.synthetic.num_train",
-                            "env.synthetic.num_paragraphs", "env.arith.num_train", "env.arith.max_operand",
-                            "train.max_steps", "train.prompts_per_step", "train.logging_steps", "train.save_steps",
-                            "diagnostics.parity_probe_every")),
-    (_at_least(1), ">= 1 or null", ("env.max_paragraphs", "train.micro_batch_size", "gpu.vllm_max_model_len")),
-    (_at_least(2), ">= 2 (GRPO's advantage compares the completions of one prompt)", ("train.num_generations",)),
-    (_unit_closed_open, "in [0, 1)", ("lora.lora_dropout",)),
-    (lambda v: 0 <= v <= 1, "in [0, 1]", ("env.noise_rate",)),
-    (_unit_open_closed, "in (0, 1]", ("train.top_p", "train.vllm_gpu_memory_utilization",
-                                      "gpu.vllm_gpu_memory_utilization")),
-    (lambda v: 0 < v < 65536, "a port (1-65535) or null", ("train.vllm_server_port", "train.vllm_group_port")),
-]
-
-
-class ConfigValueError(ValueError):
-    """A composed config holds a value no job can run with; the message names every such key."""
-
-
+# The types above refuse a wrong type or name; each group's ``RULES`` (in its class: env/config.py,
+# core/config.py, diagnostics/config.py, here) refuse a well-typed value no job can run with.
 def validate(cfg: DictConfig) -> None:
-    """Refuse values of the composed config that cannot work (``_RULES``, plus the few that relate two keys), naming each
-    key, before any data or model is loaded."""
-    problems = []
-
-    def get(key: str) -> Any:
-        return OmegaConf.select(cfg, key, default=None, throw_on_missing=False, throw_on_resolution_failure=False)
-
-    for ok, want, keys in _RULES:
-        for key in keys:
-            value = get(key)
-            if value is None or isinstance(value, bool) or not isinstance(value, int | float):
-                continue
-            if not ok(value):
-                problems.append(f"{key}={value}: must be {want}")
-    for key in ("env.hops", "env.synthetic.hops"):
-        hops = get(key)
-        if hops is not None and any(int(h) < 1 for h in hops):
-            problems.append(f"{key}={list(hops)}: every hop count must be >= 1")
-    lo, hi = get("train.importance_sampling_clip_min"), get("train.importance_sampling_clip_max")
-    if lo is not None and hi is not None and lo >= hi:
-        problems.append(f"train.importance_sampling_clip_min={lo} >= train.importance_sampling_clip_max={hi}: "
-                        "the kept ratios would be an empty range")
+    """Refuse values of the composed config that cannot work (every group's ``RULES`` and
+    ``relations``), naming each dotted key, before any data or model is loaded. Hydra composes
+    without running the groups' ``__post_init__`` (OmegaConf runs it only in ``to_object``), so
+    the rules are read on the DictConfig here."""
+    problems = Config.problems(cfg)
     if problems:
         raise ConfigValueError("config values that cannot work:\n  " + "\n  ".join(problems))
 
@@ -308,9 +255,7 @@ def register() -> None:
     if not OmegaConf.has_resolver("first_set"):  # ${first_set:a,b}: a unless it is null or empty, else b
         OmegaConf.register_new_resolver("first_set", lambda *values: next((v for v in values if v not in (None, "")), None))
     if not OmegaConf.has_resolver("launch_stamp"):  # the unique part of a run / sweep dir name; cached: one per launch
-        from musique_rl.job.launch import stamp
-
-        OmegaConf.register_new_resolver("launch_stamp", stamp, use_cache=True)
+        OmegaConf.register_new_resolver("launch_stamp", rundir.stamp, use_cache=True)
     if not OmegaConf.has_resolver("mul"):
         OmegaConf.register_new_resolver("mul", lambda a, b: a * b)
     # One root schema types every group: the option files merge into its typed nodes.

@@ -51,8 +51,6 @@ def main(out: Path) -> None:
     records = load_records(cfg.env.data, cfg.env, 1)[:40]
 
     class ScriptedRollout:  # token ids that depend only on the record: the same in any process layout
-        last_episodes: list = []
-
         def rollout_func(self, prompts, trainer):
             from musique_rl.core.rollout import record_id_of
 
@@ -66,7 +64,7 @@ def main(out: Path) -> None:
     scripted = ScriptedRollout()
     tr.rollout_func = scripted.rollout_func
     tr.musique_engine = scripted
-    tr._token_sources = lambda width: torch.zeros((len(tr._last_rewards) // state.num_processes, width), dtype=torch.long)
+    tr._token_sources = lambda batch, width: torch.zeros((len(tr._last_rewards) // state.num_processes, width), dtype=torch.long)
     tr.model.train()
     batch = next(iter(tr.get_train_dataloader()))
     output = tr._generate_and_score_completions(batch)

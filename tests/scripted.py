@@ -14,10 +14,13 @@ class ScriptedGenerator:
     ``call_stop`` set, a turn without an answer ends on that id instead (Llama-3.1 ends an ipython call
     on <|eom_id|>)."""
 
-    collective = False
+    collective = False  # a musique_rl.core.generation.Generator whose turns are scripted
 
     def __init__(self, tokenizer, scripts: dict[tuple, list[str]], call_stop: int | None = None):
         self.tokenizer, self.scripts, self.call_stop, self.turn = tokenizer, scripts, call_stop, {}
+
+    def any_live(self, local):
+        return local
 
     @contextlib.contextmanager
     def session(self):

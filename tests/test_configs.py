@@ -107,7 +107,7 @@ def test_the_job_config_is_typed_and_read_only():
     assert cfg.env.max_turns == resolved(["+hypothesis=h04", "hypothesis.arm=treatment"])["env"]["max_turns"]
     assert cfg.loss.loss_type is schema.LossType.dapo and cfg.env.task == "musique"
     assert isinstance(cfg.model.tiny.cache_dir, str) and "${" not in cfg.model.tiny.cache_dir  # resolved
-    with pytest.raises(dataclasses.FrozenInstanceError, match="EnvConfig.top_n"):
+    with pytest.raises(dataclasses.FrozenInstanceError, match="EnvSchema.top_n"):
         cfg.env.top_n = 3
     assert job_config(cfg) is cfg  # already typed: handed on as it is
     with pytest.raises(TypeError, match="DictConfig"):
@@ -130,6 +130,58 @@ def test_a_warm_start_setting_is_typed_by_the_schema_of_its_group():
     for task in ("musique", "arith"):
         setting = warm_start_config(task)
         overlay(cfg.env, setting.env), overlay(cfg.model.tiny, setting.tiny)  # every key is a key of its group
+
+
+def _config_classes() -> list[type]:
+    from musique_rl.env.config import ReadOnly
+
+    out, todo = [], [ReadOnly]
+    while todo:
+        cls = todo.pop()
+        out.append(cls)
+        todo.extend(cls.__subclasses__())
+    return [c for c in out if dataclasses.is_dataclass(c)]
+
+
+def test_every_rule_names_a_field_of_its_class():
+    """A rule keyed by a name its class does not have (a renamed field) is found here, not skipped."""
+    classes = _config_classes()
+    assert {"Config", "EnvSchema", "LoraConfig", "TrainSettings", "DiagnosticsConfig", "GpuSettings"} <= {
+        c.__name__ for c in classes}
+    ruled = 0
+    for cls in classes:
+        fields = {f.name for f in dataclasses.fields(cls)}
+        assert set(cls.RULES) <= fields, f"{cls.__name__}.RULES names no field: {sorted(set(cls.RULES) - fields)}"
+        ruled += len(cls.RULES) if "RULES" in vars(cls) else 0
+    assert ruled >= 50  # the value checks schema._RULES held as dotted strings, now in their classes
+
+
+def test_a_rule_for_a_renamed_field_is_an_error_not_a_skip():
+    from musique_rl.env.config import POSITIVE
+
+    @dataclasses.dataclass
+    class Renamed(schema.LoraConfig):
+        RULES = {**schema.LoraConfig.RULES, "rank": POSITIVE}  # noqa: RUF012  (lora.r once was lora.rank)
+
+    with pytest.raises(TypeError, match="Renamed.RULES names 'rank'"):
+        Renamed()
+
+
+def test_bad_values_are_named_by_dotted_key_before_anything_is_built():
+    cfg = compose(config_name="train", overrides=["gpu.vllm_gpu_memory_utilization=1.5", "lora.r=0",
+                                                  "env.synthetic.hops=[2,0]", "train.importance_sampling_clip_min=4"])
+    with pytest.raises(schema.ConfigValueError) as err:
+        schema.validate(cfg)
+    text = str(err.value)
+    for problem in ("gpu.vllm_gpu_memory_utilization=1.5: must be in (0, 1]", "lora.r=0: must be >= 1",
+                    "env.synthetic.hops=[2, 0]: must be hop counts, each >= 1",
+                    "train.importance_sampling_clip_min=4.0 >= train.importance_sampling_clip_max=3.0"):
+        assert problem in text
+    with pytest.raises(schema.ConfigValueError, match=r"lora.r=0: must be >= 1"):
+        job_config(cfg)  # the typed config is never built from it
+    with pytest.raises(schema.ConfigValueError, match=r"LoraConfig values that cannot work:\n  r=0: must be >= 1"):
+        schema.LoraConfig(r=0)  # a group built in code checks itself (__post_init__)
+    assert schema.LoraConfig(r=4).r == 4
 
 
 def test_lora_alpha_is_twice_r_unless_set():

@@ -7,11 +7,11 @@ import pytest
 from omegaconf import OmegaConf
 
 from musique_rl.env.data import InvalidRecordError, load_records, parse_spec
-from musique_rl.schema import EnvConfig
+from musique_rl.schema import EnvSchema
 
 
 def env(**kw):
-    return OmegaConf.merge(OmegaConf.structured(EnvConfig(data="x")), kw)
+    return OmegaConf.merge(OmegaConf.structured(EnvSchema(data="x")), kw)
 
 
 def write_jsonl(path, records):

@@ -1,15 +1,19 @@
 """The package's layers import only downward, and nothing imports in a circle.
 
 Layers, bottom to top (docs/architecture.md draws them):
+  rundir.py     what a run (and sweep) directory holds, its names, writing and reading: a contract
+                every layer reads, so it imports nothing of the package
   env/          the environment: data, synthetic worlds, retrieval, tools, parsing, rewards,
                 prompts, scripted policies, the plug-in registry
   core/         the RL core: models, generation, rollouts, the trainer, warm starts, faults, devices
   diagnostics/  instruments and the doctor
-  the rest      the experiment layer: schema, tracking, verdict/, train, evaluate, launch topology,
-                the entrypoint and the CLIs
+  the rest      the experiment layer, itself ordered in parts (``EXPERIMENT_PARTS``) along the data
+                flow of a job: the typed config, the warm start and memory plan, tracking (MLflow),
+                the GPU topology, the job, the verdict over a sweep's jobs, the sweep that calls the
+                verdict at its end, and the commands on top
 
 Read from the source (every ``import`` and ``from ... import``, at module level or inside a
-function), so a lazy import that would climb a layer or close a circle counts too.
+function), so a lazy import that would climb a layer or a part, or close a circle, counts too.
 """
 
 from __future__ import annotations
@@ -18,7 +22,18 @@ import ast
 from pathlib import Path
 
 PKG = Path(__file__).resolve().parent.parent / "musique_rl"
-LAYERS = ("env", "core", "diagnostics", "experiment")
+LAYERS = ("rundir", "env", "core", "diagnostics", "experiment")
+# The experiment layer's parts, bottom to top: each holds the modules named (a package: all of it).
+EXPERIMENT_PARTS = (
+    ("config", ("musique_rl.schema",)),
+    ("planning", ("musique_rl.warm_start", "musique_rl.memory")),
+    ("tracking", ("musique_rl.tracking",)),
+    ("gpu_job", ("musique_rl.gpu_job",)),
+    ("job", ("musique_rl.job",)),
+    ("verdict", ("musique_rl.verdict",)),
+    ("sweep", ("musique_rl.sweep",)),
+    ("commands", ("musique_rl.case_study", "musique_rl.smoke", "musique_rl.__main__")),
+)
 
 
 def module_name(path: Path) -> str:
@@ -31,7 +46,24 @@ MODULES = {module_name(p): p for p in PKG.rglob("*.py")}
 
 def layer(module: str) -> str:
     parts = module.split(".")
-    return parts[1] if len(parts) > 1 and parts[1] in LAYERS[:3] else "experiment"
+    return parts[1] if len(parts) > 1 and parts[1] in LAYERS[:4] else "experiment"
+
+
+def part(module: str) -> str | None:
+    """The experiment part holding ``module`` (None outside the experiment layer, and for the package's
+    own ``__init__``, which imports nothing)."""
+    for name, prefixes in EXPERIMENT_PARTS:
+        if any(module == p or module.startswith(p + ".") for p in prefixes):
+            return name
+    return None
+
+
+RANK = {name: i for i, name in enumerate(LAYERS)} | {
+    name: len(LAYERS) - 1 + i / 100 for i, (name, _) in enumerate(EXPERIMENT_PARTS)}
+
+
+def rank(module: str) -> float:
+    return RANK[part(module) or layer(module)]
 
 
 def imports(module: str) -> set[str]:
@@ -62,15 +94,37 @@ def imports(module: str) -> set[str]:
 GRAPH = {m: imports(m) for m in MODULES}
 
 
-def test_every_import_points_down_or_sideways():
-    rank = {name: i for i, name in enumerate(LAYERS)}
-    climbs = [
-        f"{m} ({layer(m)}) imports {t} ({layer(t)})"
-        for m, targets in sorted(GRAPH.items())
+def climbs(graph: dict[str, set[str]]) -> list[str]:
+    """Every import of ``graph`` that climbs a layer or an experiment part."""
+    return [
+        f"{m} ({part(m) or layer(m)}) imports {t} ({part(t) or layer(t)})"
+        for m, targets in sorted(graph.items())
         for t in sorted(targets)
-        if rank[layer(t)] > rank[layer(m)] and t != "musique_rl"
+        if rank(t) > rank(m) and t != "musique_rl"
     ]
-    assert not climbs, "imports that climb a layer:\n" + "\n".join(climbs)
+
+
+def test_every_import_points_down_or_sideways():
+    found = climbs(GRAPH)
+    assert not found, "imports that climb a layer or an experiment part:\n" + "\n".join(found)
+
+
+def test_every_experiment_module_has_its_part():
+    """A new module of the experiment layer is placed in the order, not left out of the check."""
+    loose = sorted(m for m in MODULES if layer(m) == "experiment" and part(m) is None and m != "musique_rl")
+    assert not loose, f"experiment modules in no EXPERIMENT_PARTS entry: {loose}"
+
+
+def test_the_run_dir_contract_sits_at_the_bottom():
+    """musique_rl/rundir.py imports nothing of the package, and the names of a run directory are
+    written nowhere else (a second reader of metrics.jsonl is how two torn-line policies came about)."""
+    assert GRAPH["musique_rl.rundir"] == set()
+    import re
+
+    literal = re.compile(r"""["'](metrics\.jsonl|metrics\.json|diagnosis\.json|launch\.json|jobs\.json)["']""")
+    spread = sorted(f"{m}: {hit.group(0)}" for m, path in MODULES.items() if m != "musique_rl.rundir"
+                    for hit in literal.finditer(path.read_text()))
+    assert not spread, "run-dir file names spelled outside musique_rl/rundir.py:\n" + "\n".join(spread)
 
 
 def test_no_import_circle():

@@ -9,7 +9,7 @@ from musique_rl.env.policies import no_tool_episode, oracle_episode, replay_epis
 from musique_rl.env.retrieval import build_retriever
 from musique_rl.env.rewards import COMPONENTS, max_total, n_hops, score_episode, total
 from musique_rl.env.tasks.musique import sub_questions
-from musique_rl.schema import EnvConfig, RewardConfig
+from musique_rl.schema import EnvSchema, RewardConfig
 
 COMBINED = OmegaConf.structured(RewardConfig(
     name="combined",
@@ -19,7 +19,7 @@ COMBINED = OmegaConf.structured(RewardConfig(
 
 
 def env(**kw):
-    return OmegaConf.merge(OmegaConf.structured(EnvConfig(data="x")), kw)
+    return OmegaConf.merge(OmegaConf.structured(EnvSchema(data="x")), kw)
 
 
 def mean(xs):

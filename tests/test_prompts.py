@@ -4,11 +4,11 @@ from omegaconf import OmegaConf
 
 from musique_rl.env.prompts import build_messages, tool_schemas
 from musique_rl.env.tasks.musique import SYSTEM_PROMPT
-from musique_rl.schema import EnvConfig
+from musique_rl.schema import EnvSchema
 
 
 def env(**kw):
-    return OmegaConf.merge(OmegaConf.structured(EnvConfig(data="x")), kw)
+    return OmegaConf.merge(OmegaConf.structured(EnvSchema(data="x")), kw)
 
 
 def test_system_prompt_is_short_and_names_tool_and_format():

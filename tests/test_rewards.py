@@ -111,7 +111,8 @@ def test_reward_function_reads_episodes_and_counts_errors(toy_record, caplog):
         out = fn(prompts=[None] * 3, completions=[""] * 3, episode=eps)
     assert out[0] == pytest.approx(1.0) and out[1] is None and 0 < out[2] < 1
     assert fn.errors == 1 and "failed on sample 1" in caplog.text
-    assert fn.last_components[1] is None and fn.last_components[0]["answer_em"] == 1.0
+    comps = fn.components(eps)
+    assert comps[1] is None and comps[0]["answer_em"] == 1.0
 
 
 def test_reward_function_without_episode_column_uses_id_column(toy_record):

@@ -16,7 +16,7 @@ from musique_rl.env.rewards import COMPONENTS, RewardFunction, as_spec, max_tota
 from musique_rl.env.tools import execute, parse_tool_calls
 from musique_rl.schema import (
     CONF_DIR,  # importing it registers the schema and resolvers
-    EnvConfig,
+    EnvSchema,
 )
 
 N = 10_000
@@ -79,7 +79,7 @@ def in_unit(x) -> bool:
 def test_fuzz_parsing_tools_and_every_reward(toy_record):
     rng = random.Random(1234)
     start = time.perf_counter()
-    env = OmegaConf.merge(OmegaConf.structured(EnvConfig(data="x")), {"get_document_tool": True, "top_n": 2})
+    env = OmegaConf.merge(OmegaConf.structured(EnvSchema(data="x")), {"get_document_tool": True, "top_n": 2})
     retriever = build_retriever(env, [toy_record])
     valid = {str(p["idx"]) for p in toy_record["paragraphs"]}
 
@@ -102,7 +102,7 @@ def test_fuzz_parsing_tools_and_every_reward(toy_record):
     totals = combined(prompts=[None] * N, completions=[""] * N, episode=episodes)
     assert combined.errors == 0 and len(totals) == N
     configs = {name: as_spec(preset(name)) for name in PRESETS}
-    for comps, t in zip(combined.last_components, totals, strict=True):
+    for comps, t in zip(combined.components(episodes), totals, strict=True):
         assert set(comps) == set(COMPONENTS) and all(in_unit(comps[k]) for k in COMPONENTS), comps
         assert 0.0 <= t <= max_total(hops, configs["combined"]) + 1e-9
         for name, cfg in configs.items():

@@ -110,7 +110,7 @@ def test_env_tokens_enter_the_loss_only_when_asked(raw_tiny, tiny_cfg, override)
     assert all(set(ep.env_mask) == {1} for ep in eps)
 
 
-def test_rollout_func_returns_what_trl_needs_in_order(raw_tiny, tiny_cfg):
+def test_a_rollout_returns_what_trl_needs_in_order(raw_tiny, tiny_cfg):
     from musique_rl.core.trainer import prompt_dataset
 
     model, tok, records, _, _ = raw_tiny
@@ -118,10 +118,7 @@ def test_rollout_func_returns_what_trl_needs_in_order(raw_tiny, tiny_cfg):
     engine = RolloutEngine(tiny_cfg.env, tok, build_retriever(tiny_cfg.env, recs), {r["id"]: r for r in recs}, tool_format=tiny_cfg.model.tool_call_format)
     batch = [row["prompt"] for row in prompt_dataset(tiny_cfg.env, recs) for _ in range(3)]  # B x G, repeated in order
 
-    class Trainer:
-        musique_generator = build_generator(tiny_cfg.train, tok, model=model)
-
-    out = engine.rollout_func(batch, Trainer())
+    out = engine.trl_outputs(engine.rollout(batch, build_generator(tiny_cfg.train, tok, model=model)))
     assert set(out) == {"prompt_ids", "completion_ids", "logprobs", "env_mask", "episode"}
     assert [e["id"] for e in out["episode"]] == [recs[0]["id"]] * 3 + [recs[1]["id"]] * 3
     keys = ("prompt_ids", "completion_ids", "logprobs", "env_mask", "episode")
@@ -129,3 +126,62 @@ def test_rollout_func_returns_what_trl_needs_in_order(raw_tiny, tiny_cfg):
         assert len(c) == len(lp) == len(m) > 0 and p
         assert {"id", "messages", "stop_reason", "num_turns", "tool_calls", "tool_errors",
                 "dropped_tool_results", "question_in_context"} <= set(e)
+
+
+# ---------------------------------------------------------------- the Generator protocol
+def test_every_backend_provides_the_declared_generator_protocol():
+    from musique_rl.core import generation
+
+    members = ("collective", "session", "generate", "any_live")
+    for cls in (generation.HFGenerator, generation.PagedGenerator, generation.VLLMServerGenerator,
+                generation.VLLMColocateGenerator, ScriptedGenerator):
+        assert all(hasattr(cls, m) for m in members), cls
+    assert generation.VLLMServerGenerator.collective and not generation.HFGenerator.collective
+
+
+def test_the_rollout_refuses_what_is_no_generator_naming_what_it_lacks(raw_tiny, tiny_cfg):
+    _, tok, records, _, _ = raw_tiny
+    engine = RolloutEngine(tiny_cfg.env, tok, None, {}, tool_format=tiny_cfg.model.tool_call_format)
+
+    class HalfGenerator:
+        def generate(self, contexts, max_new_tokens, greedy=False):
+            return []
+
+    with pytest.raises(TypeError, match="HalfGenerator is not a generation backend .* lacks collective, session, any_live"):
+        engine.run(records[:1], HalfGenerator())
+
+
+def test_a_collective_generator_keeps_calling_until_no_process_has_a_live_episode(raw_tiny, tiny_cfg):
+    """vLLM server mode: generate is a collective call. A process whose episodes are done keeps
+    calling with an empty batch while ``any_live`` says another process still has one."""
+    from musique_rl.core.generation import Sample
+
+    _, tok, records, _, _ = raw_tiny
+    recs = records[:2]
+    engine = RolloutEngine(tiny_cfg.env, tok, build_retriever(tiny_cfg.env, recs), {r["id"]: r for r in recs},
+                           tool_format=tiny_cfg.model.tool_call_format)
+    answer = tok.encode("<answer>x</answer>", add_special_tokens=False) + [tok.eos_token_id]
+
+    class Collective:  # this process answers at once; "another process" stays live two more turns
+        collective = True
+
+        def __init__(self):
+            self.batches, self.other_turns = [], 2
+
+        def session(self):
+            import contextlib
+
+            return contextlib.nullcontext(self)
+
+        def any_live(self, local):
+            self.other_turns -= 1
+            return local or self.other_turns >= 0
+
+        def generate(self, contexts, max_new_tokens, greedy=False):
+            self.batches.append(len(contexts))
+            return [Sample(list(answer), [-0.1] * len(answer), True) for _ in contexts]
+
+    gen = Collective()
+    episodes = engine.run(recs, gen)
+    assert [ep.stop_reason for ep in episodes] == ["answer", "answer"]
+    assert gen.batches == [2, 0]  # its own turn, then one empty call while the other process finished

@@ -8,7 +8,7 @@ from omegaconf import OmegaConf
 
 from musique_rl.env import synthetic
 from musique_rl.env.data import load_records, validate_record
-from musique_rl.schema import EnvConfig
+from musique_rl.schema import EnvSchema
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +68,7 @@ def test_every_plausible_mistake_retrieves_a_real_wrong_paragraph(train_records)
     retrieve a distractor about the same entity: decisions that need the context, not luck."""
     from musique_rl.env.retrieval import build_retriever
 
-    env = OmegaConf.structured(EnvConfig(data="synthetic,default,train"))
+    env = OmegaConf.structured(EnvSchema(data="synthetic,default,train"))
     retriever = build_retriever(env, train_records)
     for r in train_records:
         dec = r["question_decomposition"]
@@ -92,7 +92,7 @@ def test_names_survive_retrieval_tokenisation():
 
 
 def test_data_spec_loads_the_embedded_records():
-    env = OmegaConf.structured(EnvConfig(data="synthetic,default,train"))
+    env = OmegaConf.structured(EnvSchema(data="synthetic,default,train"))
     env.synthetic.num_train = 50
     recs = load_records("synthetic,default,train[:20]", env, seed=1)
     assert len(recs) == 20 and all(r["id"].startswith("2hop__") for r in recs)

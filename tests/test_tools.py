@@ -4,11 +4,11 @@ import pytest
 from omegaconf import OmegaConf
 
 from musique_rl.env.tools import execute, format_documents, parse_document_ids, parse_tool_calls
-from musique_rl.schema import EnvConfig
+from musique_rl.schema import EnvSchema
 
 
 def env(**kw):
-    return OmegaConf.merge(OmegaConf.structured(EnvConfig(data="x")), kw)
+    return OmegaConf.merge(OmegaConf.structured(EnvSchema(data="x")), kw)
 
 
 class ByIdx:

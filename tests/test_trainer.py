@@ -109,6 +109,9 @@ def test_step0_trainer_logprobs_equal_the_samplers(tiny_cfg, warm_tiny, tmp_path
     log-probs agree to float precision on every token that carries loss."""
     model, tok = warm_tiny
     tr = _trainer(_cfg(tiny_cfg, {}), copy.deepcopy(model), tok, tmp_path)
+    rolled = []  # the episodes the rollout handed to TRL's outputs (passed as an argument, not read back)
+    to_trl = tr.musique_engine.trl_outputs
+    tr.musique_engine.trl_outputs = lambda episodes: rolled.extend(episodes) or to_trl(episodes)
     torch.manual_seed(1)
     out = _batch(tr)
     loss_mask = (out["completion_mask"] * out["tool_mask"]).bool()
@@ -119,7 +122,7 @@ def test_step0_trainer_logprobs_equal_the_samplers(tiny_cfg, warm_tiny, tmp_path
     # the trainer attaches them to the batch only when instruments read them)
     from musique_rl.diagnostics.ledger import Source, sources_tensor
 
-    sources = sources_tensor([ep.sources for ep in tr.musique_engine.last_episodes], loss_mask.shape[1])
+    sources = sources_tensor([ep.sources for ep in rolled], loss_mask.shape[1])
     assert torch.equal(loss_mask.cpu(), sources == int(Source.ASSISTANT))  # the batch is on the model's device
 
 
@@ -316,10 +319,12 @@ def test_micro_batch_size_sets_trls_accumulation_and_bad_values_name_the_key(tin
     assert trainer_mod.batch_layout(cfg.train, 1) == (16, 1)
     cfg = with_keys(cfg, {"train.micro_batch_size": 64})  # more than the batch: the batch in one pass
     assert trainer_mod.batch_layout(cfg.train, 1) == (16, 1)
-    for bad in (3, 0, -2):
-        cfg = with_keys(cfg, {"train.micro_batch_size": bad})
-        with pytest.raises(ValueError, match=f"train.micro_batch_size={bad}: .*divide the 16 episodes"):
-            trainer_mod.grpo_config(cfg, tmp_path)
+    cfg = with_keys(cfg, {"train.micro_batch_size": 3})
+    with pytest.raises(ValueError, match="train.micro_batch_size=3: .*divide the 16 episodes"):
+        trainer_mod.grpo_config(cfg, tmp_path)
+    for bad in (0, -2):  # no batch at all: the config type refuses it before any layout is made
+        with pytest.raises(ValueError, match=f"train.micro_batch_size={bad}: must be >= 1 or null"):
+            with_keys(cfg, {"train.micro_batch_size": bad})
 
 
 def test_vllm_modes_reach_grpo_config(tiny_cfg, tmp_path, monkeypatch):

@@ -12,11 +12,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import List, Optional, Protocol
+from typing import ClassVar, List, Optional, Protocol
 
 from omegaconf import MISSING
 
-from musique_rl.env.config import EnvConfig, ReadOnly, RewardConfig
+from musique_rl.env.config import (
+    PORT,
+    POSITIVE,
+    UNIT_CLOSED_OPEN,
+    UNIT_OPEN_CLOSED,
+    EnvConfig,
+    ReadOnly,
+    RewardConfig,
+    at_least,
+)
 
 # Enums whose values are their names (StrEnum's functional form gives each name as its value)
 Dtype = StrEnum("Dtype", ("auto", "float32", "bfloat16", "float16"))
@@ -74,6 +83,8 @@ class TinyModelConfig(ReadOnly):
     # how a run runs (the same run on another machine caches elsewhere and computes the same).
     cache_dir: str = "${oc.env:MUSIQUE_RL_CACHE,${oc.env:HOME}/.cache/musique_rl}"
 
+    RULES: ClassVar = {"sft_learning_rate": POSITIVE, "sft_epochs": POSITIVE}
+
 
 @dataclass
 class ModelConfig(ReadOnly):
@@ -88,6 +99,8 @@ class ModelConfig(ReadOnly):
     learning_rate: float = MISSING  # recommended LR for this model (loss.learning_rate reads it)
     tiny: Optional[TinyModelConfig] = None
 
+    RULES: ClassVar = {"learning_rate": POSITIVE}
+
 
 @dataclass
 class LoraConfig(ReadOnly):  # PEFT LoraConfig names, except enabled (core/trainer.py lora_config)
@@ -99,6 +112,8 @@ class LoraConfig(ReadOnly):  # PEFT LoraConfig names, except enabled (core/train
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     )
     bias: str = "none"
+
+    RULES: ClassVar = {"r": at_least(1), "lora_alpha": POSITIVE, "lora_dropout": UNIT_CLOSED_OPEN}
 
 
 @dataclass
@@ -113,6 +128,10 @@ class LossConfig(ReadOnly):  # TRL GRPOConfig names, except adv_epsilon (core/tr
     learning_rate: float = MISSING
     max_grad_norm: float = 1.0
     warmup_steps: int = 10
+
+    RULES: ClassVar = {"adv_epsilon": at_least(0), "beta": at_least(0), "epsilon": POSITIVE, "epsilon_high": POSITIVE,
+                       "num_iterations": at_least(1), "learning_rate": POSITIVE, "max_grad_norm": POSITIVE,
+                       "warmup_steps": at_least(0)}
 
 
 @dataclass
@@ -151,6 +170,26 @@ class TrainSettings(ReadOnly):
     resume: str = "auto"  # auto (last checkpoint in the run dir) | never | <checkpoint path>
     eval_episodes: int = 64  # held-out episodes before and after training
     eval_temperature: Optional[float] = None  # None = train.temperature
+
+    RULES: ClassVar = {
+        "max_steps": at_least(1), "prompts_per_step": at_least(1),
+        "num_generations": at_least(2, "GRPO's advantage compares the completions of one prompt"),
+        "temperature": POSITIVE, "top_p": UNIT_OPEN_CLOSED, "top_k": at_least(0, "0 = off"),
+        "importance_sampling_clip_max": POSITIVE, "importance_sampling_clip_min": at_least(0),
+        "vllm_server_port": PORT, "vllm_group_port": PORT, "vllm_gpu_memory_utilization": UNIT_OPEN_CLOSED,
+        "micro_batch_size": at_least(1), "logging_steps": at_least(1), "save_steps": at_least(1),
+        "eval_episodes": at_least(0), "eval_temperature": POSITIVE,
+    }
+
+    @classmethod
+    def relations(cls, node, prefix: str) -> list[str]:
+        from musique_rl.env.config import config_value
+
+        lo, hi = config_value(node, "importance_sampling_clip_min"), config_value(node, "importance_sampling_clip_max")
+        if lo is not None and hi is not None and lo >= hi:
+            return [f"{prefix}importance_sampling_clip_min={lo} >= {prefix}importance_sampling_clip_max={hi}: "
+                    "the kept ratios would be an empty range"]
+        return []
 
 
 class JobConfig(Protocol):

@@ -1,4 +1,4 @@
-"""Generation backends behind one interface: token ids in, sampled token ids and their log-probs out.
+"""Generation backends behind one interface (``Generator``): token ids in, sampled token ids and their log-probs out.
 
 A backend continues a batch of token-id contexts by at most ``max_new_tokens`` each and returns,
 per context, the sampled ids (ending at a stop token if one was sampled), the log-prob of each
@@ -30,8 +30,9 @@ import contextlib
 import copy
 import logging
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -45,6 +46,33 @@ class Sample:
     ids: list[int]
     logprobs: list[float]
     stopped: bool  # True when the last id is a stop token (not cut by max_new_tokens)
+
+
+@runtime_checkable
+class Generator(Protocol):
+    """What every generation backend provides (hf, paged, both vLLM modes, a test's scripted one):
+    the rollout (core/rollout.py RolloutEngine.run) calls nothing else.
+
+    ``collective``: True when ``generate`` is a collective call every process of the job must make
+    the same number of times (vLLM server mode: the main process's client generates for all), so a
+    process whose episodes are done keeps calling with an empty batch until ``any_live`` is False
+    on every process. Otherwise ``any_live`` is the process's own answer and ``generate`` is local.
+    """
+
+    collective: bool
+
+    def session(self) -> AbstractContextManager[Generator]:
+        """Hold what generating needs (the model unwrapped, ZeRO-3 shards gathered, an engine) for one
+        whole multi-turn rollout; ``generate`` runs inside it."""
+        ...
+
+    def generate(self, contexts: list[list[int]], max_new_tokens: list[int], greedy: bool = False) -> list[Sample]:
+        """One turn: each context continued by at most its ``max_new_tokens`` (in order)."""
+        ...
+
+    def any_live(self, local: bool) -> bool:
+        """Whether any process still has a live episode (``local``: this process's answer)."""
+        ...
 
 
 @dataclass
@@ -168,6 +196,9 @@ class HFGenerator:
 
     collective = False  # each process generates its own episodes; nothing to synchronise per turn
 
+    def any_live(self, local: bool) -> bool:
+        return local
+
     def __init__(self, model_source: Any, tokenizer: Any, settings: SamplingSettings):
         settings.check()
         self.model_source = model_source
@@ -279,9 +310,14 @@ class _TrainerVLLM:
         self.trainer = trainer
         self.settings = settings
 
+    collective = False
+
     @contextlib.contextmanager
     def session(self) -> Iterator[_TrainerVLLM]:
         yield self
+
+    def any_live(self, local: bool) -> bool:
+        return local
 
 
 class VLLMServerGenerator(_TrainerVLLM):
@@ -436,7 +472,7 @@ def build_generator(
     trainer: Any = None,
     temperature: float | None = None,
     backend: str | None = None,
-) -> HFGenerator | VLLMServerGenerator | VLLMColocateGenerator:
+) -> Generator:
     """The backend named by ``train.backend`` (``backend``: another one), sampling with ``train``'s settings.
 
     ``trainer``: bind to a GRPOTrainer (current weights every rollout). ``model``: sample from this

@@ -45,7 +45,7 @@ from typing import Any
 
 from musique_rl.core.config import TrainSettings
 from musique_rl.core.faults import Fault
-from musique_rl.core.step_time import TimedGenerator, clock_of
+from musique_rl.core.generation import Generator
 from musique_rl.env import parsing, prompts, tools
 from musique_rl.env.answer_formats import answer_format as answer_format_of
 from musique_rl.env.config import EnvConfig
@@ -252,7 +252,6 @@ class RolloutEngine:
         self.chat = ChatTokens(tokenizer, env_cfg, self.answer_format.template_kwargs)
         self.fmt = tool_format
         self.env_token_mask = env_token_mask
-        self.last_episodes: list[Episode] = []
 
     # -- construction of one episode
     def start(self, record: dict, rendered: dict | None = None) -> Episode:
@@ -320,8 +319,12 @@ class RolloutEngine:
         ep.messages.extend(tool_messages)
         ep.add_environment(env_ids, sources, self.env_token_mask)
 
-    def run(self, records: list[dict], generator: Any, greedy: bool = False) -> list[Episode]:
+    def run(self, records: list[dict], generator: Generator, greedy: bool = False) -> list[Episode]:
         """Episodes for ``records`` (one per entry, in order), batched across live episodes per turn."""
+        if not isinstance(generator, Generator):
+            missing = [m for m in ("collective", "session", "generate", "any_live") if not hasattr(generator, m)]
+            raise TypeError(f"{type(generator).__name__} is not a generation backend (core/generation.py Generator): "
+                            f"it lacks {', '.join(missing)}")
         rendered: dict = {}
         episodes = [self.start(r, rendered) for r in records]
         per_turn = int(self.env.max_tokens_per_turn)
@@ -329,34 +332,31 @@ class RolloutEngine:
         with generator.session() as gen:
             while True:
                 live = [ep for ep in episodes if not ep.done]
-                if getattr(gen, "collective", False):
-                    if not gen.any_live(bool(live)):
-                        break
-                elif not live:
+                if not gen.any_live(bool(live)):  # a collective backend: until no process has one
                     break
                 limits = [min(per_turn, budget - len(ep.completion_ids)) for ep in live]
                 contexts = [ep.prompt_ids + ep.completion_ids for ep in live]
                 samples = gen.generate(contexts, limits, greedy=greedy)
                 for ep, sample, limit in zip(live, samples, limits, strict=True):
                     self._after_turn(ep, sample.ids, sample.logprobs, sample.stopped, limit)
-        self.last_episodes = episodes
         return episodes
 
-    # -- TRL's rollout_func
-    def rollout_func(self, prompts_batch: list, trainer: Any) -> dict:
-        """``GRPOTrainer(rollout_func=...)``: ``prompts_batch`` holds B x G prompts (already
-        repeated, in order), each carrying its record id on the user message."""
-        clock = clock_of(trainer)  # a training step's clock (core/step_time.py): generation apart from the environment
-        with clock.section("environment"):
-            records = [self.records_by_id[record_id_of(p)] for p in prompts_batch]
-            episodes = self.run(records, TimedGenerator(trainer.musique_generator, clock))
-            return {
-                "prompt_ids": [ep.prompt_ids for ep in episodes],
-                "completion_ids": [ep.completion_ids for ep in episodes],
-                "logprobs": [ep.logprobs for ep in episodes],
-                "env_mask": [ep.env_mask for ep in episodes],
-                "episode": [ep.as_dict() for ep in episodes],
-            }
+    # -- a training batch (the trainer's rollout_func: core/trainer.py)
+    def rollout(self, prompts_batch: list, generator: Generator) -> list[Episode]:
+        """The episodes of a GRPO batch: ``prompts_batch`` holds B x G prompts (already repeated, in
+        order), each carrying its record id on the user message."""
+        return self.run([self.records_by_id[record_id_of(p)] for p in prompts_batch], generator)
+
+    def trl_outputs(self, episodes: list[Episode]) -> dict:
+        """What TRL's ``rollout_func`` returns for ``episodes``: ids, the sampler's log-probs, the env
+        mask, and each episode's dict (``episode``, which TRL hands to the reward functions)."""
+        return {
+            "prompt_ids": [ep.prompt_ids for ep in episodes],
+            "completion_ids": [ep.completion_ids for ep in episodes],
+            "logprobs": [ep.logprobs for ep in episodes],
+            "env_mask": [ep.env_mask for ep in episodes],
+            "episode": [ep.as_dict() for ep in episodes],
+        }
 
 
 def turn_text(tokenizer: Any, ids: list[int]) -> str:

@@ -3,7 +3,8 @@
 ``build_trainer(cfg, ...)`` maps the config onto TRL 1.16 names (``GRPOConfig``: loss_type,
 scale_rewards, beta, epsilon / epsilon_high, num_iterations, learning rate with warmup,
 max_grad_norm, temperature / top_p / top_k; PEFT ``LoraConfig``) and hands TRL our
-``rollout_func`` (musique_rl/core/rollout.py), which returns ``prompt_ids``, ``completion_ids``,
+``rollout_func`` (``MusiqueGRPOTrainer._rollout``: the RolloutEngine's episodes through the
+trainer's ``Generator``, musique_rl/core/rollout.py), which returns ``prompt_ids``, ``completion_ids``,
 ``logprobs``, ``env_mask`` and the ``episode`` dicts the reward function reads.
 
 ``MusiqueGRPOTrainer`` extends GRPOTrainer at three points, each as small as TRL allows:
@@ -53,6 +54,7 @@ from musique_rl.core import checkpoints, step_callbacks, step_time
 from musique_rl.core.config import JobConfig, LoraConfig, TrainSettings
 from musique_rl.core.faults import Fault
 from musique_rl.core.generation import (
+    Generator,
     HFGenerator,
     build_generator,
     frozen_copy,
@@ -60,7 +62,7 @@ from musique_rl.core.generation import (
     sampling_settings,
 )
 from musique_rl.core.importance import importance_metrics
-from musique_rl.core.rollout import RolloutEngine, env_token_mask
+from musique_rl.core.rollout import Episode, RolloutEngine, env_token_mask
 from musique_rl.core.weight_sync import ExactLoraSync, adopt, detached, drain
 from musique_rl.env.config import EnvConfig
 
@@ -140,6 +142,18 @@ def importance_sampling_settings(t: TrainSettings) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------- the trainer
+@dataclasses.dataclass
+class BatchContext:
+    """What one generation batch hands from TRL's inner hooks to our code after them, in one typed
+    object that lives for one ``_generate_and_score_completions`` call: the episodes our rollout
+    returned (this process's, in TRL's order) and TRL's rewards per function (gathered over every
+    process). TRL calls the hooks itself (rollout_func, _calculate_rewards) inside its 600-line
+    method, so they cannot return to us; they fill this instead, and we pass it on as an argument."""
+
+    episodes: list[Episode] = dataclasses.field(default_factory=list)
+    rewards_per_func: torch.Tensor | None = None
+
+
 class MusiqueGRPOTrainer(GRPOTrainer):
     """GRPOTrainer + multi-turn rollouts, configurable advantage epsilon, diagnostics, faults.
 
@@ -147,8 +161,8 @@ class MusiqueGRPOTrainer(GRPOTrainer):
     ``adv_epsilon`` (``loss.adv_epsilon``), ``fault`` (the job's planted fault, ``faults.of``);
     every other argument is TRL's
     (``model``, ``reward_funcs``, ``args``, ``train_dataset``, ``processing_class``, ``peft_config``).
-    ``engine`` is the RolloutEngine whose ``rollout_func`` TRL calls; it samples through
-    ``self.musique_generator``, built here once TRL has made its model (and vLLM engine, if any):
+    ``engine`` is the RolloutEngine TRL's ``rollout_func`` (``_rollout``) runs; it samples through
+    ``self.musique_generator`` (a ``Generator``), built here once TRL has made its model (and vLLM engine, if any):
     ``sampler_model`` when one is given (the planted fault stale_sampler), else the trained model itself.
     """
 
@@ -168,7 +182,8 @@ class MusiqueGRPOTrainer(GRPOTrainer):
         # Where each step's time goes (core/step_time.py): set before TRL's __init__, whose hooks may
         # open sections (they time nothing outside a step). Every call on the instruments is theirs.
         self.step_clock = step_time.StepClock()
-        super().__init__(rollout_func=engine.rollout_func, **trl_kwargs)
+        self._batch: BatchContext | None = None  # the generation batch in progress (BatchContext)
+        super().__init__(rollout_func=self._rollout, **trl_kwargs)
         # The weight sync: with vLLM, TRL's sync streams LoRA merged out of place (core/weight_sync.py: TRL's
         # own merges into the base and unmerges, which drifts a bf16 base); the planted fault
         # inplace_merge_sync keeps TRL's, and runs it before each in-process rollout too (no engine there).
@@ -197,9 +212,9 @@ class MusiqueGRPOTrainer(GRPOTrainer):
         tokenizer = self.processing_class
         if sampler_model is not None:
             settings = sampling_settings(musique_train, tokenizer, generation_config_of(sampler_model))
-            self.musique_generator = HFGenerator(sampler_model, tokenizer, settings)
+            self.musique_generator: Generator = HFGenerator(sampler_model, tokenizer, settings)
         else:
-            self.musique_generator = build_generator(musique_train, tokenizer, trainer=self)  # read by RolloutEngine.rollout_func
+            self.musique_generator = build_generator(musique_train, tokenizer, trainer=self)  # what _rollout samples with
         if instruments is not None:  # before any callback that reads its on_log additions (h08/grad_norm_before_clip)
             self.add_callback(step_callbacks.TimedCallback(
                 instruments.callback(sink=lambda metrics: self.merge_metrics(metrics, "train")), self.step_clock,
@@ -259,11 +274,24 @@ class MusiqueGRPOTrainer(GRPOTrainer):
         for k, v in (metrics or {}).items():
             self._metrics[mode][k].append(float(v))
 
+    def _rollout(self, prompts: list, trainer: Any) -> dict:
+        """TRL's ``rollout_func`` (``trainer`` is this trainer): the engine's episodes for ``prompts``
+        through this trainer's generator, kept in the batch's context for the instruments. The
+        step clock (core/step_time.py) counts the generator's session and calls as generation, the
+        rest of the rollout (tools, tokenising) as the environment."""
+        with self.step_clock.section("environment"):
+            episodes = self.musique_engine.rollout(prompts, step_time.TimedGenerator(self.musique_generator,
+                                                                                     self.step_clock))
+            if self._batch is not None:
+                self._batch.episodes = episodes
+            return self.musique_engine.trl_outputs(episodes)
+
     @step_time.timed_method("reward")
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
         rewards_per_func = self._fault.rewards(rewards_per_func, int(self.state.global_step))
-        self._last_rewards_per_func = rewards_per_func  # gathered over all processes
+        if self._batch is not None:
+            self._batch.rewards_per_func = rewards_per_func  # gathered over all processes
         return rewards_per_func
 
     @step_time.timed_method("generation")  # the rollout_func inside times its environment apart
@@ -292,14 +320,16 @@ class MusiqueGRPOTrainer(GRPOTrainer):
 
     @step_time.timed_method("scoring")  # generation, rewards and instruments inside keep their own sections
     def _generate_and_score_completions(self, inputs):
+        batch = self._batch = BatchContext()
         try:
             with self._as_vllm():
                 output = super()._generate_and_score_completions(inputs)
         finally:
+            self._batch = None
             self._scoring_tool_mask = None
         mode = "train" if self.model.training else "eval"
         num_generations = self.num_generations if mode == "train" else self.num_generations_eval
-        rpf = self._last_rewards_per_func
+        rpf = batch.rewards_per_func
         rewards = (rpf * self.reward_weights.to(rpf.device).unsqueeze(0)).nansum(dim=1)
         rewards[torch.isnan(rpf).all(dim=1)] = torch.nan
         n_local = output["completion_ids"].shape[0]
@@ -311,8 +341,8 @@ class MusiqueGRPOTrainer(GRPOTrainer):
         self._observe_importance_sampling(output)
         if self.instruments is not None:
             width = output["completion_ids"].shape[1]
-            output["token_sources"] = self._token_sources(width).to(output["completion_ids"].device)
-            self._observe_batch(output, rewards[local], num_generations)
+            output["token_sources"] = self._token_sources(batch, width).to(output["completion_ids"].device)
+            self._observe_batch(output, batch, rewards[local], num_generations)
             if mode == "train":  # the reference the loss's inputs are checked against (loss_inputs.py)
                 self._remember_rollout(output, rewards, local)
             # After scoring, not before the rollout: the weights are still those the sampler was
@@ -334,14 +364,15 @@ class MusiqueGRPOTrainer(GRPOTrainer):
             mask.cpu(), str(self.vllm_importance_sampling_mode), self.vllm_importance_sampling_clip_min,
             self.vllm_importance_sampling_clip_max))
 
-    def _token_sources(self, width: int) -> torch.Tensor:
+    def _token_sources(self, batch: BatchContext, width: int) -> torch.Tensor:
         """(N, width) diagnostics.Source codes of this process's completion tokens (PAD after)."""
-        return self.instruments.token_sources([ep.sources for ep in self.musique_engine.last_episodes], width)
+        return self.instruments.token_sources([ep.sources for ep in batch.episodes], width)
 
-    def _observe_batch(self, output: dict, rewards: torch.Tensor, num_generations: int) -> None:
-        episodes = self.musique_engine.last_episodes
+    def _observe_batch(self, output: dict, batch: BatchContext, rewards: torch.Tensor, num_generations: int) -> None:
+        episodes = [ep.as_dict() for ep in batch.episodes]
         reward_fn = self.reward_funcs[0]
-        comps = getattr(reward_fn, "last_components", None) or []
+        # the components behind the reward (RewardFunction.components); a reward without them, none
+        comps = reward_fn.components(episodes) if hasattr(reward_fn, "components") else []
         components = {}
         if comps and any(c is not None for c in comps):
             names = next(c for c in comps if c is not None).keys()
@@ -353,7 +384,7 @@ class MusiqueGRPOTrainer(GRPOTrainer):
             completion_mask=output["completion_mask"].cpu(),
             tool_mask=output["tool_mask"].cpu() if "tool_mask" in output else None,
             token_sources=output["token_sources"].cpu(),
-            episodes=[ep.as_dict() for ep in episodes],
+            episodes=episodes,
             reward_components=components,
             reward_errors=int(sum(1 for c in comps if c is None)),
             prompt_ids=output["prompt_ids"].cpu(),

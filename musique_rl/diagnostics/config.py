@@ -5,10 +5,10 @@ importing the experiment layer (tests/test_layers.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 from musique_rl.core.config import JobConfig
-from musique_rl.env.config import ReadOnly
+from musique_rl.env.config import ReadOnly, at_least
 
 
 @dataclass
@@ -18,6 +18,9 @@ class DiagnosticsConfig(ReadOnly):
     parity_probe_every: int = 10  # steps between sampler/trainer/base parity probes
     reward_audit_size: int = 4  # episodes a step re-scored by the independent reward audit (h05/reward_audit_*)
     trajectory_views: int = 4  # episodes rendered to the HTML token view per logged step
+
+    RULES: ClassVar = {"near_zero_std": at_least(0), "parity_probe_every": at_least(1),
+                       "reward_audit_size": at_least(0), "trajectory_views": at_least(0)}
 
 
 class InstrumentedJobConfig(JobConfig, Protocol):

@@ -36,6 +36,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from musique_rl import rundir
+
 # Rules registered in their own modules (@rule): imported for their registration (trl_rules: over
 # TRL's own metric names, which also serve another framework's logs).
 from musique_rl.diagnostics import alarms, invariants, point_of_use, trl_rules  # noqa: F401
@@ -569,7 +571,7 @@ def write_diagnosis(run_id: str, diagnosis: list[dict[str, Any]], uri: str | Non
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(uri)
-    client.log_text(run_id, json.dumps(diagnosis, indent=2), "diagnosis.json")
+    client.log_text(run_id, json.dumps(diagnosis, indent=2), rundir.DIAGNOSIS)
     for key, value in diagnosis_tags(diagnosis).items():
         client.set_tag(run_id, key, value)
 
@@ -616,12 +618,7 @@ def diagnose_log(run: Any) -> list[dict[str, Any]]:
 
 def save_diagnosis(diagnosis: Sequence[Mapping[str, Any]], path: str | Path) -> Path:
     """``diagnosis.json`` at ``path`` (written whole, then moved into place: a reader never sees half)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(list(diagnosis), indent=2))
-    os.replace(tmp, path)
-    return path
+    return rundir.write_diagnosis(path, list(diagnosis))
 
 
 def top_finding(diagnosis: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] | None:
@@ -676,7 +673,7 @@ def _from_files(args: argparse.Namespace) -> int:
             home = Path(args.out) if args.out else (run.home or Path.cwd())
             if args.out and len(specs) > 1:
                 home = home / re.sub(r"[^\w.-]+", "_", name).strip("_")
-            dest = home / ("diagnosis.json" if run.home is not None or args.out else f"diagnosis-{run.name}.json")
+            dest = home / (rundir.DIAGNOSIS if run.home is not None or args.out else f"diagnosis-{run.name}.json")
             try:
                 save_diagnosis(diag, dest)
             except OSError as e:

@@ -169,7 +169,7 @@ class Instruments:
           came from, the masks say what is trained.
         episodes: N Episode dicts (docs/architecture.md): stop_reason, num_turns, tool_calls,
           tool_errors, dropped_tool_results, question_in_context, messages.
-        reward_components: component name -> (N,) values (rewards.RewardFunction.last_components).
+        reward_components: component name -> (N,) values (rewards.RewardFunction.components).
         reward_errors: exceptions raised inside reward functions for this batch.
         prompt_ids, completion_ids: (N, P), (N, C) token ids: the parity-probe set and trajectory view.
         sampling_logps: (N, C) sampler log-probs of the completion tokens (TRL: sampling_per_token_logps).

@@ -25,12 +25,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from musique_rl import rundir
 from musique_rl.diagnostics.findings import History
 from musique_rl.env.config import flatten
 
 log = logging.getLogger(__name__)
 
-RUN_METRICS = "metrics.jsonl"  # what every training run of this project writes, one JSON object per logged step
+RUN_METRICS = rundir.METRICS_LOG  # what every training run of this project writes, one JSON object per logged step
 TRAINER_STATE = "trainer_state.json"
 # The step of a row, first match wins: the trainer's own step before a logger's row counter
 # (W&B's `_step` counts logged rows, which differs from the trainer's step when eval rows interleave).
@@ -127,26 +128,12 @@ def histories_from_rows(rows: Iterable[Mapping[str, Any]], where: str) -> dict[s
 
 
 def _jsonl_rows(path: Path, notes: list[str]) -> list[dict]:
-    """The objects of a JSONL file. A torn LAST line (a run killed mid-write) is dropped with a
-    warning; a malformed line before it means the file is not what it claims: an error naming it."""
-    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
-    rows = []
-    for n, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            if all(not rest.strip() for rest in lines[n:]):
-                msg = f"{path}: last line {n} is torn ({e.msg}); read the {len(rows)} lines before it"
-                log.warning(msg)
-                notes.append(msg)
-                break
-            raise SourceError(f"{path}: line {n} is not JSON ({e.msg})") from None
-        if not isinstance(obj, dict):
-            raise SourceError(f"{path}: line {n} is not a JSON object")
-        rows.append(obj)
-    return rows
+    """The objects of a JSONL file, under the run directory's one torn-line policy
+    (``rundir.read_metrics_log``: a torn LAST line skipped with a note, any other bad line an error)."""
+    try:
+        return rundir.read_metrics_log(path, notes)
+    except rundir.RunFileError as e:
+        raise SourceError(str(e)) from None
 
 
 def _finish(name: str, source: str, hist: dict[str, History], params: dict[str, str], home: Path | None,
@@ -167,15 +154,11 @@ def read_run_dir(path: str | Path) -> RunLog:
     notes: list[str] = []
     hist = histories_from_rows(_jsonl_rows(f, notes), str(f))
     params: dict[str, str] = {}
-    cfg = d / ".hydra" / "config.yaml"
-    if cfg.is_file():
-        import yaml
-
-        try:
-            params = {k: str(v) for k, v in flatten(yaml.safe_load(cfg.read_text()) or {}).items()
-                      if not isinstance(v, Mapping)}  # an empty group is no param
-        except yaml.YAMLError as e:
-            notes.append(f"{cfg}: not read ({e}); params left empty")
+    try:
+        params = {k: str(v) for k, v in flatten(rundir.read_config(d) or {}).items()
+                  if not isinstance(v, Mapping)}  # an empty group is no param
+    except rundir.RunFileError as e:
+        notes.append(f"{e}; params left empty")
     return _finish(d.resolve().name, str(d), hist, params, d, notes)
 
 

@@ -11,11 +11,13 @@ the enum of its registry's names, so a typo still fails at composition (a StrEnu
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+import functools
+import typing
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
-from typing import Any, Dict, List, Optional, TypeVar
+from typing import Any, ClassVar, Dict, List, Optional, TypeVar
 
 from omegaconf import MISSING, OmegaConf
 
@@ -41,8 +43,66 @@ class RetrievalScope(StrEnum):
     corpus = "corpus"  # every paragraph of the corpus file / dataset
 
 
+class ConfigValueError(ValueError):
+    """A config holds a value no job can run with; the message names every such key (dotted)."""
+
+
+@dataclass(frozen=True)
+class Rule:
+    """What a config field's value must be: ``ok(value)``, said as ``want``. A null value passes (null
+    means "off" or "default" wherever a field allows it); so does a value of another kind (an
+    unset ``???``): the type check is OmegaConf's."""
+
+    ok: Callable[[Any], bool]
+    want: str
+    items: bool = False  # a list's rule (hop counts); else a number's
+
+    def applies(self, value: Any) -> bool:
+        if self.items:
+            return isinstance(value, list | tuple) or (hasattr(value, "__iter__") and not isinstance(value, str | Mapping))
+        return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def at_least(n: float, why: str = "") -> Rule:
+    return Rule(lambda v: v >= n, f">= {n}" + (f" ({why})" if why else ""))
+
+
+POSITIVE = Rule(lambda v: v > 0, "> 0")
+UNIT = Rule(lambda v: 0 <= v <= 1, "in [0, 1]")
+UNIT_OPEN_CLOSED = Rule(lambda v: 0 < v <= 1, "in (0, 1]")
+UNIT_CLOSED_OPEN = Rule(lambda v: 0 <= v < 1, "in [0, 1)")
+PORT = Rule(lambda v: 0 < v < 65536, "a port (1-65535)")
+HOP_COUNTS = Rule(lambda hops: all(int(h) >= 1 for h in hops), "hop counts, each >= 1", items=True)
+
+
+def config_value(node: Any, name: str) -> Any:
+    """``node.name`` of a typed object or of a DictConfig (unset or unresolvable: None)."""
+    if OmegaConf.is_config(node):
+        return OmegaConf.select(node, name, default=None, throw_on_missing=False, throw_on_resolution_failure=False)
+    return getattr(node, name, None)
+
+
+@functools.cache
+def _groups(cls: type) -> dict[str, type]:
+    """The fields of ``cls`` that hold a config group (a ReadOnly), with its type."""
+    out = {}
+    for name, hint in typing.get_type_hints(cls).items():
+        for t in (hint, *typing.get_args(hint)):
+            if isinstance(t, type) and issubclass(t, ReadOnly):
+                out[name] = t
+    return out
+
+
 class ReadOnly:
-    """Base of every config group: an object refuses assignment once built.
+    """Base of every config group: it checks its values (``RULES``) and refuses assignment once built.
+
+    Validation lives in the types (as TRL's GRPOConfig does in ``__post_init__``): each group
+    declares ``RULES``, {its field: the ``Rule`` its value must pass}, and ``relations`` for values
+    that depend on each other. ``problems(node)`` reads them on a composed DictConfig too, since
+    OmegaConf runs ``__post_init__`` only when a typed object is built (``OmegaConf.to_object``),
+    not when Hydra composes: ``schema.validate`` calls it on the root before any compute, so every
+    bad value is named by its dotted key (``gpu.vllm_gpu_memory_utilization=1.5: must be in (0, 1]``).
+    A rule that names no field of its class is an error, never skipped (tests/test_configs.py).
 
     Why not ``@dataclass(frozen=True)``: OmegaConf marks every node made from a frozen dataclass
     read-only, and Hydra composes a job by merging the option files INTO the schema's nodes, which
@@ -52,8 +112,43 @@ class ReadOnly:
     ``dataclasses.replace`` makes a changed copy.
     """
 
+    RULES: ClassVar[Mapping[str, Rule]] = {}
+
     def __post_init__(self) -> None:
+        # this group's own values (its groups checked themselves when built); a whole job's config
+        # is checked with dotted keys before it is built (schema.validate, schema.job_config)
+        problems = type(self).problems(self, recurse=False)
+        if problems:
+            raise ConfigValueError(f"{type(self).__name__} values that cannot work:\n  " + "\n  ".join(problems))
         object.__setattr__(self, "_sealed", True)
+
+    @classmethod
+    def relations(cls, node: Any, prefix: str) -> list[str]:
+        """Problems of values that depend on each other (a group that has some overrides this)."""
+        return []
+
+    @classmethod
+    def problems(cls, node: Any, prefix: str = "", recurse: bool = True) -> list[str]:
+        """``key=value: must be ...`` for every value of ``node`` (this group: a typed object or a
+        DictConfig) and, with ``recurse``, of its groups, that breaks a rule; keys dotted under ``prefix``."""
+        names = {f.name: f for f in dataclasses.fields(cls)}
+        out = []
+        for name, rule in cls.RULES.items():
+            if name not in names:
+                raise TypeError(f"{cls.__name__}.RULES names {name!r}, which is no field of {cls.__name__}")
+            value = config_value(node, name)
+            if value is None or not rule.applies(value) or rule.ok(value):
+                continue
+            shown = list(value) if rule.items else value
+            nullable = names[name].default is None
+            out.append(f"{prefix}{name}={shown}: must be {rule.want}{' or null' if nullable else ''}")
+        out += cls.relations(node, prefix)
+        if recurse:
+            for name, group in _groups(cls).items():
+                child = config_value(node, name)
+                if child is not None:
+                    out += group.problems(child, f"{prefix}{name}.")
+        return out
 
     def __setattr__(self, name: str, value: Any) -> None:
         if getattr(self, "_sealed", False):
@@ -72,6 +167,9 @@ class SyntheticConfig(ReadOnly):
     hops: List[int] = field(default_factory=lambda: [2])
     num_paragraphs: int = 6  # supporting + distractors per record
 
+    RULES: ClassVar = {"num_train": at_least(1), "num_eval": at_least(0), "num_paragraphs": at_least(1),
+                       "hops": HOP_COUNTS}
+
 
 @dataclass
 class ArithConfig(ReadOnly):
@@ -81,6 +179,8 @@ class ArithConfig(ReadOnly):
     num_eval: int = 200
     max_operand: int = 9  # operands 1..max_operand, results 0..2*max_operand (every number one token)
     ops: List[str] = field(default_factory=lambda: ["+", "-"])
+
+    RULES: ClassVar = {"num_train": at_least(1), "num_eval": at_least(0), "max_operand": at_least(1)}
 
 
 @dataclass
@@ -108,6 +208,12 @@ class EnvConfig(ReadOnly):
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
     arith: ArithConfig = field(default_factory=ArithConfig)
 
+    # a value no job can run with (top_n=0 retrieves nothing), which would otherwise train silently
+    # or fail after the model loads, in TRL's or torch's words
+    RULES: ClassVar = {"hops": HOP_COUNTS, "noise_rate": UNIT, "max_paragraphs": at_least(1), "top_n": at_least(1),
+                       "max_turns": at_least(1), "max_prompt_tokens": at_least(1), "max_tokens_per_turn": at_least(1),
+                       "max_completion_tokens": at_least(1)}
+
 
 @dataclass
 class RewardConfig(ReadOnly):
@@ -118,6 +224,8 @@ class RewardConfig(ReadOnly):
     normalizer: float = 1.0  # the sum of weighted components is divided by this
     hop_scale: bool = False  # multiply by n_hops/2 (the original researcher's combined reward)
     shuffle_within_batch: bool = False  # negative control: permute rewards inside each batch
+
+    RULES: ClassVar = {"normalizer": POSITIVE}
 
 
 @dataclass

@@ -268,9 +268,11 @@ class RewardFunction:
 
     Reads each sample's ``episode`` dict (docs/architecture.md). A failure while scoring one sample
     (unknown record id, a bug) is logged with its traceback, counted in ``.errors`` and returned as
-    None, which TRL treats as unscorable (never silently 0). ``.last_components`` holds the last
-    call's component dicts (None where scoring failed). With ``reward.shuffle_within_batch`` the
-    totals are permuted within each call by a seeded generator: the negative control.
+    None, which TRL treats as unscorable (never silently 0). ``components(episodes)`` returns the
+    component dicts behind the totals (None where scoring fails): TRL's call returns totals only,
+    so whoever needs the components (the trainer's instruments) asks for them, rather than reading
+    a copy the last call left behind. With ``reward.shuffle_within_batch`` the totals are permuted
+    within each call by a seeded generator: the negative control.
     """
 
     def __init__(self, reward_cfg: RewardConfig, records_by_id: dict[str, dict], read_turn: str = "last", seed: int = 0):
@@ -282,9 +284,19 @@ class RewardFunction:
         self.read_turn = read_turn
         self.errors = 0
         self.calls = 0
-        self.last_components: list[dict[str, float] | None] = []
         self._rng = np.random.default_rng(seed)
         self.__name__ = f"reward_{reward_cfg.name}"
+
+    def components(self, episodes: list[dict]) -> list[dict[str, float] | None]:
+        """The reward components of each episode dict, read on the turn this reward reads; None where
+        scoring fails (the reward call names why: it logs and counts the failure)."""
+        out: list[dict[str, float] | None] = []
+        for ep in episodes:
+            try:
+                out.append(score_episode(self.records_by_id[ep["id"]], ep["messages"], self.read_turn))
+            except Exception:
+                out.append(None)
+        return out
 
     def __call__(self, prompts=None, completions=None, episode=None, **kwargs) -> list[float | None]:
         n = len(episode) if episode is not None else len(completions or [])
@@ -309,7 +321,6 @@ class RewardFunction:
             for dst, src in zip(idx, perm, strict=True):
                 totals[dst] = vals[src]
         self.calls += 1
-        self.last_components = comps
         log_metric = kwargs.get("log_metric")
         if callable(log_metric):
             ok = [c for c in comps if c is not None]

@@ -88,7 +88,9 @@ def _work(cfg: DictConfig, tracker: Tracker | None, run_dir: Path) -> JobResult:
     from musique_rl import gpu_job
 
     if gpu_job.wants_topology(cfg):  # train.backend=vllm: vLLM server + accelerate trainer in this allocation
-        return gpu_job.run(cfg, run_dir)
+        # the trainer processes print the result line and diagnose their own metrics.jsonl; this process
+        # hands the sweeper their objective
+        return JobResult(None, gpu_job.run(cfg, run_dir))
     from musique_rl.job.train import train
 
     return train(cfg, tracker=tracker, run_dir=run_dir)
@@ -144,11 +146,11 @@ def diagnose(cfg: DictConfig, run_dir: Path, tracker: Tracker | None = None) -> 
     """The doctor on the run's own metrics.jsonl, after training, tracking on or off:
     ``<run dir>/diagnosis.json``, and the artifact + ``diagnosis`` tags of the job's MLflow run when
     tracking is on. The flagged findings go to the console. Never fails the job (the training is done)."""
+    from musique_rl import rundir
     from musique_rl.core.models import process_state
-    from musique_rl.job.console import METRICS_FILE
 
     # the main process writes metrics.jsonl and so the diagnosis (the other ranks share its run dir)
-    if not process_state().is_main_process or not (run_dir / METRICS_FILE).is_file():
+    if not process_state().is_main_process or not (run_dir / rundir.METRICS_LOG).is_file():
         return None
     try:
         from musique_rl.diagnostics.doctor import (
@@ -163,14 +165,14 @@ def diagnose(cfg: DictConfig, run_dir: Path, tracker: Tracker | None = None) -> 
         run = read_run_dir(run_dir)
         run.params = config_params(cfg)  # the job's own config: what the MLflow run's params hold
         diagnosis = diagnose_log(run)
-        save_diagnosis(diagnosis, run_dir / "diagnosis.json")
+        save_diagnosis(diagnosis, run_dir / rundir.DIAGNOSIS)
         if tracker is not None:  # through the tracker: a tracking outage is said once and costs nothing
-            tracker.log_text(json.dumps(diagnosis, indent=2), "diagnosis.json")
+            tracker.log_text(json.dumps(diagnosis, indent=2), rundir.DIAGNOSIS)
             tracker.set_tags(diagnosis_tags(diagnosis))
         # flagged findings with their evidence on the console; the full ranked list is diagnosis.json
         # (and `python -m musique_rl.diagnostics.doctor --run-dir <run dir>`)
         checks = sum(d["check"] != "no_data" for d in diagnosis)
-        log.info("doctor (%d checks, all in %s):\n%s", checks, run_dir / "diagnosis.json",
+        log.info("doctor (%d checks, all in %s):\n%s", checks, run_dir / rundir.DIAGNOSIS,
                  format_diagnosis(diagnosis, show_ok=False))
         return diagnosis
     except Exception:

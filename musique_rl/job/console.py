@@ -4,67 +4,30 @@ TRL's progress callback writes the whole logs dict at every logging step (~4,000
 our instruments), between the progress bar's updates. ``StepLog`` takes its place: it keeps the
 bar and writes one line per logging step (step, reward, reward trend, KL, seconds per step, and
 the instruments out of bounds right now, by name), while every metric goes to ``metrics.jsonl``
-in the run directory (and to MLflow through the tracking callback). ``train.console=full``
-restores TRL's dict on the console.
+in the run directory (written and read by ``musique_rl.rundir`` only) and to MLflow through the
+tracking callback. ``train.console=full`` restores TRL's dict on the console.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import math
-import os
 import time
 from pathlib import Path
 from typing import Any
 
 from transformers.trainer_callback import ProgressCallback
 
+from musique_rl import rundir
 from musique_rl.diagnostics.bounds import out_of_bounds
-from musique_rl.diagnostics.sources import RUN_METRICS
 
 log = logging.getLogger(__name__)
 
 TREND_WINDOW = 5  # logged steps averaged at each end for the reward trend
-METRICS_FILE = RUN_METRICS  # the file every training run writes (and the doctor reads: diagnostics/sources.py)
 
 
 def _num(v: Any) -> float | None:
     return float(v) if isinstance(v, int | float) and not isinstance(v, bool) else None
-
-
-def read_metrics(path: str | Path) -> list[dict]:
-    """The rows of a metrics.jsonl. A line that is not a JSON object (the torn last line of a killed
-    job or a full disk) is dropped with a warning naming the file and line: the steps around it stay."""
-    path = Path(path)
-    rows: list[dict] = []
-    if not path.exists():
-        return rows
-    for lineno, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except ValueError:
-            row = None
-        if not isinstance(row, dict):
-            log.warning("%s line %d is not a JSON object (a write cut short?): dropped", path, lineno)
-            continue
-        rows.append(row)
-    return rows
-
-
-def start_metrics_file(path: str | Path, resume_from: str | None = None) -> None:
-    """A fresh metrics.jsonl; resuming from ``checkpoint-<N>``, the rows of steps <= N are kept
-    (the steps after it run again and are written again)."""
-    path = Path(path)
-    keep: list[dict] = []
-    if resume_from and path.exists():
-        last = int(Path(resume_from).name.rsplit("-", 1)[-1]) if "-" in Path(resume_from).name else -1
-        keep = [row for row in read_metrics(path) if row.get("step", 0) <= last]
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(json.dumps(row, allow_nan=True) + "\n" for row in keep))
-    os.replace(tmp, path)  # the kept steps are never lost to a write cut short
 
 
 class StepLog(ProgressCallback):
@@ -91,8 +54,7 @@ class StepLog(ProgressCallback):
         numbers = {k: n for k, v in logs.items() if (n := _num(v)) is not None}
         if self.metrics_path is not None:
             try:
-                with open(self.metrics_path, "a", encoding="utf-8") as fh:
-                    fh.write(json.dumps({"step": step, **numbers}, allow_nan=True) + "\n")
+                rundir.append_metrics_row(self.metrics_path, step, numbers)
             except OSError as exc:
                 from musique_rl.core.checkpoints import disk_full_error, is_disk_full
 

@@ -11,7 +11,6 @@ reward fault is configured for training.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Iterator
@@ -25,6 +24,7 @@ if TYPE_CHECKING:
 
     from musique_rl.schema import Config
 
+from musique_rl import rundir
 from musique_rl.env.config import RewardConfig
 from musique_rl.env.data import load_records
 from musique_rl.env.rewards import (
@@ -138,8 +138,8 @@ def summarize(rows: list[dict], errors: int, n_records: int, data_stats: dict, c
 def _track(tracker: Tracker, metrics: dict, out: Path) -> None:
     """Eval metrics (prefixed eval/) and both files into the job's MLflow run."""
     tracker.log_metrics({f"eval/{k}": v for k, v in metrics.items()}, step=0)
-    tracker.log_artifact(out / "metrics.json")
-    tracker.log_artifact(out / "episodes.jsonl")
+    tracker.log_artifact(out / rundir.SUMMARY)
+    tracker.log_artifact(out / rundir.EPISODES)
 
 
 def evaluate(cfg: DictConfig | Config, tracker: Tracker | None = None, run_dir: Path | None = None) -> JobResult:
@@ -164,10 +164,8 @@ def evaluate(cfg: DictConfig | Config, tracker: Tracker | None = None, run_dir: 
             return JobResult(None, metrics["reward"])
     out = run_dir or default_run_dir()
     out.mkdir(parents=True, exist_ok=True)
-    with open(out / "episodes.jsonl", "w", encoding="utf-8") as f:
-        for r in rows:
-            f.write(json.dumps(r, ensure_ascii=False) + "\n")
-    (out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+    rundir.write_episodes(out / rundir.EPISODES, rows)
+    rundir.write_summary(out, metrics)
     if tracker is not None:
         _track(tracker, metrics, out)
 
@@ -176,6 +174,6 @@ def evaluate(cfg: DictConfig | Config, tracker: Tracker | None = None, run_dir: 
         f"reward {metrics['reward']:.3f} of max {metrics['reward_max']:.3f} | EM {metrics['answer_em']:.3f} "
         f"F1 {metrics['answer_f1']:.3f} | retrieval R {metrics['retrieval_recall']:.3f} P {metrics['retrieval_precision']:.3f} "
         f"| citation R {metrics['citation_recall']:.3f} P {metrics['citation_precision']:.3f} | format {metrics['format']:.3f} "
-        f"| reward errors {errors}\nsaved {out / 'metrics.json'} and {out / 'episodes.jsonl'}"
+        f"| reward errors {errors}\nsaved {out / rundir.SUMMARY} and {out / rundir.EPISODES}"
     )
     return JobResult(metrics, metrics["reward"])

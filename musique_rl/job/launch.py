@@ -1,15 +1,13 @@
 """What one launch owns: its run directory (never shared with another launch) and how it stops.
+(How a default run or sweep directory is named, ``rundir.stamp``, and what it holds: musique_rl/rundir.py.)
 
-- ``stamp()``: the unique part of a default run or sweep directory name (``conf/train.yaml``:
-  ``outputs/<date>/<HH-MM-SS.micro>-<pid>``). Seconds alone made two launches started in the same
-  second one run; the microseconds keep the names sortable, the pid keeps two processes apart even
-  within one microsecond.
 - ``claim(run_dir, cfg)``: holds an inter-process lock on the run directory for the job's life, and
-  records the config's identity in ``launch.json``. A second launch into the same directory while
-  the first runs is refused, naming the holder; a later launch (a requeue, a resume) is accepted
-  only with the same config, else refused naming the keys that differ. The identity leaves out the
-  keys that say how a job is resumed or where it reports or runs (``IDENTITY_EXCLUDES``), so a
-  requeue, ``sweep.resume``, ``train.resume`` or the GPU topology's own ports are the same job.
+  records the config's identity (``tracking.provenance.identity``) in ``launch.json``. A second
+  launch into the same directory while the first runs is refused, naming the holder; a later
+  launch (a requeue, a resume) is accepted only with the same config, else refused naming the keys
+  that differ. The identity leaves out the
+  keys that say how a job is resumed or where it reports or runs, so a requeue, ``sweep.resume``,
+  ``train.resume`` or the GPU topology's own ports are the same job.
 - ``terminate_as_interrupt()``: SIGTERM (what SLURM and most schedulers send first) raises
   ``Terminated``, a SystemExit, so the job unwinds like Ctrl-C: its MLflow run ends KILLED with
   the ``interrupted`` tag, instead of the process dying with the run left RUNNING.
@@ -19,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
-import hashlib
 import json
 import os
 import signal
@@ -29,43 +26,15 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from musique_rl import rundir
+from musique_rl.tracking.provenance import config_hash, identity
+
 if TYPE_CHECKING:
     from omegaconf import DictConfig
-
-LOCK_FILE = ".launch.lock"
-IDENTITY_FILE = "launch.json"
-# How a job resumes, where it reports, and the ports a GPU topology picks at start: not what it computes.
-IDENTITY_EXCLUDES = ("train.resume", "sweep.", "tracking.", "train.vllm_mode", "train.vllm_server_host",
-                     "train.vllm_server_port", "train.vllm_group_port")
-
-
-def stamp(now: dt.datetime | None = None, pid: int | None = None) -> str:
-    """``HH-MM-SS.ffffff-<pid>``: sortable by start time, unique per process."""
-    now = now or dt.datetime.now()
-    return f"{now:%H-%M-%S.%f}-{os.getpid() if pid is None else pid}"
 
 
 class RunDirError(RuntimeError):
     """A run directory that belongs to another launch or another config."""
-
-
-def identity(cfg: DictConfig) -> dict[str, str]:
-    """The resolved composed config (no ``hydra`` node) as flat key -> value strings, redacted, without
-    ``IDENTITY_EXCLUDES``."""
-    from omegaconf import OmegaConf
-
-    from musique_rl.env.config import flatten
-    from musique_rl.tracking.redact import redact_value
-
-    data = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True, throw_on_missing=False)
-    data.pop("hydra", None)
-    return {k: redact_value(k, "None" if v is None else v) for k, v in sorted(flatten(data).items())
-            if not any(k == e or (e.endswith(".") and k.startswith(e)) for e in IDENTITY_EXCLUDES)}
-
-
-def config_hash(cfg: DictConfig) -> str:
-    """A short hash of ``identity(cfg)``: equal for a job and its requeue, different for another seed."""
-    return hashlib.sha256(json.dumps(identity(cfg), sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _differences(before: dict[str, str], now: dict[str, str], limit: int = 6) -> str:
@@ -81,8 +50,8 @@ def claim(run_dir: str | Path, cfg: DictConfig) -> Iterator[str]:
 
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    ident_path = run_dir / IDENTITY_FILE
-    lock = FileLock(str(run_dir / LOCK_FILE))
+    ident_path = run_dir / rundir.IDENTITY
+    lock = FileLock(str(run_dir / rundir.LOCK))
     try:
         lock.acquire(timeout=0)
     except Timeout:

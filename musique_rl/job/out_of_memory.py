@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from musique_rl import rundir
+
 STATUS = "out_of_memory"
 
 
@@ -146,7 +148,6 @@ def stopped(exc: BaseException, *, cfg: Any, trainer: Any, ckpt_dir: Path, run_d
     ``write``: the main process), the tracker's tags set, the error to raise returned. ``summary``: the
     figures of the steps that ran (train.summarise and the job's provenance). ``overrides``: the
     job's command-line overrides (Hydra's), for the resume line; None outside Hydra."""
-    import json
 
     import torch
 
@@ -192,7 +193,7 @@ def stopped(exc: BaseException, *, cfg: Any, trainer: Any, ckpt_dir: Path, run_d
         marker["memory/estimate_kv_cache_gb"] = round(est.kv_cache_gb or 0.0, 3)
     summary = {**summary, **marker}
     if write:
-        (run_dir / "metrics.json").write_text(json.dumps(summary, indent=1, sort_keys=True, default=str))
+        rundir.write_summary(run_dir, summary)
     if tracker is not None:
         tracker.set_tags({"status": STATUS, "resume_from": found or "none", "out_of_memory_part": part})
     return OutOfMemoryStop(message, summary)

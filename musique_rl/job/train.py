@@ -20,7 +20,6 @@ The hypotheses' metrics (conf/hypothesis/*.yaml) name ``train/reward_gain`` and
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections import Counter
@@ -31,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from musique_rl import rundir
 from musique_rl.core import step_time
 from musique_rl.job.result import JobResult
 
@@ -55,9 +55,9 @@ def run_directory(run_dir: str | Path | None = None) -> Path:
         if HydraConfig.initialized():
             path = Path(HydraConfig.get().runtime.output_dir)
         else:
-            from musique_rl.job.launch import stamp
+            from musique_rl.rundir import default_run_dir
 
-            path = Path("outputs") / time.strftime("%Y-%m-%d") / stamp()
+            path = default_run_dir()
     path.mkdir(parents=True, exist_ok=True)
     return path
 
@@ -263,9 +263,7 @@ def train(cfg: DictConfig | Config, tracker: Tracker | None = None, run_dir: str
         greedy, _ = held_out_eval(cfg, policy_model, tokenizer, retriever, eval_records, greedy=True)
         if not state.is_main_process:
             return sampled, greedy
-        with (out_dir / f"episodes_{tag}.jsonl").open("w") as f:
-            for e in eps:
-                f.write(json.dumps(e, default=str) + "\n")
+        rundir.write_episodes(out_dir / rundir.episodes_file(tag), eps)
         print(
             f"held-out eval {tag}: reward {sampled['reward']:.3f} (sampled), {greedy['reward']:.3f} (greedy), "
             f"answer EM {sampled['answer_em']:.3f} / {greedy['answer_em']:.3f}  [{time.time() - t:.0f}s]",
@@ -284,7 +282,7 @@ def train(cfg: DictConfig | Config, tracker: Tracker | None = None, run_dir: str
     if tracker is not None:
         tracker.set_tags(origin_tags(origin))
     callbacks = ([tracker.callback()] if tracker is not None else []) + list(callbacks or [])
-    ckpt_dir = out_dir / "checkpoints"
+    ckpt_dir = out_dir / rundir.CHECKPOINTS
     trainer = build_trainer(
         cfg, model, tokenizer, records, retriever, reward_fn, ckpt_dir, fault=fault, instruments=instruments,
         callbacks=callbacks,
@@ -294,12 +292,12 @@ def train(cfg: DictConfig | Config, tracker: Tracker | None = None, run_dir: str
         print(f"resuming from {resume}", flush=True)
     from transformers.trainer_callback import ProgressCallback
 
-    from musique_rl.job.console import METRICS_FILE, StepLog, start_metrics_file
+    from musique_rl.job.console import StepLog
 
     if state.is_main_process:  # metrics.jsonl: the steps up to the checkpoint kept on resume, the rest dropped
-        start_metrics_file(out_dir / METRICS_FILE, resume)
+        rundir.start_metrics_log(out_dir / rundir.METRICS_LOG, resume)
     trainer.pop_callback(ProgressCallback)  # TRL's dict per step; StepLog keeps the bar, writes one line
-    trainer.add_callback(StepLog(out_dir / METRICS_FILE, full=cfg.train.console == "full",
+    trainer.add_callback(StepLog(out_dir / rundir.METRICS_LOG, full=cfg.train.console == "full",
                                  warmup_steps=cfg.loss.warmup_steps))
     try:
         trainer.train(resume_from_checkpoint=resume)
@@ -325,7 +323,7 @@ def train(cfg: DictConfig | Config, tracker: Tracker | None = None, run_dir: str
         summary["mlflow/run_id"] = tracker.run_id
         summary["mlflow/uri"] = redact(tracker.uri)  # a password in the URI stays out of files and the console
     if state.is_main_process:
-        (out_dir / "metrics.json").write_text(json.dumps(summary, indent=1, sort_keys=True))
+        rundir.write_summary(out_dir, summary)
         if tracker is not None:
             tracker.log_metrics(
                 {k: v for k, v in summary.items() if isinstance(v, int | float)}, step=trainer.state.global_step

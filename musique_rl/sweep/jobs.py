@@ -1,40 +1,26 @@
-"""What became of each job of a multirun: ``<sweep dir>/jobs.json`` and the table printed at its end.
+"""What became of each job of a multirun: ``<sweep dir>/jobs.json`` (its rows and file: musique_rl/rundir.py)
+and the table printed at its end.
 
 The one record of a job's outcome. The launcher (hydra_plugins/musique_rl_launchers) writes one row
 per job when the jobs have returned; the sweep's callback (musique_rl/sweep/callback.py) prints the
 table, and the verdict and the MLflow parent run read a job's failure from here. A sweep that is
 resumed (``sweep.resume=<sweep dir>``) merges its new rows into the same file.
 
-Row fields (a contract: documented in docs/howto/sweeps.md): ``num`` (Hydra's job number = the job dir's
-name), ``overrides`` (the job's own overrides), ``status`` (COMPLETED | FAILED | DIED | SKIPPED:
-finished in an earlier launch of a resumed sweep), ``seconds`` (the job's own run time; None when
-the process died), ``error`` (the exception's type and last line; None when it completed).
+Row fields (a contract: documented in docs/howto/sweeps.md): ``rundir.JobRow``.
 """
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from musique_rl import rundir
 from musique_rl.tracking.redact import redact
 
-JOBS_FILE = "jobs.json"
-BAD = ("FAILED", "DIED")
-
-
-@dataclass
-class JobRow:
-    num: int
-    overrides: list[str] = field(default_factory=list)
-    status: str = "COMPLETED"
-    seconds: float | None = None
-    error: str | None = None
-
-    @property
-    def failed(self) -> bool:
-        return self.status in BAD
+JOBS_FILE = rundir.JOBS
+JobRow = rundir.JobRow  # the row type lives with the file's other readers (musique_rl/rundir.py)
+read = rundir.read_jobs
 
 
 def error_line(exc: BaseException | None) -> str | None:
@@ -47,22 +33,13 @@ def error_line(exc: BaseException | None) -> str | None:
 
 def write(sweep_dir: str | Path, rows: list[JobRow]) -> Path:
     """Merge ``rows`` into the sweep's jobs.json (a row replaces the earlier one of its job number)."""
-    path = Path(sweep_dir) / JOBS_FILE
     if not rows:
-        return path
+        return Path(sweep_dir) / JOBS_FILE
     merged = {r.num: r for r in read(sweep_dir)}
     # a job's overrides and error as typed may hold a secret (a tracking URI's password): masked here
     merged.update({r.num: replace(r, overrides=[redact(o) for o in r.overrides],
                                   error=None if r.error is None else redact(r.error)) for r in rows})
-    path.write_text(json.dumps([asdict(merged[k]) for k in sorted(merged)], indent=1) + "\n")
-    return path
-
-
-def read(sweep_dir: str | Path) -> list[JobRow]:
-    path = Path(sweep_dir) / JOBS_FILE
-    if not path.exists():
-        return []
-    return [JobRow(**row) for row in json.loads(path.read_text())]
+    return rundir.write_jobs(sweep_dir, list(merged.values()))
 
 
 def _cell(text: Any, width: int) -> str:

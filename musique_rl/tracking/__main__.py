@@ -7,6 +7,7 @@ import argparse
 import logging
 from pathlib import Path
 
+from musique_rl import rundir
 from musique_rl.tracking.store import RUN_ID_FILE
 from musique_rl.tracking.upload import upload_run_dir
 
@@ -21,8 +22,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     for run_dir in args.upload:
         d = Path(run_dir)
-        if not (d / "metrics.jsonl").exists():
-            p.error(f"{d}: no metrics.jsonl (not a run directory)")
+        if not (d / rundir.METRICS_LOG).exists():
+            p.error(f"{d}: no {rundir.METRICS_LOG} (not a run directory)")
         sent = upload_run_dir(d, uri=args.uri, experiment=args.experiment)
         run_id = (d / RUN_ID_FILE).read_text().strip()
         print(f"{d}: {sent} step(s) sent to MLflow run {run_id}")

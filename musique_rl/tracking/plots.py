@@ -6,13 +6,13 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from musique_rl import rundir
+
 
 def save_reward_curves(run_dir: Path) -> Path | None:
     """Total reward, each reward component, group-signal shares, per step, into
     ``<run_dir>/plots/reward_curves.png``; None when metrics.jsonl holds none of them."""
-    from musique_rl.job.console import METRICS_FILE, read_metrics
-
-    rows = read_metrics(run_dir / METRICS_FILE)
+    rows = rundir.read_metrics_log(run_dir / rundir.METRICS_LOG)
     keys = {k for r in rows for k in r}
     # each reward component's batch mean (instruments h05), else TRL's per-reward-function means
     comp = sorted(k for k in keys if k.startswith("h05/") and k.endswith("/mean")) or sorted(
@@ -41,7 +41,7 @@ def save_reward_curves(run_dir: Path) -> Path | None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()
-    path = run_dir / "plots" / "reward_curves.png"
+    path = run_dir / rundir.PLOTS / "reward_curves.png"
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
     plt.close(fig)

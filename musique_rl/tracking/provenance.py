@@ -6,6 +6,8 @@ Every param and tag goes through ``musique_rl.tracking.redact`` first: nothing s
 
 from __future__ import annotations
 
+import hashlib
+import json
 import subprocess
 from collections.abc import Mapping
 from pathlib import Path
@@ -32,6 +34,25 @@ def config_params(cfg: DictConfig) -> dict[str, str]:
     for k, v in flatten(resolved_container(cfg)).items():
         params[k] = redact_value(k, "None" if v is None else v)[:PARAM_MAX]
     return params
+
+
+# ---------------------------------------------------------------- the config's identity
+# How a job resumes, where it reports, and the ports a GPU topology picks at start: not what it computes.
+IDENTITY_EXCLUDES = ("train.resume", "sweep.", "tracking.", "train.vllm_mode", "train.vllm_server_host",
+                     "train.vllm_server_port", "train.vllm_group_port")
+
+
+def identity(cfg: DictConfig) -> dict[str, str]:
+    """The resolved composed config (no ``hydra`` node) as flat key -> value strings, redacted, without
+    ``IDENTITY_EXCLUDES``: what a job computes. A run dir records it (``launch.json``,
+    job/launch.py claim); a requeue or resume of the same job has the same one."""
+    return {k: redact_value(k, "None" if v is None else v) for k, v in sorted(flatten(resolved_container(cfg)).items())
+            if not any(k == e or (e.endswith(".") and k.startswith(e)) for e in IDENTITY_EXCLUDES)}
+
+
+def config_hash(cfg: DictConfig) -> str:
+    """A short hash of ``identity(cfg)``: equal for a job and its requeue, different for another seed."""
+    return hashlib.sha256(json.dumps(identity(cfg), sort_keys=True).encode()).hexdigest()[:16]
 
 
 # ---------------------------------------------------------------- the code
@@ -89,10 +110,8 @@ def run_name(cfg: DictConfig) -> str:
 
 def run_tags(cfg: DictConfig) -> dict[str, str]:
     """Tags every job run carries (redacted): hypothesis, arm, seed, fault, mode, git commit, the
-    override string, Hydra's group choices, the sweep id, and ``config_hash`` (the config's identity,
-    ``musique_rl.job.launch.config_hash``: a requeued job adopts its run only when it matches)."""
-    from musique_rl.job.launch import config_hash
-
+    override string, Hydra's group choices, the sweep id, and ``config_hash`` (the config's identity:
+    a requeued job adopts its run only when it matches)."""
     hyp = OmegaConf.select(cfg, "hypothesis.id", default=None)
     arm = OmegaConf.select(cfg, "hypothesis.arm", default=None)
     fault = OmegaConf.select(cfg, "fault", default="none")

@@ -9,7 +9,7 @@ data-parallel rank 0 (rank 0 logs for all). ``musique_rl.job.app.run`` opens it 
 - In a multirun a job nests under the sweep's parent run, whose id the sweep's callback wrote into
   the sweep dir (``tracking.sweep.parent_run_id``), read from the job's own ``hydra.sweep.dir``.
 - A requeued or resumed job (same run dir) continues the same run (``mlflow_run_id`` in the run dir),
-  only when that run's ``config_hash`` tag is its own (musique_rl.job.launch.config_hash).
+  only when that run's ``config_hash`` tag is its own (musique_rl.tracking.provenance.config_hash).
 - Tracking is a side service: an HTTP server that does not answer fails the job in seconds before
   compute (``store.probe``, naming ``tracking.enabled=false``); a failure once the job runs is said
   once and costs nothing (``Tracker``); what the store missed is sent from metrics.jsonl when it
@@ -29,6 +29,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from musique_rl import rundir
 from musique_rl.tracking.provenance import config_params, resolved_container, run_tags
 from musique_rl.tracking.redact import redact, redact_tree, redact_value
 from musique_rl.tracking.store import (
@@ -184,7 +185,7 @@ def _restore_fluent_uri(state: tuple[str | None, str | None]) -> None:
 
 def _adoptable(prev: Any, exp_id: str, digest: str, id_file: Path) -> bool:
     """A requeued / resumed job continues its run only when that run is this job's: same experiment
-    and the same config identity (musique_rl.job.launch.config_hash), recorded on the run at creation."""
+    and the same config identity (musique_rl.tracking.provenance.config_hash), recorded on the run at creation."""
     if prev.info.experiment_id != exp_id:
         return False
     theirs = prev.data.tags.get("config_hash")
@@ -332,5 +333,5 @@ def _catch_up(tracker: Tracker, run_dir: Path) -> None:
         return
     sent = upload_run_dir(run_dir, uri=tracker.uri, run_id=tracker.run_id)
     tracker.failure = None  # the store is back: the closing calls go through again
-    log.info("MLflow %s answers again: sent %d step(s) from %s", redact(tracker.uri), sent, run_dir / "metrics.jsonl")
+    log.info("MLflow %s answers again: sent %d step(s) from %s", redact(tracker.uri), sent, run_dir / rundir.METRICS_LOG)
 

@@ -4,13 +4,13 @@ a run made with ``tracking.enabled=false``. ``python -m musique_rl.tracking --up
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import time
 from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from musique_rl import rundir
 from musique_rl.tracking.provenance import config_params
 from musique_rl.tracking.store import (
     DEFAULT_EXPERIMENT,
@@ -30,10 +30,8 @@ def upload_run_dir(run_dir: str | Path, uri: str | None = None, run_id: str | No
     from mlflow.entities import Metric
     from mlflow.tracking import MlflowClient
 
-    from musique_rl.job.console import METRICS_FILE, read_metrics
-
     run_dir = Path(run_dir)
-    config_file = run_dir / ".hydra" / "config.yaml"
+    config_file = run_dir / rundir.CONFIG
     cfg = OmegaConf.load(config_file) if config_file.exists() else None
     # the run's saved config has its URI redacted: a password comes from --uri or the environment
     uri = uri or os.environ.get("MLFLOW_TRACKING_URI") or tracking_uri(cfg, base_dir=Path.cwd())
@@ -55,16 +53,15 @@ def upload_run_dir(run_dir: str | Path, uri: str | None = None, run_id: str | No
     last = {k: max((m.step for m in client.get_metric_history(run_id, k)), default=-1) for k in have}
     now = int(time.time() * 1000)
     batch, steps = [], set()
-    for row in read_metrics(run_dir / METRICS_FILE):
+    for row in rundir.read_metrics_log(run_dir / rundir.METRICS_LOG):
         step = int(row.get("step", 0))
         for k, v in row.items():
             key = metric_key(k)
             if k != "step" and isinstance(v, int | float) and step > last.get(key, -1):
                 batch.append(Metric(key=key, value=float(v), timestamp=now, step=step))
                 steps.add(step)
-    summary = run_dir / "metrics.json"
-    if summary.exists():
-        data = json.loads(summary.read_text())
+    data = rundir.read_summary(run_dir)
+    if data is not None:
         final = max(steps | {max(last.values(), default=0)})
         for k, v in data.items():
             key = metric_key(k)
@@ -73,7 +70,7 @@ def upload_run_dir(run_dir: str | Path, uri: str | None = None, run_id: str | No
     if batch:
         client.log_batch(run_id, metrics=batch)
     run = client.get_run(run_id)
-    if run.info.status == "RUNNING" and summary.exists():  # the job finished while the store was away
+    if run.info.status == "RUNNING" and data is not None:  # the job finished while the store was away
         client.set_terminated(run_id, "FINISHED")
     client.set_tag(run_id, "uploaded_from", str(run_dir.resolve()))
     return len(steps)

@@ -14,14 +14,13 @@ older sweep) falls back to the job dir's traceback and logs, or to its MLflow ru
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from musique_rl import rundir
 from musique_rl.core.warm_start import machine_string
 from musique_rl.env.config import flatten
-from musique_rl.sweep import jobs as sweep_jobs
 from musique_rl.tracking.provenance import config_params, sweep_id_of
 from musique_rl.tracking.store import tracking_uri
 from musique_rl.verdict.sweep import HYPOTHESIS_DIR, UNKNOWN, Hypothesis, Run, Sweep, VerdictError
@@ -65,12 +64,11 @@ def swept_values(cfg: DictConfig) -> dict[str, list[str]]:
 
 def read_metrics(job_dir: str | Path | None) -> dict[str, Any] | None:
     """A job directory's metrics.json as flat keys ("train/reward_gain"); None when absent."""
-    if not job_dir or not (path := Path(job_dir) / "metrics.json").exists():
-        return None
     try:
-        return flatten(json.loads(path.read_text()))
-    except json.JSONDecodeError as exc:
-        raise VerdictError(f"{path} is not valid JSON ({exc}): the job was cut off while writing it?") from exc
+        summary = rundir.read_summary(job_dir)
+    except rundir.RunFileError as exc:
+        raise VerdictError(str(exc)) from exc
+    return None if summary is None else flatten(summary)
 
 
 def provenance(metrics: dict[str, Any] | None, tags: dict[str, str] | None = None) -> tuple[str, str]:
@@ -124,7 +122,7 @@ def load_multirun(sweep_dir: str | Path) -> Sweep:
     sweep_dir = Path(sweep_dir)
     if not sweep_dir.is_dir():
         raise VerdictError(f"sweep directory {sweep_dir} does not exist")
-    job_cfgs = sorted(p for p in sweep_dir.glob("**/.hydra/config.yaml") if ".submitit" not in p.parts)
+    job_cfgs = rundir.job_config_files(sweep_dir)
     grid = swept_values(OmegaConf.load(sweep_dir / "multirun.yaml")) if (sweep_dir / "multirun.yaml").exists() else {}
     hyp: Hypothesis | None = None
     runs: list[Run] = []
@@ -168,7 +166,7 @@ def latest_multirun_for(hyp_id: str, root: Path = Path("multirun")) -> Path | No
     from omegaconf import OmegaConf
 
     best: tuple[float, Path] | None = None
-    for cfg_path in root.glob("**/.hydra/config.yaml"):
+    for cfg_path in root.glob(f"**/{rundir.CONFIG}"):
         try:
             h = OmegaConf.load(cfg_path).get("hypothesis")
         except Exception:
@@ -300,7 +298,7 @@ def load_mlflow(
 _STATUS_OF_ROW = {"FAILED": "FAILED", "DIED": "KILLED"}  # jobs.json status -> the run status the verdict names
 
 
-def apply_job_outcomes(sweep: Sweep, rows: list[sweep_jobs.JobRow]) -> Sweep:
+def apply_job_outcomes(sweep: Sweep, rows: list[rundir.JobRow]) -> Sweep:
     """A run whose job the jobs table records as FAILED or DIED is a gap, named with the table's
     error line, whatever files or MLflow state the job left behind."""
     failed = {str(r.num): r for r in rows if r.failed}
@@ -315,7 +313,7 @@ def apply_job_outcomes(sweep: Sweep, rows: list[sweep_jobs.JobRow]) -> Sweep:
 # ---------------------------------------------------------------- either
 def load_sweep(sweep: str | None = None, experiment: str | None = None, tracking_uri: str | None = None,
                prefer: str = "auto", sweep_ended: bool = False,
-               jobs: list[sweep_jobs.JobRow] | None = None) -> Sweep:
+               jobs: list[rundir.JobRow] | None = None) -> Sweep:
     """MLflow first (it also knows jobs that died before writing files), the directory as fallback.
 
     The directory still supplies the requested grid, so a job that never started is named, and
@@ -324,7 +322,7 @@ def load_sweep(sweep: str | None = None, experiment: str | None = None, tracking
     loaded = _load(sweep, experiment, tracking_uri, prefer, sweep_ended)
     sweep_dir = loaded.source.get("sweep_dir")
     if jobs is None and sweep_dir:
-        jobs = sweep_jobs.read(sweep_dir)
+        jobs = rundir.read_jobs(sweep_dir)
     return apply_job_outcomes(loaded, jobs or [])
 
 

@@ -15,6 +15,8 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from musique_rl import rundir
+
 log = logging.getLogger(__name__)
 
 REWARD_CURVES = "reward_curves.png"
@@ -25,13 +27,12 @@ COLORS = {"control": "tab:blue", "treatment": "tab:orange"}
 def reward_history(job_dir: Path, key: str = "reward") -> list[tuple[int, float]]:
     """(step, value of ``key``: by default the mean training reward) of one job, in step order; []
     when it logged none. Keys other than the reward come from metrics.jsonl only."""
-    metrics = job_dir / "metrics.jsonl"
+    metrics = job_dir / rundir.METRICS_LOG
     if metrics.exists():
-        rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-        return sorted((int(r["step"]), float(r[key])) for r in rows if key in r)
+        return rundir.metric_history(metrics, key)
     if key != "reward":
         return []
-    states = sorted(job_dir.glob("checkpoints/checkpoint-*/trainer_state.json"),
+    states = sorted(job_dir.glob(f"{rundir.CHECKPOINTS}/checkpoint-*/trainer_state.json"),
                     key=lambda p: int(p.parent.name.rsplit("-", 1)[-1]))
     if states:
         history = json.loads(states[-1].read_text()).get("log_history", [])
@@ -42,7 +43,7 @@ def reward_history(job_dir: Path, key: str = "reward") -> list[tuple[int, float]
 def sweep_curves(sweep_dir: Path) -> dict[str, dict[int, list[tuple[int, float]]]]:
     """arm -> seed -> reward history, from the job dirs' saved configs."""
     out: dict[str, dict[int, list[tuple[int, float]]]] = {}
-    for cfg_path in sorted(sweep_dir.glob("*/.hydra/config.yaml")):
+    for cfg_path in sorted(sweep_dir.glob(f"*/{rundir.CONFIG}")):
         cfg = OmegaConf.load(cfg_path)
         arm = OmegaConf.select(cfg, "hypothesis.arm", default=None)
         history = reward_history(cfg_path.parent.parent)
