@@ -173,11 +173,16 @@ def alarm(finding: Mapping[str, Any]) -> str:
     return f"{finding['hypothesis']} {finding['check']}"
 
 
+def allowed(finding: Mapping[str, Any], accepted: Sequence[str]) -> bool:
+    """Whether ``accepted`` (hypothesis ids, or 'hypothesis check' for one check) names the finding."""
+    return finding["hypothesis"] in accepted or alarm(finding) in accepted
+
+
 def false_alarms(case: Case, diagnosis: Sequence[Mapping[str, Any]]) -> list[str]:
     """The flagged findings of a healthy case that its expectation does not allow."""
     if case.expected.verdict != HEALTHY:
         return []
-    return [alarm(d) for d in diagnosis if d["flagged"] and d["hypothesis"] not in case.expected.also]
+    return [alarm(d) for d in diagnosis if d["flagged"] and not allowed(d, case.expected.also)]
 
 
 def agreement(case: Case, diagnosis: Sequence[Mapping[str, Any]]) -> tuple[str, bool]:
@@ -191,7 +196,7 @@ def agreement(case: Case, diagnosis: Sequence[Mapping[str, Any]]) -> tuple[str, 
     said = alarm(top) + (f" [{top['stage']}]" if top.get("stage") else "")
     if e.verdict == HEALTHY:
         return said, not false_alarms(case, diagnosis)
-    ok = top["hypothesis"] in (e.verdict, *e.also) or (bool(top.get("stage")) and top["stage"] in e.stages)
+    ok = allowed(top, (e.verdict, *e.also)) or (bool(top.get("stage")) and top["stage"] in e.stages)
     return said, ok
 
 
