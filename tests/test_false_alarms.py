@@ -29,6 +29,8 @@ KNOWN_WRONG = {
     "gpu_7b_zero_signal": "h06 lora_untrained and h08 updates_too_small ranked above the budget that causes them",
     "unsloth_gsm8k": "h08 gradient_spikes: one 12.5x step in a run that learns (reward 0.27 -> 1.59)",
     "tau_bench": "h03 kl_at_start read at step 10 (logging_steps 10: ten updates in), ranked above 91% truncation",
+    "standin-qwen2.5-instruct": "h08 updates_too_small: 6 steps inside a 10-step warm-up with every group tied "
+                                "(lr 0 -> 5e-6, rewards all 0), ranked above the missing signal that explains it",
     "wordle_4090": "'unexplained': nothing reads TRL's kl (0.004 after 400 steps) as a policy that barely moves",
 }
 
