@@ -2,6 +2,7 @@
 
     python benchmarks/bench_faults.py                       # every planted fault + clean, seeds 1-3, 20 steps each
     python benchmarks/bench_faults.py --faults std_epsilon --seeds 1 --steps 10
+    python benchmarks/bench_faults.py --dtype bfloat16 --seeds 1 --clean-seeds 1   # the same table in bf16
 
 Runs the real entrypoint (`python -m musique_rl`, tiny model, embedded data) as two Hydra
 multiruns through the default local launcher: the clean config and `+fault=<each>`, x seeds.
@@ -80,8 +81,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tracking-uri", default=f"sqlite:///{ROOT / 'mlflow.db'}")
     ap.add_argument("--out", type=Path, default=ROOT / "multirun" / "bench_faults")
     ap.add_argument("--read-only", action="store_true", help="only print the table of earlier sweeps in --out")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                    help="the model's dtype for every job (model.dtype=...; default: the config's, float32)")
     ap.add_argument("extra", nargs="*", help="more Hydra overrides for every job")
     args = ap.parse_args(argv)
+    if args.dtype:
+        args.extra = [*args.extra, f"model.dtype={args.dtype}"]
 
     stamp = time.strftime("%Y%m%d-%H%M%S")
     faults = [f for f in args.faults.split(",") if f]
@@ -133,4 +138,8 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     import record  # benchmarks/record.py: --record PATH also writes the table with its provenance
 
-    raise SystemExit(record.run(main, title="The doctor against the planted faults (bench_faults.py)"))
+    dtype = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("model.dtype=")), None)
+    if "--dtype" in sys.argv[:-1]:
+        dtype = sys.argv[sys.argv.index("--dtype") + 1]
+    raise SystemExit(record.run(main, title="The doctor against the planted faults (bench_faults.py)",
+                                dtype=dtype or "float32"))
