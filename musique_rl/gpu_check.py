@@ -57,6 +57,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from musique_rl import (
+    rundir,  # the run directory's file names (imports nothing heavy: this runs before the wheels are checked)
+)
+
 ROOT = Path(__file__).resolve().parent.parent
 RECORDS = ROOT / "docs" / "records"
 TEST_FILES = ("test_trainer", "test_train", "test_generation", "test_generation_paged", "test_smoke",
@@ -362,7 +366,7 @@ def job_result(step: Step, row: Row, output: str) -> None:
     if per_step:
         parts.append(f"{len(per_step)} steps, {per_step[0]:.2f} s first"
                      + (f", median {statistics.median(per_step[1:]):.2f} s/step" if len(per_step) > 1 else ""))
-    metrics = _json(run_dir / "metrics.json")
+    metrics = _json(run_dir / rundir.SUMMARY)
     if metrics:
         gain = metrics.get("train/reward_gain")
         if isinstance(gain, int | float) and gain == gain:
@@ -371,7 +375,7 @@ def job_result(step: Step, row: Row, output: str) -> None:
     shares = {k[len("time/share/"):]: v for k, v in (metrics or {}).items()
               if k.startswith("time/share/") and isinstance(v, int | float) and v == v}
     mean_step = (metrics or {}).get("time/mean/step_s")
-    diagnosis = _json(run_dir / "diagnosis.json")
+    diagnosis = _json(run_dir / rundir.DIAGNOSIS)
     if isinstance(diagnosis, list):
         flagged = [d for d in diagnosis if d.get("flagged")]
         top = flagged[0] if flagged else None

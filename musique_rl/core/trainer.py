@@ -228,9 +228,10 @@ class MusiqueGRPOTrainer(GRPOTrainer):
 
     @step_time.timed_method("backward_optimizer")  # generation and scoring inside keep their own sections
     def training_step(self, model, inputs, num_items_in_batch):
-        """TRL's training_step; after a step's last micro-batch, the clipping and optimizer step that
-        follow, up to on_step_end, are the update's time too."""
+        """TRL's training_step, then the point-of-use readings of its backward; after a step's last
+        micro-batch, the clipping and optimizer step that follow, up to on_step_end, are the update's time too."""
         loss = super().training_step(model, inputs, num_items_in_batch)
+        self._read_loss_probes()  # the micro-batch's backward has run: its gradients are readable (loss_inputs.py)
         if self._step % self.current_gradient_accumulation_steps == 0:  # TRL's own test for a step's last micro-batch
             self.step_clock.set_base("backward_optimizer")
         return loss
@@ -409,11 +410,6 @@ class MusiqueGRPOTrainer(GRPOTrainer):
             gather_sum=gather_sum,
             sampling_logps=output["sampling_per_token_logps"].cpu() if "sampling_per_token_logps" in output else None,
         ))
-
-    def training_step(self, model, inputs, num_items_in_batch=None):
-        loss = super().training_step(model, inputs, num_items_in_batch)
-        self._read_loss_probes()  # the micro-batch's backward has run: its gradients are readable
-        return loss
 
     def _read_loss_probes(self) -> None:
         """Point-of-use metrics of the micro-batches whose backward has run (loss_inputs.py)."""
