@@ -114,8 +114,7 @@ _DECLARED = (
        (">", LOGP_GAP_MAX, "without a floor measured in the run: a 100-token sequence's importance ratio reaches "
                            "e^1, near TRL's clip 3 (with a floor: context.gap_threshold)")),
     _m("h06/logp_gap_max", "nats/token", "sampling", _SYNC),
-    _m("h06/logp_gap_pre_tool", "nats/token", "sampling", _SYNC),
-    _m("h06/logp_gap_post_tool", "nats/token", "sampling", _SYNC),
+    _m("h06/logp_gap_{side}_tool", "nats/token", "sampling", _SYNC),  # pre_tool / post_tool
     _m("h06/logp_gap_floor", "nats/token", "sampling", "diagnostics/floor.py"),
     _m("h06/logp_gap_floor_paths", "nats/token", "sampling", "diagnostics/floor.py"),
     _m("h06/logp_gap_floor_dtype", "nats/token", "sampling", "diagnostics/floor.py"),
