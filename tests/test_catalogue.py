@@ -98,3 +98,8 @@ def test_templated_names_and_typos():
         assert "catalogue.py" in str(e)
     else:
         raise AssertionError("a misspelt metric must fail")
+
+
+def test_docs_show_the_catalogues_bounds():
+    docs = (PKG.parent / "docs" / "diagnostics.md").read_text()
+    assert catalogue.bounds_table() in docs, "regenerate the bounds table in docs/diagnostics.md (command beside it)"

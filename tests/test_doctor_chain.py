@@ -172,3 +172,23 @@ def test_from_writes_one_result_per_input_and_never_over_another(tmp_path, monke
     assert main(["--from", str(logs / "a.json"), "--out", "-"]) == 0
     printed = json.loads(capsys.readouterr().out)
     assert printed[0]["rank"] == 1 and "role" in printed[0] and "stage" in printed[0]
+
+
+def test_docs_show_the_chain_and_the_worked_example_as_the_code_has_them():
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "diagnostics.md").read_text()
+    from musique_rl.diagnostics.chain import stage_table
+
+    assert stage_table() in docs, "regenerate the chain table in docs/diagnostics.md (command beside it)"
+    assert format_diagnosis(diagnose("qwen7b_tied"), show_ok=False) in docs, "re-run the worked example's command"
+
+
+def test_a_kl_at_start_read_after_updates_is_withdrawn():
+    """TRL logs every logging_steps: a first `kl` row at step 10 is after 10 updates, not the start."""
+    from tests.test_doctor import clean
+
+    late = {"kl": [(s, 0.02) for s in range(10, 200, 10)]}
+    d = next(x for x in diagnose_metrics({**clean(), **late}, {"loss.beta": "0.04"}) if x["check"] == "kl_at_start")
+    assert d["role"] == "withdrawn" and "step 10" in d["reason"]
+    first = {"kl": [(s, 0.02) for s in range(1, 200, 10)]}
+    d = next(x for x in diagnose_metrics({**clean(), **first}, {"loss.beta": "0.04"}) if x["check"] == "kl_at_start")
+    assert d["flagged"] and d["role"] == "cause"

@@ -273,3 +273,12 @@ def _rule_literals() -> dict[str, set[str]]:
 def rules_reading(name: str) -> list[str]:
     """The rule modules whose source spells ``name`` (a declared metric) literally."""
     return [mod for mod, lits in _rule_literals().items() if name in lits]
+
+
+def bounds_table() -> str:
+    """The single-value bounds as docs/diagnostics.md shows them (tests/test_catalogue.py keeps them equal)."""
+    rows = ["| metric | unit | stage | producer | out of bounds when | why |", "|---|---|---|---|---|---|"]
+    for m in sorted(_DECLARED, key=lambda m: m.name):
+        if m.bound is not None:
+            rows.append(f"| `{m.name}` | {m.unit} | {m.stage} | {m.producer} | {m.bound[0]} {m.bound[1]:g} | {m.reason} |")
+    return "\n".join(rows)

@@ -220,3 +220,16 @@ def reason(findings: Sequence[Finding]) -> tuple[list[Finding], dict[int, Role]]
     order = {"note": 0, "withdrawn": 1, "ok": 2, "no_data": 3}
     rest.sort(key=lambda f: (order[roles[id(f)].role], ORDER[stage_of(f)], f.hypothesis))
     return causes + consequences + rest, roles
+
+
+def stage_table() -> str:
+    """The chain as docs/diagnostics.md shows it (tests/test_doctor_chain.py keeps them equal)."""
+    rows = ["| # | stage | holds | starves when it delivers nothing | checks (kind) |", "|---|---|---|---|---|"]
+    for i, s in enumerate(STAGES, start=1):
+        checks = ", ".join(f"`{c}` ({k.value})" for c, (st, k) in CHECKS.items() if st == s.name)
+        starving_here = [c for c in sorted(STARVING) if CHECKS.get(c, ("",))[0] == s.name]
+        starves = ", ".join(s.starves) or "-"
+        if starving_here:
+            starves += " (starving: " + ", ".join(f"`{c}`" for c in starving_here) + ")"
+        rows.append(f"| {i} | {s.name} | {s.holds} | {starves} | {checks} |")
+    return "\n".join(rows)
