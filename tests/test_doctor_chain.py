@@ -192,3 +192,15 @@ def test_a_kl_at_start_read_after_updates_is_withdrawn():
     first = {"kl": [(s, 0.02) for s in range(1, 200, 10)]}
     d = next(x for x in diagnose_metrics({**clean(), **first}, {"loss.beta": "0.04"}) if x["check"] == "kl_at_start")
     assert d["flagged"] and d["role"] == "cause"
+
+
+def test_inside_one_stage_a_defect_explains_its_symptom_and_two_defects_stay_causes():
+    stale = _f("sampler_serves_base", 3.3)  # sampling, defect
+    grows = _f("gap_grows", 2.4)  # sampling, symptom
+    lr0 = _f("learning_rate_zero", 3.0)  # update, defect that starves
+    still = _f("updates_too_small", 2.9)  # update, starved
+    _, roles = reason([grows, stale, still, lr0])
+    assert roles[id(grows)].explained_by is stale and roles[id(still)].explained_by is lr0
+    audit, blind = _f("reward_audit", 3.3), _f("answer_reward_blind", 2.5)  # reward, two defects
+    _, roles = reason([audit, blind])
+    assert roles[id(audit)].role == roles[id(blind)].role == "cause"

@@ -163,7 +163,12 @@ def test_entropy_collapse_and_gradient_spikes_are_read_from_trls_names():
     assert flagged(collapse, "entropy_collapse")
     assert not flagged(diagnose_metrics(with_({"entropy": series(lambda s: 0.15 + 0.02 * (-1) ** s)})),
                        "entropy_collapse")
-    spike = diagnose_metrics(with_({"grad_norm": series(lambda s: 50.0 if s == 15 else 0.1 + 0.02 * (s % 3))}))
+    # one isolated spike is a note (healthy runs show them: 13.6x on a healthy float32 H200 run);
+    # recurring spikes are a finding
+    one = diagnose_metrics(with_({"grad_norm": series(lambda s: 50.0 if s == 15 else 0.1 + 0.02 * (s % 3))}))
+    assert not flagged(one, "gradient_spikes")
+    assert next(d for d in one if d["check"] == "gradient_spikes")["role"] == "note"
+    spike = diagnose_metrics(with_({"grad_norm": series(lambda s: 50.0 if s in (9, 13, 17) else 0.1 + 0.02 * (s % 3))}))
     assert flagged(spike, "gradient_spikes")
     zero = diagnose_metrics(with_({"grad_norm": series(lambda s: 0.0)}))
     assert flagged(zero, "gradient_zero")

@@ -19,6 +19,8 @@ is one of:
     stage ``starves``;
   * any flagged finding explains a *symptom* (``Kind.SYMPTOM``: a fingerprint with other possible
     causes, e.g. tied groups, vanishing importance weights, entropy collapse) in a later stage;
+  * inside one stage, a starving defect explains what it leaves at 0 (a learning rate of 0 -> no
+    update), and a proven defect explains a symptom (a stale sampler -> a growing gap);
   * a *defect* (``Kind.DEFECT``: a proof that one mechanism is wrong, e.g. tool tokens in the loss)
     is never a consequence: no upstream failure puts tool tokens into the loss mask.
 
@@ -160,9 +162,16 @@ def explains(a: Finding, b: Finding) -> bool:
     if a is b or not (a.flagged and b.flagged):
         return False
     sa, sb = stage_of(a), stage_of(b)
-    if ORDER[sa] >= ORDER[sb]:
-        return False
     kind = kind_of(b)
+    if sa == sb:
+        # inside one stage: a starving failure explains what it leaves at 0 (a learning rate of 0 ->
+        # no update), and a proven defect explains a symptom of the same part (a sampler serving
+        # stale weights -> a growing sampler/trainer gap); two defects, or two symptoms, stay apart
+        if kind is Kind.STARVED:
+            return starving(a) and kind_of(a) is not Kind.STARVED
+        return kind is Kind.SYMPTOM and kind_of(a) is Kind.DEFECT
+    if ORDER[sa] > ORDER[sb]:
+        return False
     if kind is Kind.STARVED:
         return starving(a) and sb in BY_NAME[sa].starves
     return kind is Kind.SYMPTOM

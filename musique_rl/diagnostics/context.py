@@ -162,20 +162,10 @@ def parity_same_weights(m: Mapping[str, History], params: Mapping[str, str]) -> 
 
 
 # ---------------------------------------------------------------- contradictions
+# A contradiction: (finding, metrics, params) -> the reason the finding's claim is refuted, or None.
 Contradiction = Callable[[Finding, Mapping[str, History], Mapping[str, str]], str | None]
-CONTRADICTIONS: dict[str, list[Contradiction]] = {}
 
 
-def contradicts(*checks: str) -> Callable[[Contradiction], Contradiction]:
-    """Register a function (finding, metrics, params) -> the reason the claim is refuted, or None."""
-    def register(fn: Contradiction) -> Contradiction:
-        for c in checks:
-            CONTRADICTIONS.setdefault(c, []).append(fn)
-        return fn
-    return register
-
-
-@contradicts("gap_grows", "sampler_trainer_drift")
 def _sync_claim_vs_parity(f: Finding, m: Mapping[str, History], params: Mapping[str, str]) -> str | None:
     same = parity_same_weights(m, params)
     if same is None:
@@ -184,7 +174,6 @@ def _sync_claim_vs_parity(f: Finding, m: Mapping[str, History], params: Mapping[
             "paths, which grows as the policy sharpens), not a weight sync failure.")
 
 
-@contradicts("kl_at_start")
 def _kl_first_row_after_updates(f: Finding, m: Mapping[str, History], params: Mapping[str, str]) -> str | None:
     """TRL logs every logging_steps steps: a first logged row at step 10 is after 10 updates."""
     k = "kl" if values(m.get(key("kl"))) else "h03/kl_model_mean"
@@ -193,6 +182,14 @@ def _kl_first_row_after_updates(f: Finding, m: Mapping[str, History], params: Ma
         return (f"the first logged `{k}` is at step {pts[0]}, after {pts[0] - 1} optimizer step(s): it is not the KL "
                 "before any update, so a non-zero value there says nothing about the reference model.")
     return None
+
+
+# check -> the contradictions that can refute it (declared data: add a function above and list it here)
+CONTRADICTIONS: dict[str, tuple[Contradiction, ...]] = {
+    "gap_grows": (_sync_claim_vs_parity,),
+    "sampler_trainer_drift": (_sync_claim_vs_parity,),
+    "kl_at_start": (_kl_first_row_after_updates,),
+}
 
 
 def withdraw(findings: list[Finding], m: Mapping[str, History], params: Mapping[str, str]) -> None:
