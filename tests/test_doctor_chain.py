@@ -204,3 +204,26 @@ def test_inside_one_stage_a_defect_explains_its_symptom_and_two_defects_stay_cau
     audit, blind = _f("reward_audit", 3.3), _f("answer_reward_blind", 2.5)  # reward, two defects
     _, roles = reason([audit, blind])
     assert roles[id(audit)].role == roles[id(blind)].role == "cause"
+
+
+def test_each_stage_gets_a_health_verdict_and_a_foreign_log_shows_fewer_stages():
+    from musique_rl.diagnostics.doctor import stage_health
+
+    tied = {h["stage"]: h for h in stage_health(diagnose("qwen7b_tied"))}
+    assert tied["inputs"]["health"] == "cause" and "budgets_binding" in tied["inputs"]["checks"]
+    assert tied["signal"]["health"] == tied["update"]["health"] == tied["gradient"]["health"] == "consequence"
+    assert tied["sampling"]["health"] == "healthy"
+    trl = {h["stage"]: h["health"] for h in stage_health(diagnose("trl_healthy_spike"))}
+    assert "not observed" in trl.values() and "cause" not in trl.values()
+    assert "chain: inputs CAUSE -> sampling ok" in format_diagnosis(diagnose("qwen7b_tied"))
+
+
+def test_a_policy_that_never_moves_at_the_scheduled_rate_is_found_and_warm_up_is_not_judged():
+    from tests.test_doctor import clean
+
+    lr = {"h08/learning_rate": [(s, 1e-3) for s in range(20)]}
+    still = diagnose_metrics({**clean(), **lr, "h08/kl_to_start": [(0, 0.0), (10, 0.0)]})
+    assert any(d["check"] == "policy_still" and d["flagged"] for d in still)
+    warm = {"h08/learning_rate": [(s, 1e-4 * s) for s in range(3)], "h08/kl_to_start": [(0, 0.0), (2, 0.0)]}
+    d = diagnose_metrics({**clean(), **warm}, {"loss.learning_rate": "1e-3", "loss.warmup_steps": "10"})
+    assert not any(x["check"] == "policy_still" and x["flagged"] for x in d)

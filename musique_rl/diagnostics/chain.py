@@ -126,6 +126,7 @@ CHECKS: dict[str, tuple[str, Kind]] = {
     "learning_rate_zero": ("update", Kind.DEFECT),
     "base_drift": ("update", Kind.DEFECT),
     # policy change
+    "policy_still": ("policy", Kind.STARVED),
     "entropy_collapse": ("policy", Kind.SYMPTOM),
     "spread_falls_first": ("policy", Kind.SYMPTOM),
     "kl_runaway": ("policy", Kind.SYMPTOM),

@@ -55,6 +55,7 @@ from musique_rl.diagnostics.findings import RULES, Finding, History, rule  # noq
 from musique_rl.diagnostics.report import (  # noqa: F401  (the doctor's public API since its first version)
     diagnosis_tags,
     format_diagnosis,
+    stage_health,
     top_finding,
     top_flagged,
     triage_table,

@@ -29,6 +29,30 @@ def top_finding(diagnosis: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] | N
     return next((d for d in diagnosis if d["flagged"]), None)
 
 
+def stage_health(diagnosis: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Each stage of the chain, in order, with its health verdict from the diagnosis: "cause" (a cause
+    sits here), "consequence" (unhealthy, explained upstream), "healthy" (its checks ran and passed;
+    notes and withdrawn claims included), or "not observed" (no check of it had data: a foreign log
+    shows fewer stages). ``checks``: the checks behind the verdict."""
+    from musique_rl.diagnostics.chain import STAGES
+
+    out = []
+    for s in STAGES:
+        mine = [d for d in diagnosis if d.get("stage") == s.name and d["check"] != "no_data"]
+        roles = {d.get("role") for d in mine}
+        health = ("cause" if "cause" in roles else "consequence" if "consequence" in roles
+                  else "healthy" if mine else "not observed")
+        flagged = [d["check"] for d in mine if d["flagged"]]
+        out.append({"stage": s.name, "health": health, "checks": flagged or [d["check"] for d in mine]})
+    return out
+
+
+def chain_line(diagnosis: Sequence[Mapping[str, Any]]) -> str:
+    """``chain: inputs CAUSE -> sampling ok -> environment ok -> ... -> policy not observed``."""
+    word = {"cause": "CAUSE", "consequence": "consequence", "healthy": "ok", "not observed": "not observed"}
+    return "chain: " + " -> ".join(f"{h['stage']} {word[h['health']]}" for h in stage_health(diagnosis))
+
+
 def _evidence(d: Mapping[str, Any]) -> str:
     return ", ".join(f"{k}={v:.4g}" for k, v in d["evidence"].items() if v is not None)
 
@@ -67,6 +91,8 @@ def format_diagnosis(diagnosis: Sequence[Mapping[str, Any]], show_ok: bool = Tru
         if verbose_missing:
             lines.extend(f"      {d['hypothesis']}: {d['verdict'].split(': ', 1)[-1]}" for d in diagnosis
                          if d["check"] == "no_data")
+    if any("stage" in d for d in diagnosis):
+        lines.append(chain_line(diagnosis))
     if not any(d["flagged"] for d in diagnosis):
         lines.insert(0, "No flagged finding: every instrument is within its bounds.")
     return "\n".join(lines)

@@ -10,6 +10,7 @@ from musique_rl.diagnostics.stages import (  # noqa: F401  (imported for their @
     environment,
     inputs,
     loss,
+    policy,
     reward,
     sampling,
     signal,
