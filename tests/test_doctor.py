@@ -201,12 +201,17 @@ def test_vanishing_importance_weights_are_ranked_as_the_consequence_of_a_blind_t
         assert by_check[check]["rank"] > 1
 
 
-def test_vanishing_importance_weights_alone_are_flagged_under_h06_and_stillness_keeps_its_rank():
+def test_vanishing_importance_weights_alone_are_the_cause_of_the_stillness():
+    """Weights weighted away starve the gradient (chain: loss -> gradient -> update), so with no
+    mismatch flagged upstream the vanishing weights are the cause and the stillness their consequence
+    (before the chain, only a mismatch root could explain the stillness: it ranked as a second cause)."""
     m = with_({"sampling/importance_sampling_ratio/mean": series(lambda s: 0.01),
                "h08/update_weight_ratio": series(lambda s: 0.0)})
     d = diagnose_metrics(m)
     found = {x["check"]: x for x in d if x["flagged"]}
     assert "importance_weights_vanish" in found and found["importance_weights_vanish"]["hypothesis"] == "h06"
-    assert "consequence" not in found["updates_too_small"]["verdict"]  # no mismatch root: nothing to defer to
+    assert d[0]["check"] == "importance_weights_vanish" and d[0]["role"] == "cause"
+    assert found["updates_too_small"]["role"] == "consequence"
+    assert found["updates_too_small"]["explained_by"] == "h06 importance_weights_vanish"
     assert "importance_weights_vanish" not in {x["check"] for x in diagnose_metrics(with_({
         "sampling/importance_sampling_ratio/mean": series(lambda s: 1.0)})) if x["flagged"]}

@@ -24,6 +24,13 @@ class Finding:
     severity: float  # 0 when not flagged
     verdict: str  # words a researcher understands
     evidence: dict[str, float] = field(default_factory=dict)
+    # Set by the chain (diagnostics/chain.py) unless a rule says so: the stage of the GRPO step the
+    # finding is about; "note" / "withdrawn" for an unflagged remark or a claim another stage's
+    # evidence contradicts (with the reason); whether this one finding starves its downstream stages.
+    stage: str = ""
+    role: str = ""
+    reason: str = ""
+    starves: bool | None = None
 
 
 def values(h: History | None) -> list[float]:
@@ -49,6 +56,12 @@ def num(params: Mapping[str, str], key: str, default: float = 0.0) -> float:
 
 
 # ---------------------------------------------------------------- registry
+def note(hyp: str, check: str, verdict: str, evidence: dict[str, float] | None = None) -> Finding:
+    """An unflagged remark worth reading (role "note"): a symptom that also occurs on healthy runs,
+    or a check that the run's context says cannot be judged yet (e.g. during the warm-up)."""
+    return Finding(hyp, check, False, 0.0, verdict, dict(evidence or {}), role="note")
+
+
 def judged(hyp: str, check: str, flagged: bool, severity: float, evidence: dict[str, float],
             flagged_text: str, ok_text: str) -> list[Finding]:
     """One rule's finding: flagged with its severity and words, or ok (severity 0) with its own."""

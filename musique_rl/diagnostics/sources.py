@@ -155,11 +155,32 @@ def read_run_dir(path: str | Path) -> RunLog:
     hist = histories_from_rows(_jsonl_rows(f, notes), str(f))
     params: dict[str, str] = {}
     try:
-        params = {k: str(v) for k, v in flatten(rundir.read_config(d) or {}).items()
+        raw = rundir.read_config(d) or {}
+        params = {k: str(v) for k, v in flatten(raw).items()
                   if not isinstance(v, Mapping)}  # an empty group is no param
+        params.update(_resolved(raw, params))
     except rundir.RunFileError as e:
         notes.append(f"{e}; params left empty")
     return _finish(d.resolve().name, str(d), hist, params, d, notes)
+
+
+def _resolved(raw: Mapping[str, Any], params: Mapping[str, str]) -> dict[str, str]:
+    """The values of ``params`` that are interpolations (``${model.learning_rate}``), resolved as the
+    job resolved them, so the doctor reads a run dir as the job itself did (its params are the
+    resolved config). One that needs a resolver this process lacks stays as written."""
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.create(dict(raw))
+    out = {}
+    for k, v in params.items():
+        if "${" in v:
+            try:
+                got = OmegaConf.select(cfg, k, throw_on_resolution_failure=True)
+            except Exception:  # noqa: BLE001  (an unknown resolver, a missing env var: keep the text)
+                continue
+            if got is not None and not OmegaConf.is_config(got):
+                out[k] = str(got)
+    return out
 
 
 def find_trainer_state(path: str | Path) -> Path:

@@ -24,6 +24,9 @@ from musique_rl.diagnostics.findings import Finding, History, judged, magnitude,
 # most groups carry none, the batch's gradient comes from a few groups (or none): learning stalls
 # whatever the optimizer does. Half is the point where most of the compute trains nothing.
 ZERO_STD_MAX = 0.5
+# ... and at 95% on average the batch's gradient is ~0: the update, the adapter and the policy
+# change downstream are this finding's consequences, not separate causes (diagnostics/chain.py)
+ZERO_STD_STARVES = 0.95
 # Share of completions cut at max_completion_length. A truncated completion usually has no answer,
 # so the budget, not the policy, scores it; more than 1 in 10 binds (as the doctor's h04 budget rule).
 CLIPPED_MAX = 0.1
@@ -151,9 +154,12 @@ def _zero_variance(m: Mapping[str, History], params: Mapping[str, str]) -> list[
              "`+hypothesis=h05` (reward audit) to decide.")
     # ranked below its cause when one is flagged (truncation, constant reward)
     sev = (1 if why else 2) + magnitude(share / ZERO_STD_MAX) * (0.5 if why else 1)
+    # (nearly) every group tied on (nearly) every step: nothing reaches the gradient (chain.STARVING)
+    starves = share >= ZERO_STD_STARVES
     return [Finding("preflight", "zero_variance_groups", True, sev,
                     f"{share:.0%} of groups have identical rewards for all their completions (TRL's "
-                    "frac_reward_zero_std): their advantages are 0, so they add no gradient." + cause, ev)]
+                    "frac_reward_zero_std): their advantages are 0, so they add no gradient." + cause, ev,
+                    starves=starves)]
 
 
 @rule("completions/clipped_ratio")

@@ -1,0 +1,125 @@
+"""Stage "loss": what the loss consumes: masks, normalisation, importance weights, KL (h02, h03, h06's
+importance-sampling correction)."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping
+
+from musique_rl.diagnostics.catalogue import KL_NEGATIVE_MAX, key
+from musique_rl.diagnostics.context import gap_threshold
+from musique_rl.diagnostics.findings import Finding, History, judged, magnitude, rule, values
+
+# H02: sampled assistant tokens left out of the loss; beyond a fifth, the loss ignores what was sampled
+ASSISTANT_UNTRAINED_MAX = 0.2
+# H06: TRL's importance-sampling weight exp(trainer - sampler logp) of a sequence (its
+# `sampling/importance_sampling_ratio/mean`, with train.importance_sampling or vLLM). Identical
+# weights give 1; a mean below 0.1 means most of the batch's loss is weighted away: the gradient
+# vanishes whatever the learning rate (docs/failure_modes.md defect 5).
+IS_WEIGHT_MIN = 0.1
+IS_WEIGHT_KEY = key("sampling/importance_sampling_ratio/mean")
+
+
+@rule(key("h02/env_tokens_with_loss"), key("h02/attention_coverage"), key("h02/assistant_tokens_without_loss_share"))
+def _loss_mask(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
+    out: list[Finding] = []
+    env = values(m.get("h02/env_tokens_with_loss"))
+    if env:
+        share = statistics.fmean(values(m.get(key("h02/loss_share_tool"))) or [0.0]) + statistics.fmean(
+            values(m.get(key("h02/loss_share_template"))) or [0.0])
+        ev = {"h02/env_tokens_with_loss (max)": max(env), "h02/env_tokens_with_loss (mean)": statistics.fmean(env),
+              "h02/loss_share_tool+template (mean)": share}
+        if max(env) > 0:
+            out.append(Finding("h02", "env_tokens_in_loss", True, 3 + magnitude(1 + max(env)),
+                               f"The loss trains on tokens the environment wrote: up to {max(env):.0f} tool/template "
+                               f"tokens per batch ({share:.0%} of loss tokens). Must be 0: tool results and chat "
+                               "scaffolding need env_mask 0 (train.mask_env_tokens=true).", ev))
+        else:
+            out.append(Finding("h02", "env_tokens_in_loss", False, 0.0,
+                               "No tool or template token carries loss.", ev))
+    gap = m.get(key("h06/logp_gap_mean")) or []
+    cov = values(m.get("h02/attention_coverage"))
+    thr, _ = gap_threshold(m)
+    # a hidden context with a gap past the threshold is reported by the sampling stage's agreement
+    # check (the gap is its measurement); alone, it is a tier-3 proof here
+    if cov and min(cov) < 1 and not (gap and gap[0][1] > thr):
+        out.append(Finding("h02", "context_hidden_from_trainer", True, 3 + magnitude(1 / max(min(cov), 1e-3)),
+                           f"The trainer's forward pass attends to only {min(cov):.0%} of the context tokens: prompt or "
+                           "tool tokens are invisible when it scores the assistant's tokens.",
+                           {"h02/attention_coverage (min)": min(cov)}))
+    untrained = values(m.get("h02/assistant_tokens_without_loss_share"))
+    if untrained and statistics.fmean(untrained) > ASSISTANT_UNTRAINED_MAX:
+        u = statistics.fmean(untrained)
+        out.append(Finding("h02", "sampled_tokens_untrained", True, 1 + magnitude(u / ASSISTANT_UNTRAINED_MAX),
+                           f"{u:.0%} of the sampled assistant tokens are outside the loss mask: most of what the "
+                           "policy wrote is not trained on.", {"h02/assistant_tokens_without_loss_share (mean)": u}))
+    return out
+
+
+@rule(key("h03/kl_env_tokens"), key("h03/kl_negative_share"))
+def _kl(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
+    out: list[Finding] = []
+    env = values(m.get("h03/kl_env_tokens"))
+    neg = values(m.get("h03/kl_negative_share"))
+    same = values(m.get("h02/kl_mask_equals_loss_mask"))
+    if not env and not neg:
+        return []
+    ev = {"h03/kl_env_tokens (max)": max(env, default=0.0), "h03/kl_negative_share (mean)": statistics.fmean(neg or [0.0]),
+          "h03/kl_model_mean (last)": (values(m.get("h03/kl_model_mean")) or [0.0])[-1]}
+    if same:
+        ev["h02/kl_mask_equals_loss_mask (min)"] = min(same)
+    if env and max(env) > 0:
+        out.append(Finding("h03", "kl_on_env_tokens", True, 3 + magnitude(1 + max(env)),
+                           f"The KL penalty is computed on up to {max(env):.0f} tool/template tokens per micro-batch "
+                           "(must be 0): the policy is pulled toward the reference on text it did not write "
+                           "(Search-R1's negative-KL explosion).", ev))
+    elif same and min(same) < 1:
+        out.append(Finding("h03", "kl_mask_differs", True, 2.0,
+                           "The KL term is masked differently from the policy loss.", ev))
+    if neg and statistics.fmean(neg) > KL_NEGATIVE_MAX:
+        s = statistics.fmean(neg)
+        out.append(Finding("h03", "kl_sign", True, 3 + magnitude(s / KL_NEGATIVE_MAX),
+                           f"{s:.0%} of the per-token KL penalties are negative; the k3 estimator is never negative, "
+                           "so the penalty is applied with the wrong sign: it pushes the policy AWAY from the reference.",
+                           ev))
+    if not out:
+        out.append(Finding("h03", "kl", False, 0.0, "KL confined to model tokens, with the right sign.", ev))
+    return out
+
+
+
+@rule(IS_WEIGHT_KEY)
+def _importance_weights(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
+    w = statistics.median(values(m.get(IS_WEIGHT_KEY)))
+    return judged("h06", "importance_weights_vanish", w < IS_WEIGHT_MIN, 2 + magnitude(IS_WEIGHT_MIN / max(w, 1e-30)),
+                  {IS_WEIGHT_KEY + " (median)": w},
+                  f"TRL's importance-sampling correction weights the sequences by {w:.2g} (median of the steps' "
+                  "means; 1 when trainer and sampler agree): the loss is weighted away, so no learning rate, rank or "
+                  "KL setting can move the policy. The trainer's log-probs are far below the sampler's.",
+                  f"Importance-sampling weights near 1 (median {w:.2g}).")
+
+
+@rule(key("h06/is_masked_seq_share"))
+def _h06_importance_sampling_masks(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
+    """TRL's importance-sampling correction giving whole sequences zero weight (h06/is_* from
+    core/importance.py). Threshold: a median of 20% of a step's sequences masked. Why 20%: with
+    sequence_mask (clip 3) ordinary bf16 noise between sampler and trainer masks 25-39% of sequences
+    of 1,024-8,192 loss tokens (benchmarks/bench_importance_sampling.py), so a share above this is
+    the correction, not a rare off-policy sample, deciding which episodes train: the long ones drop
+    out and the reward can stay flat while every other instrument looks sane. token_truncate, the
+    vLLM default (train.importance_sampling=auto), masks none."""
+    limit = 0.2
+    masked = statistics.median(values(m.get("h06/is_masked_seq_share")))
+    ev = {"h06/is_masked_seq_share (median)": masked}
+    for k in ("h06/is_masked_token_share", "h06/is_ess"):
+        if values(m.get(k)):
+            ev[f"{k} (median)"] = statistics.median(values(m.get(k)))
+    mode = params.get("train.importance_sampling", "the configured mode")
+    ess = f", effective sample size {ev['h06/is_ess (median)']:.2f}" if "h06/is_ess (median)" in ev else ""
+    return judged("h06", "importance_sampling_masks_sequences", masked > limit, 1.5 + magnitude(masked / limit), ev,
+                  f"TRL's importance-sampling correction ({mode}) gives {masked:.0%} of each step's sequences zero "
+                  f"weight (median; threshold {limit:.0%}){ess}: those episodes, the long ones first, never train. "
+                  "Per-sequence ratios multiply thousands of per-token ratios, so bf16 noise alone crosses the "
+                  "clip; use train.importance_sampling=token_truncate (the vLLM default) or fix the mismatch.",
+                  f"The importance-sampling correction masks {masked:.0%} of sequences.")
+

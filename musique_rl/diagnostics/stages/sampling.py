@@ -1,0 +1,101 @@
+"""Stage "sampling": sampling settings, stop rules, and the weights the sampler samples with (h06;
+h02's agreement of trainer and sampler before any update)."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping
+
+from musique_rl.diagnostics.catalogue import PARITY_STALE_MAX, key
+from musique_rl.diagnostics.context import gap_threshold, late_gap_threshold
+from musique_rl.diagnostics.findings import Finding, History, magnitude, rule, values
+
+# H06 vs H02: the sampling-settings fit (sync.sampling_fit) "explains" a step-0 gap when the best
+# setting brings it below the gap threshold and to at most a fifth of the trainer's own gap: a change
+# of temperature/top-p/top-k, not of context, made the sampler's distribution.
+FIT_EXPLAINS_RATIO = 0.2
+GAP = key("h06/logp_gap_mean")
+FLOOR = key("h06/logp_gap_floor")
+COVERAGE = key("h02/attention_coverage")
+PARITY = tuple(key(k) for k in ("h06/parity_sampler_trainer", "h06/parity_sampler_base", "h06/parity_trainer_base"))
+
+
+@rule(GAP)
+def _agreement_at_start(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
+    """Before any update the sampler and the trainer hold the same weights: any gap past the run's
+    floor is a different computation (settings, context), not drift."""
+    gap = m.get(GAP) or []
+    cov = values(m.get(COVERAGE))
+    thr, why = gap_threshold(m)
+    step0 = gap[0][1]
+    ev = {"h06/logp_gap_mean (first step)": step0, "first step": float(gap[0][0]), "gap threshold": thr}
+    if values(m.get(FLOOR)):
+        ev[FLOOR] = values(m.get(FLOOR))[0]
+    if cov:
+        ev["h02/attention_coverage (min)"] = min(cov)
+    fit_t, fit_b = values(m.get(key("h06/fit_gap_trainer"))), values(m.get(key("h06/fit_gap_best")))
+    pre, post = values(m.get(key("h06/logp_gap_pre_tool"))), values(m.get(key("h06/logp_gap_post_tool")))
+    if pre:
+        ev["h06/logp_gap_pre_tool (first)"] = pre[0]
+    if post:
+        ev["h06/logp_gap_post_tool (first)"] = post[0]
+    explained = bool(fit_t and fit_b and fit_t[0] > thr and fit_b[0] <= thr
+                     and fit_b[0] <= FIT_EXPLAINS_RATIO * fit_t[0] and not (cov and min(cov) < 1))
+    if step0 > thr and explained:
+        setting = {k: values(m.get(key(f"h06/fit_{k}")))[0] for k in ("temperature_factor", "top_p", "top_k")
+                   if values(m.get(f"h06/fit_{k}"))}
+        ev.update({"h06/fit_gap_trainer": fit_t[0], "h06/fit_gap_best": fit_b[0],
+                   **{f"h06/fit_{k}": v for k, v in setting.items()}})
+        return [Finding("h06", "sampling_settings_differ", True, 2 + magnitude(step0 / thr),
+                        f"Before any update the sampler and the trainer disagree by {step0:.3g} nats/token "
+                        f"(healthy up to {thr:.2g}: {why}), "
+                        f"everywhere, and the trainer's own logits reproduce the sampler's log-probs to "
+                        f"{fit_b[0]:.2g} under other sampling settings (temperature x"
+                        f"{setting.get('temperature_factor', 1):g}, top_p {setting.get('top_p', 1):g}, top_k "
+                        f"{setting.get('top_k', 0):g}): the sampler samples with different temperature/top-p/"
+                        "top-k than the trainer scores with (set them explicitly on both).", ev)]
+    if step0 > thr:
+        extra = (f" The forward pass attends to only {min(cov):.0%} of the context." if cov and min(cov) < 1 else "")
+        where = (f" The gap sits after the tool results ({post[0]:.3g} vs {pre[0]:.2g} before)."
+                 if pre and post and pre[0] <= thr < post[0] else "")
+        if fit_t and fit_b:
+            where += f" No sampling setting explains it (best fit {fit_b[0]:.3g})."
+        return [Finding("h02", "trainer_sampler_mismatch_at_start", True, 2 + magnitude(step0 / thr),
+                        f"Before any update the trainer and the sampler disagree on the sampled tokens by "
+                        f"{step0:.3g} nats/token (healthy up to {thr:.2g}: {why}): the trainer does not score "
+                        "the context the sampler saw (attention mask = loss mask, template drift, or "
+                        f"re-tokenised text).{extra}{where}", ev)]
+    return [Finding("h02", "trainer_sampler_mismatch_at_start", False, 0.0,
+                    f"Trainer and sampler agree at the first step ({step0:.2g} nats/token; healthy up to "
+                    f"{thr:.2g}: {why}).", ev)]
+
+
+@rule(key("h06/parity_stale"), GAP)
+def _weight_sync(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
+    out: list[Finding] = []
+    stale = values(m.get(key("h06/parity_stale")))
+    ev_p = {k + " (last)": values(m.get(k))[-1] for k in PARITY if values(m.get(k))}
+    if stale and max(stale) > PARITY_STALE_MAX:
+        out.append(Finding("h06", "sampler_serves_base", True, 3 + magnitude(1 + 10 * statistics.fmean(stale)),
+                           f"Parity probe: sampler matches base, not trainer (in {sum(s > PARITY_STALE_MAX for s in stale)} "
+                           f"of {len(stale)} probes). Rollouts come from stale weights, so updates never reach the "
+                           "episodes the policy learns from: fix the weight sync.", ev_p))
+    gap = m.get(GAP) or []
+    thr, _ = gap_threshold(m)
+    if len(gap) >= 4 and gap[0][1] <= thr:
+        late_thr, why = late_gap_threshold(m, params)
+        tail = [v for _, v in gap[-max(2, len(gap) // 4):]]
+        late = statistics.fmean(tail)
+        ev = {"h06/logp_gap_mean (first)": gap[0][1], "h06/logp_gap_mean (last quarter)": late,
+              "gap threshold (late)": late_thr, **ev_p}
+        if late > late_thr:
+            out.append(Finding("h06", "gap_grows", True, 2 + magnitude(late / late_thr),
+                               f"The sampler/trainer log-prob gap grows from {gap[0][1]:.2g} at the first step to "
+                               f"{late:.3g} nats/token (healthy up to {late_thr:.2g}: {why}): the sampler lags the "
+                               "trainer (weights not synced).", ev))
+    if not any(f.flagged for f in out) and (gap or stale):
+        ev = dict(ev_p)
+        if gap:
+            ev["h06/logp_gap_mean (max)"] = max(v for _, v in gap)
+        out.append(Finding("h06", "sync", False, 0.0, "Sampler tracks the trainer.", ev))
+    return out

@@ -1,0 +1,73 @@
+"""Stage "update": the learning-rate schedule, the optimizer step and the adapter's parameters (h08,
+h06's adapter and frozen-base checks)."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping
+
+from musique_rl.diagnostics.catalogue import CHECKSUM_DRIFT_MAX, UPDATE_RATIO_MIN, key
+from musique_rl.diagnostics.context import LR_JUDGED_SHARE, schedule
+from musique_rl.diagnostics.findings import Finding, History, judged, magnitude, note, rule, values
+
+# H08: the policy has moved when the KL to its start reaches 1e-4 nats/token (a step of ~1e-3 of the
+# weights' norm moves it by ~1e-4..1e-3 per step on the tiny model); below it after the run's
+# steps, a small update ratio is confirmed as a policy that is not moving.
+KL_TO_START_MIN = 1e-4
+RATIO = key("h08/update_weight_ratio")
+
+
+@rule(RATIO)
+def _update_size(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
+    """Updates too small to move the policy, judged only at the scheduled learning rate: a step in
+    the warm-up (or a decay's tail) is small by schedule, not by defect."""
+    sched = schedule(m, params)
+    judged_steps = sched.judged_steps()
+    pts = [(s, v) for s, v in (m.get(RATIO) or []) if v is not None]
+    at_rate = [v for s, v in pts if judged_steps is None or s in judged_steps]
+    ev: dict[str, float] = {"h08/update_weight_ratio (median, all steps)": statistics.median(v for _, v in pts)}
+    if sched.lr:
+        ev["learning_rate (peak)"] = sched.peak
+        ev["steps at >= half the peak rate"] = float(len(at_rate))
+    if not at_rate:
+        return [note("h08", "updates_too_small",
+                     f"Update size not judged: no logged step ran at {LR_JUDGED_SHARE:.0%} of the peak learning rate "
+                     f"or more ({sched.words()}): the run is still in its warm-up (or past its decay), so its steps "
+                     "are small by schedule.", ev)]
+    med = statistics.median(at_rate)
+    ev["h08/update_weight_ratio (median)"] = med
+    kl = values(m.get(key("h08/kl_to_start")))
+    # the Trainer's own `grad_norm` is the pre-clip norm (clip_grad_norm_'s return value)
+    pre = values(m.get(key("h08/grad_norm_before_clip"))) or values(m.get(key("grad_norm")))
+    post = values(m.get(key("h08/grad_norm_after_clip")))
+    if kl:
+        ev["h08/kl_to_start (last)"] = kl[-1]
+    if pre and post:
+        ev["grad clip factor (median before/after)"] = statistics.median(pre) / max(statistics.median(post), 1e-30)
+    klw = f"; KL to the starting policy is {kl[-1]:.2g}" if kl else ""
+    clip = ev.get("grad clip factor (median before/after)")
+    clipw = f"; clipping shrinks gradients {clip:.3g}x" if clip and clip > 2 else ""
+    stuck = med < UPDATE_RATIO_MIN and (not kl or kl[-1] < KL_TO_START_MIN or med < UPDATE_RATIO_MIN / 10)
+    return judged("h08", "updates_too_small", stuck, 2 + magnitude(UPDATE_RATIO_MIN / max(med, 1e-30)), ev,
+                  f"At the scheduled learning rate each step changes the weights by {med:.2g} of their norm (healthy "
+                  f"~1e-3){klw}{clipw}: the policy is not moving. Raise the learning rate or max_grad_norm.",
+                  f"Weights move {med:.2g} of their norm per step at the scheduled learning rate.")
+
+
+@rule(key("h06/lora_b_norm"))
+def _adapter(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
+    bnorm = values(m.get("h06/lora_b_norm"))
+    if len(bnorm) < 2:
+        return []
+    return judged("h06", "lora_untrained", max(bnorm) == 0, 3.0, {"h06/lora_b_norm (max)": max(bnorm)},
+                  f"LoRA B matrices are still exactly 0 after {len(bnorm)} steps: the adapter never trains.",
+                  f"LoRA B matrices have left 0 (norm up to {max(bnorm):.3g}).")
+
+
+@rule(key("h06/base_checksum_drift"))
+def _frozen_base(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
+    drift = max(values(m.get("h06/base_checksum_drift")))
+    return judged("h06", "base_drift", drift > CHECKSUM_DRIFT_MAX, 3 + magnitude(drift / CHECKSUM_DRIFT_MAX),
+                  {"h06/base_checksum_drift (max)": drift},
+                  f"The frozen base weights changed (relative drift {drift:.3g}); merge/unmerge round trips corrupt "
+                  "the base (TRL #6688).", "The frozen base weights are unchanged.")
