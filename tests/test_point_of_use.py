@@ -233,18 +233,17 @@ def test_reference_advantages_equal_the_trainers_formula():
         assert torch.allclose(ref.float(), trainer_mod.group_advantages(r, 4, scale, 1e-4), atol=1e-5)
 
 
-def test_every_point_of_use_metric_is_declared_with_a_stage_and_a_reason():
-    from musique_rl.diagnostics import point_of_use
-    from musique_rl.diagnostics.loss_inputs import METRICS
-
-    stages = {"inputs", "sampling", "environment", "reward", "signal", "loss", "gradient", "update", "policy change"}
-    assert all(d.stage in stages and d.reason and d.unit for d in METRICS.values())
-    assert set(point_of_use.STAGES.values()) <= stages
-    src = open(point_of_use.__file__).read()
-    read = {k for k in METRICS if f'"{k}"' in src}
-    assert read, "the rules read declared metrics"
+def test_every_point_of_use_rule_has_its_place_in_the_chain():
+    """Each check the point-of-use rules can name is declared with the chain's other checks (stage and
+    kind); the metrics they read are in the catalogue (tests/test_catalogue.py reads point_of_use.py)."""
     import re
-    assert set(re.findall(r'"(h0\d/[a-z_]+)"', src)) <= set(METRICS)  # every metric a rule reads is declared
+
+    from musique_rl.diagnostics import catalogue, chain, point_of_use
+
+    src = open(point_of_use.__file__).read()
+    checks = set(re.findall(r'(?:check|c) = "([a-z_]+)"', src)) | set(re.findall(r'h0\d", "([a-z_]+)"', src))
+    assert checks and checks <= set(chain.CHECKS), checks - set(chain.CHECKS)
+    assert all(catalogue.lookup(k) is not None for k in re.findall(r'"(h0\d/[a-z_]+)"', src))
 
 
 def test_overlapping_scorers_disagree_when_one_reads_another_turn(toy_record):

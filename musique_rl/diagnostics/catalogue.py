@@ -220,6 +220,32 @@ _DECLARED = (
     # ---- policy change: KL to start, entropy
     _m("h08/kl_to_start", "nats/token", "policy", _SYNC),
     _m("entropy", "nats/token", "policy", FOREIGN),
+    # ---- point of use: read from the loss's own gradient against the rollout's references (diagnostics/loss_inputs.py;
+    # their rules and thresholds: diagnostics/point_of_use.py)
+    _m("h01/loss_adv_pairing_error", "advantage units", "loss", "diagnostics/loss_inputs.py"),
+    _m("h01/loss_adv_misaligned_share", "share of rows", "loss", "diagnostics/loss_inputs.py",
+       (">", 0.02, "any mis-paired row teaches the wrong completion; 2% tolerates one odd row in 50")),
+    _m("h01/loss_rows_unmatched_share", "share of rows", "loss", "diagnostics/loss_inputs.py",
+       (">", 0.02, "the loss trains on completions the rollout did not produce (ids altered, rows mixed)")),
+    _m("h01/loss_adv_from_inputs", "0/1", "loss", "diagnostics/loss_inputs.py"),
+    _m("h02/loss_tool_token_share", "share of env tokens", "loss", "diagnostics/loss_inputs.py",
+       (">", 0.0, "env tokens are not the policy's actions (docs/failure_modes.md defect 2): any share is a mask defect")),
+    _m("h02/loss_assistant_left_out_share", "share of assistant tokens", "loss", "diagnostics/loss_inputs.py",
+       (">", 0.01, "mask_truncated_completions and entropy masking are off: every sampled token of a row with signal trains")),
+    _m("h02/loss_normaliser_ratio", "ratio", "loss", "diagnostics/loss_inputs.py"),
+    _m("h03/loss_kl_moved", "nats/token", "policy", "diagnostics/loss_inputs.py"),
+    _m("h03/kl_term_zero_with_beta", "0/1", "loss", "diagnostics/loss_inputs.py",
+       (">", 0.0, "a configured penalty must act once policy != reference")),
+    _m("h03/kl_term_without_beta", "0/1", "loss", "diagnostics/loss_inputs.py",
+       (">", 0.0, "an unconfigured penalty")),
+    _m("h03/kl_beta_applied_ratio", "ratio", "loss", "diagnostics/loss_inputs.py"),
+    _m("h03/loss_kl_env_token_share", "share of env tokens", "loss", "diagnostics/loss_inputs.py",
+       (">", 0.0, "the KL belongs on the policy's own tokens (docs/failure_modes.md defect 3)")),
+    _m("h05/scorer_overlap_checked", "episodes", "reward", "diagnostics/scorer_overlap.py"),
+    _m("h05/scorer_overlap_disagreement_share", "share of episodes", "reward", "diagnostics/scorer_overlap.py",
+       (">", 0.01, "citing every shown document counts every supporting paragraph retrieval counts; less is one scorer reading the wrong ids")),
+    _m("h06/identical_group_share", "share of groups", "sampling", "diagnostics/loss_inputs.py"),
+    _m("h06/identical_group_expected_share", "share of groups", "sampling", "diagnostics/loss_inputs.py"),
 )
 
 METRICS: dict[str, Metric] = {m.name: m for m in _DECLARED}
@@ -251,7 +277,7 @@ def stage_of(name: str) -> str | None:
 
 
 RULE_MODULES = ("diagnostics/stages", "diagnostics/invariants.py", "diagnostics/alarms.py",
-                "diagnostics/trl_rules.py", "diagnostics/reward_power.py", "diagnostics/context.py")
+                "diagnostics/trl_rules.py", "diagnostics/point_of_use.py", "diagnostics/reward_power.py", "diagnostics/context.py")
 
 
 @functools.lru_cache(maxsize=1)

@@ -83,6 +83,7 @@ CHECKS: dict[str, tuple[str, Kind]] = {
     "sync": ("sampling", Kind.DEFECT),
     "sampler_trainer_differ_at_start": ("sampling", Kind.DEFECT),
     "sampler_trainer_drift": ("sampling", Kind.SYMPTOM),
+    "sampling_not_diverse": ("sampling", Kind.DEFECT),
     # environment
     "tool_results_altered": ("environment", Kind.DEFECT),
     "tool_failures": ("environment", Kind.SYMPTOM),
@@ -93,6 +94,7 @@ CHECKS: dict[str, tuple[str, Kind]] = {
     "answer_reward_blind": ("reward", Kind.DEFECT),
     "reward_signal": ("reward", Kind.DEFECT),
     "components_disagree": ("reward", Kind.DEFECT),
+    "scorers_disagree_on_overlap": ("reward", Kind.DEFECT),
     "components_without_signal": ("reward", Kind.SYMPTOM),
     "reward_function_constant": ("reward", Kind.SYMPTOM),
     "reward_rises_component_falls": ("reward", Kind.SYMPTOM),
@@ -115,6 +117,15 @@ CHECKS: dict[str, tuple[str, Kind]] = {
     "importance_weights_vanish": ("loss", Kind.SYMPTOM),
     "importance_weights_clipped": ("loss", Kind.SYMPTOM),
     "importance_sampling_masks_sequences": ("loss", Kind.SYMPTOM),
+    # loss, read where the loss consumes its inputs (diagnostics/point_of_use.py)
+    "advantages_not_paired_in_loss": ("loss", Kind.DEFECT),
+    "loss_trains_env_tokens": ("loss", Kind.DEFECT),
+    "loss_leaves_sampled_tokens_out": ("loss", Kind.DEFECT),
+    "loss_normaliser_off": ("loss", Kind.SYMPTOM),  # a wrong mask changes the count the loss divides by
+    "kl_penalty_not_applied": ("loss", Kind.DEFECT),
+    "kl_penalty_without_beta": ("loss", Kind.DEFECT),
+    "kl_beta_not_as_configured": ("loss", Kind.DEFECT),
+    "kl_on_env_tokens_in_loss": ("loss", Kind.DEFECT),
     # gradient
     "gradient_zero": ("gradient", Kind.STARVED),
     "gradient_spikes": ("gradient", Kind.SYMPTOM),

@@ -9,6 +9,7 @@ in any diagnostics module the doctor imports.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,9 +49,20 @@ def param(params: Mapping[str, str], key: str, default: str = "") -> str:
     return str(params.get(key, default))
 
 
+_REFERENCE = re.compile(r"^\$\{([\w.-]+)\}$")  # ${model.learning_rate}: another key of the same config
+
+
 def num(params: Mapping[str, str], key: str, default: float = 0.0) -> float:
+    """A number param; a plain ``${other.key}`` reference (a Hydra interpolation saved unresolved, as
+    a run's flattened config may hold it) is followed to the key it names, a few hops at most."""
+    value: Any = params.get(key, default)
+    for _ in range(4):
+        ref = _REFERENCE.match(str(value))
+        if ref is None or ref.group(1) not in params:
+            break
+        value = params[ref.group(1)]
     try:
-        return float(params.get(key, default))
+        return float(value)
     except (TypeError, ValueError):
         return default
 

@@ -29,12 +29,12 @@ not by position); the tokens that should train are the rollout's own token sourc
 any mask the trainer built.
 
 Cost: a hash of each row's ids, and a few (rows x tokens) elementwise ops after backward.
-``METRICS`` declares every metric produced here (unit, stage, bound and its reason).
+Every metric produced here is declared, with its unit, stage and bound, in diagnostics/catalogue.py.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,79 +60,6 @@ MOVED_MIN = 1e-5
 LOSS_TYPES = ("grpo", "sapo", "bnpo", "dr_grpo", "dapo", "cispo", "vespo", "luspo")
 
 
-@dataclass(frozen=True)
-class MetricDecl:
-    """One metric: its unit, the chain stage it judges, what it means, its healthy bound and why."""
-
-    unit: str
-    stage: str
-    meaning: str
-    bound: str
-    reason: str
-
-
-# Every metric this module and its rules (diagnostics/point_of_use.py) use, declared once.
-METRICS: dict[str, MetricDecl] = {
-    "h01/loss_adv_pairing_error": MetricDecl(
-        "advantage units", "loss",
-        "max over the micro-batch's rows of |advantage that multiplied the row in the loss - advantage "
-        "recomputed from the rewards of the episode with the same token ids|",
-        "<= 1e-3 + 1e-2 x |A|", "both sides are float32 sums (~1e-6 relative); a mis-paired advantage "
-        "differs by the advantage spread itself (~1)"),
-    "h01/loss_adv_misaligned_share": MetricDecl(
-        "share of rows", "loss", "rows whose applied advantage differs from their own (pairing error above tolerance)",
-        "0 (doctor: mean > 0.02)", "any mis-paired row teaches the wrong completion; 2% tolerates one odd row in 50"),
-    "h01/loss_rows_unmatched_share": MetricDecl(
-        "share of rows", "loss", "loss rows whose prompt+completion token ids match no episode of the rollout",
-        "0 (doctor: mean > 0.02)", "the loss trains on completions the rollout did not produce (ids altered, rows mixed)"),
-    "h01/loss_adv_from_inputs": MetricDecl(
-        "0/1", "loss", "1 when the loss's advantages are its inputs' advantages (a gradient reached them)",
-        "1", "0: the loss used advantages made elsewhere, unseen by every instrument that reads the inputs"),
-    "h02/loss_tool_token_share": MetricDecl(
-        "share of env tokens", "loss", "tool-result and template tokens (rollout sources) the policy loss puts "
-        "a gradient on, in rows with a non-zero advantage", "0", "env tokens are not the policy's actions "
-        "(docs/failure_modes.md defect 2): any share is a mask defect"),
-    "h02/loss_assistant_left_out_share": MetricDecl(
-        "share of assistant tokens", "loss", "sampled (ASSISTANT-source) tokens with no policy gradient, in rows "
-        "with a non-zero advantage (clipped and importance-masked tokens excluded)", "0 (doctor: mean > 0.01)",
-        "mask_truncated_completions and entropy masking are off: every sampled token of a row with signal trains"),
-    "h02/loss_normaliser_ratio": MetricDecl(
-        "ratio", "loss", "the row farthest from 1 of: the weight loss_type implies for the row / the weight "
-        "the loss gave it (-dL/dA)", "1 (doctor: outside [0.95, 1.05])", "float round-off is ~1e-6; the slips pipelines ship "
-        "(accumulation not divided, length vs max length, tokens per process vs global) are factors >= 1.2"),
-    "h03/loss_kl_moved": MetricDecl(
-        "nats/token", "policy change", "mean |ref - logp| on the assistant tokens of the loss micro-batch", "-",
-        "whether the KL term can be non-zero at all (0 before the first update)"),
-    "h03/kl_term_zero_with_beta": MetricDecl(
-        "0/1", "loss", "1 when loss.beta > 0 and the policy has moved (loss_kl_moved > 1e-5) but no KL "
-        "gradient reaches the loss, or the loss has no reference log-probs", "0",
-        "a configured penalty must act once policy != reference"),
-    "h03/kl_term_without_beta": MetricDecl(
-        "0/1", "loss", "1 when loss.beta = 0 and a KL gradient reaches the loss", "0", "an unconfigured penalty"),
-    "h03/kl_beta_applied_ratio": MetricDecl(
-        "ratio", "loss", "beta the loss applied (fit of dL/dref to (exp(ref - logp) - 1) x row weight) / loss.beta",
-        "1 (doctor: outside [0.9, 1.1])", "float32 fit error is < 1e-3 once the policy moved; a dropped (0), "
-        "flipped (-1) or mis-scaled beta is far outside"),
-    "h03/loss_kl_env_token_share": MetricDecl(
-        "share of env tokens", "loss", "tool/template tokens with a KL gradient (where ref != logp)", "0",
-        "the KL belongs on the policy's own tokens (docs/failure_modes.md defect 3)"),
-    "h05/scorer_overlap_checked": MetricDecl(
-        "episodes", "reward", "episodes citing every document they were shown (where the citation and "
-        "retrieval scorers overlap; diagnostics/scorer_overlap.py)", "-", "how much evidence the check below has"),
-    "h05/scorer_overlap_disagreement_share": MetricDecl(
-        "share of episodes", "reward", "of those, episodes whose citation recall < retrieval recall",
-        "0 (doctor: mean > 0.01)", "citing every shown document counts every supporting paragraph retrieval "
-        "counts; less is one scorer reading the wrong ids"),
-    "h06/identical_group_share": MetricDecl(
-        "share of groups", "sampling", "groups whose G completions are token-identical", "-",
-        "reported: a sharp policy may legitimately repeat itself"),
-    "h06/identical_group_expected_share": MetricDecl(
-        "share of groups", "sampling", "the share of identical groups the sampler's own log-probs predict "
-        "(mean over groups of mean_i p(s_i)^(G-1)); temperature > 0 only", "observed identical groups over the "
-        "run within Poisson p >= 1e-3 of this (doctor)",
-        "more ties than the policy's probabilities allow: sampling does not sample (greedy, or a temperature "
-        "applied on one side only), and tied groups carry no signal"),
-}
 
 
 # ------------------------------------------------------------------ reference advantages
@@ -418,8 +345,3 @@ def from_loss_config(loss: Any, train: Any) -> LossInputCheck:
         epsilon=float(loss.epsilon), epsilon_high=loss.epsilon_high, temperature=float(train.temperature),
         top_k=int(train.top_k or 0),
     )
-
-
-def declared(names: Mapping[str, float]) -> list[str]:
-    """The names among ``names`` this module declares (for a catalogue's completeness test)."""
-    return [k for k in names if k in METRICS]

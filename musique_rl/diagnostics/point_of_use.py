@@ -1,8 +1,8 @@
 """Doctor rules on the point-of-use checks (diagnostics/loss_inputs.py): what the loss multiplied,
 read from its own gradient against the rollout's references.
 
-Each finding names its stage of the GRPO step (``STAGES``: the ``Stage: ...`` sentence of its
-verdict). The metrics, their units, bounds and reasons are declared once in ``loss_inputs.METRICS``;
+Each finding names its stage of the GRPO step (chain.CHECKS: the ``Stage: ...`` sentence of its
+verdict). The metrics, their units, bounds and reasons are declared once in diagnostics/catalogue.py;
 the thresholds below are those bounds.
 """
 
@@ -12,6 +12,7 @@ import math
 import statistics
 from collections.abc import Mapping
 
+from musique_rl.diagnostics.chain import CHECKS
 from musique_rl.diagnostics.findings import Finding, History, judged, magnitude, rule, values
 
 # Rows whose applied advantage is not their own (mean share over the logged steps): 2% tolerates one
@@ -33,24 +34,12 @@ IDENTICAL_MIN = 3
 
 # The stage of the GRPO step each check judges (inputs, sampling, environment, reward, signal, loss,
 # gradient, update, policy change).
-STAGES = {
-    "advantages_not_paired_in_loss": "loss",
-    "loss_trains_env_tokens": "loss",
-    "loss_leaves_sampled_tokens_out": "loss",
-    "loss_normaliser_off": "loss",
-    "kl_penalty_not_applied": "loss",
-    "kl_penalty_without_beta": "loss",
-    "kl_beta_not_as_configured": "loss",
-    "kl_on_env_tokens_in_loss": "loss",
-    "sampling_not_diverse": "sampling",
-    "scorers_disagree_on_overlap": "reward",
-}
 # Episodes where overlapping scorers contradict each other (mean share): 1%, as components_disagree.
 OVERLAP_DISAGREEMENT_MAX = 0.01
 
 
 def _stage(check: str) -> str:
-    return f" Stage: {STAGES[check]}."
+    return f" Stage: {CHECKS[check][0]}."  # declared with the chain's other checks
 
 
 def _mean(m: Mapping[str, History], key: str) -> float | None:
