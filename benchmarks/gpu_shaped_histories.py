@@ -97,6 +97,17 @@ def float32_h200(rows: list[Row]) -> list[Row]:
     return rows
 
 
+
+def _set_gap(r: Row, g: float) -> None:
+    """A step's sampler/trainer gap g (nats/token): its mean, its max (5x, as the runs show) and, where
+    the step logged them, its pre/post-tool parts."""
+    r["h06/logp_gap_mean"] = g
+    r["h06/logp_gap_max"] = 5 * g
+    for k in ("h06/logp_gap_pre_tool", "h06/logp_gap_post_tool"):
+        if k in r:
+            r[k] = g
+
+
 def bf16_floor_grows(rows: list[Row]) -> list[Row]:
     rows = [dict(r) for r in rows]
     probes = probe_steps(rows)
@@ -109,13 +120,8 @@ def bf16_floor_grows(rows: list[Row]) -> list[Row]:
             r["h06/logp_gap_floor"] = floor
             r["h06/logp_gap_floor_dtype"] = floor
         if "h06/logp_gap_mean" in r:
-            g = floor * (1.0 + 0.4 * (n % 5) / 4)  # 1.0-1.4x the floor of the latest probe
+            _set_gap(r, floor * (1.0 + 0.4 * (n % 5) / 4))  # 1.0-1.4x the floor of the latest probe
             n += 1
-            r["h06/logp_gap_mean"] = g
-            r["h06/logp_gap_max"] = 5 * g
-            for k in ("h06/logp_gap_pre_tool", "h06/logp_gap_post_tool"):
-                if k in r:
-                    r[k] = g
     return rows
 
 
@@ -128,13 +134,8 @@ def bf16_7b_gaps(rows: list[Row]) -> list[Row]:
             r["h06/logp_gap_floor"] = 0.036
             r["h06/logp_gap_floor_dtype"] = 0.036
         if "h06/logp_gap_mean" in r:
-            g = gaps[n % len(gaps)]
+            _set_gap(r, gaps[n % len(gaps)])
             n += 1
-            r["h06/logp_gap_mean"] = g
-            r["h06/logp_gap_max"] = 5 * g
-            for k in ("h06/logp_gap_pre_tool", "h06/logp_gap_post_tool"):
-                if k in r:
-                    r[k] = g
     return rows
 
 
