@@ -15,8 +15,10 @@ ROOT = Path(__file__).resolve().parent.parent
 # The script's prelude: composing the copy's config, and a scripted generation backend for
 # RolloutEngine (each call "samples" the next scripted turn of every live episode, token by token as
 # the tokenizer encodes it, ending on eos).
-PRELUDE = '''
-import contextlib
+PRELUDE = f'''
+import sys
+sys.path.append({str(ROOT / "tests")!r})  # tests/scripted.py, after the copy: the package stays the copy's
+from scripted import InProcessScript
 from musique_rl.core.generation import Sample
 
 
@@ -38,18 +40,9 @@ def typo_listed(override, name):
     return False
 
 
-class Scripted:  # a musique_rl.core.generation.Generator
-    collective = False
-
+class Scripted(InProcessScript):  # a musique_rl.core.generation.Generator
     def __init__(self, tokenizer, turns):
         self.tokenizer, self.turns = tokenizer, list(turns)
-
-    def any_live(self, local):
-        return local
-
-    @contextlib.contextmanager
-    def session(self):
-        yield self
 
     def generate(self, contexts, max_new_tokens, greedy=False):
         out = []

@@ -9,15 +9,11 @@ import itertools
 from musique_rl.core.generation import Sample
 
 
-class ScriptedGenerator:
-    """``scripts`` maps a prompt's ids to its assistant turns, in order. A turn ends on eos; with
-    ``call_stop`` set, a turn without an answer ends on that id instead (Llama-3.1 ends an ipython call
-    on <|eom_id|>)."""
+class InProcessScript:
+    """What a scripted generator shares with the in-process backends (a musique_rl.core.generation
+    Generator): no collective calls, a session that holds nothing; subclasses write ``generate``."""
 
-    collective = False  # a musique_rl.core.generation.Generator whose turns are scripted
-
-    def __init__(self, tokenizer, scripts: dict[tuple, list[str]], call_stop: int | None = None):
-        self.tokenizer, self.scripts, self.call_stop, self.turn = tokenizer, scripts, call_stop, {}
+    collective = False
 
     def any_live(self, local):
         return local
@@ -25,6 +21,15 @@ class ScriptedGenerator:
     @contextlib.contextmanager
     def session(self):
         yield self
+
+
+class ScriptedGenerator(InProcessScript):
+    """``scripts`` maps a prompt's ids to its assistant turns, in order. A turn ends on eos; with
+    ``call_stop`` set, a turn without an answer ends on that id instead (Llama-3.1 ends an ipython call
+    on <|eom_id|>)."""
+
+    def __init__(self, tokenizer, scripts: dict[tuple, list[str]], call_stop: int | None = None):
+        self.tokenizer, self.scripts, self.call_stop, self.turn = tokenizer, scripts, call_stop, {}
 
     def generate(self, contexts, max_new_tokens, greedy=False):
         out = []
