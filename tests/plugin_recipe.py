@@ -53,13 +53,19 @@ class Scripted(InProcessScript):  # a musique_rl.core.generation.Generator
 '''
 
 
+def copy_package(tmp_path: Path) -> None:
+    """musique_rl/ (less its shipped warm starts: the recipes build nothing that needs them) and the top-level
+    folders it reads (conf/, sweeps/, launchers/), as a checkout has them."""
+    shutil.copytree(ROOT / "musique_rl", tmp_path / "musique_rl", ignore=shutil.ignore_patterns("warm_starts", "__pycache__"))
+    for folder in ("conf", "sweeps", "launchers"):
+        shutil.copytree(ROOT / folder, tmp_path / folder)
+
+
 def run_in_copy(tmp_path: Path, new_module: str, source: str, script: str) -> subprocess.CompletedProcess:
     """Copy musique_rl/ and the top-level folders it reads (conf/, sweeps/, launchers/) into ``tmp_path``, write
     ``source`` to ``musique_rl/<new_module>`` (the only new or changed file), and run ``script`` with that copy
     first on the path."""
-    shutil.copytree(ROOT / "musique_rl", tmp_path / "musique_rl", ignore=shutil.ignore_patterns("warm_starts", "__pycache__"))
-    for folder in ("conf", "sweeps", "launchers"):
-        shutil.copytree(ROOT / folder, tmp_path / folder)
+    copy_package(tmp_path)
     target = tmp_path / "musique_rl" / new_module
     assert not target.exists(), target
     target.write_text(source)

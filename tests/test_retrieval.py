@@ -117,13 +117,12 @@ def test_a_new_retriever_is_one_class(tmp_path):
     """The recipe of docs/architecture.md, done in a copy of the package: one Retriever subclass
     appended to env/retrieval.py is selectable as env.retriever, and a typo still fails at
     composition, listing it."""
-    import shutil
     import subprocess
     import sys
-    from pathlib import Path
 
-    root = Path(__file__).resolve().parent.parent
-    shutil.copytree(root / "musique_rl", tmp_path / "musique_rl", ignore=shutil.ignore_patterns("warm_starts", "__pycache__"))
+    from plugin_recipe import copy_package
+
+    copy_package(tmp_path)
     with open(tmp_path / "musique_rl" / "env" / "retrieval.py", "a") as f:
         f.write(
             "\n\nclass FirstDocRetriever(Retriever):\n"
