@@ -186,3 +186,18 @@ def test_bench_faults_expects_each_declared_finding():
     assert bench_faults.accepted("kl_flipped", "h03") and not bench_faults.accepted("kl_flipped", "h02")
     assert bench_faults.accepted("none", "clean") and bench_faults.accepted("none", "unexplained")
     assert not bench_faults.accepted("none", "h02") and not bench_faults.accepted("?", "clean")
+
+
+def test_bench_faults_dtype_does_not_override_a_fault_that_pins_its_own():
+    """`--dtype float32` once turned inplace_merge_sync (bf16 by its overlay) into an inert float32
+    fault: the command-line override beat the overlay, and the row read "unexplained"."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_faults
+
+    plan = bench_faults.fault_launches(["kl_flipped", "inplace_merge_sync"], ["model.dtype=float32"])
+    assert plan == [("faults", ["kl_flipped"], ["model.dtype=float32"]),
+                    ("faults-own-dtype", ["inplace_merge_sync"], [])]
+    assert bench_faults.fault_launches(["kl_flipped", "inplace_merge_sync"], []) == [
+        ("faults", ["kl_flipped", "inplace_merge_sync"], [])]
