@@ -63,6 +63,25 @@ def test_the_floor_is_measured_per_precision_and_float32_sits_far_below_bf16():
     assert bf16["h06/logp_gap_floor"] == max(bf16["h06/logp_gap_floor_paths"], bf16["h06/logp_gap_floor_dtype"])
 
 
+def test_the_floor_is_re_measured_at_every_probe_on_the_weights_of_that_moment():
+    """A step-0 floor under-states what numerics give once the policy sharpens: every parity probe
+    measures it again, on the current weights (bf16, where the floor is above round-off of the mean)."""
+    from musique_rl.diagnostics.instruments import Instruments
+
+    ids, mask, c, lm = _probe()
+    model = _tiny_lm(torch.bfloat16)
+    inst = Instruments(num_generations=2)
+    from musique_rl.diagnostics.floor import _full_forward
+
+    sampled = _full_forward(model, ids, mask, c, 1.0)  # the sampler's own log-probs: the first probe fits settings too
+    inst._probe = {"input_ids": ids, "attention_mask": mask, "logits_to_keep": c, "mask": lm, "sampling_logps": sampled}
+    first = inst.probe_models(model, temperature=1.0)["h06/logp_gap_floor"]
+    with torch.no_grad():  # sharpen the policy: a 30x larger output head peaks every distribution
+        model.lm_head.weight.mul_(30)
+    later = inst.probe_models(model, temperature=1.0)
+    assert "h06/logp_gap_floor" in later and later["h06/logp_gap_floor"] > 2 * first
+
+
 def _gap(step0: float, floor: float | None) -> dict:
     m = {"h06/logp_gap_mean": series(lambda s: step0)}
     if floor is not None:

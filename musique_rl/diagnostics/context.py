@@ -8,11 +8,11 @@ TRL's TrainingArguments) and its own logged metrics this module reads
   decay) is not judged for "the policy is not moving";
 - the backend: an in-process sampler (``train.backend`` hf / paged) samples with the trainer's own
   weights, and the parity probe (``h06/parity_sampler_trainer``) measures whether it does;
-- the dtype (and kernel): the sampler/trainer noise floor. ``h06/logp_gap_floor`` is measured at the
-  first parity probe only (diagnostics/floor.py); the latest logged value is used, so a floor
-  re-measured at later probes is picked up. Since it is measured before the policy sharpens, growth
-  is judged against the dtype's healthy late level as well (float32: up to ~1e-3 nats/token late in a
-  sharpening run; bf16: 0.01-0.04);
+- the dtype (and kernel): the sampler/trainer noise floor. ``h06/logp_gap_floor`` is re-measured at
+  every parity probe on that moment's weights (diagnostics/floor.py): the first value judges the gap
+  before any update, the latest judges the gap late in the run (the floor grows as the policy
+  sharpens). Logs with one floor only (older runs, a probe that failed) are covered by the dtype's
+  healthy late level as well (float32: up to ~1e-3 nats/token late in a sharpening run; bf16: 0.01-0.04);
 - materiality: a gap too small to move the loss by MATERIAL_LOSS_SHARE is not a finding, whatever
   its multiple of the floor.
 

@@ -3,8 +3,10 @@
 A sampler/trainer log-prob gap means something only relative to what identical weights give on the
 same hardware, precision and kernels: float32 on a CPU agrees to ~1e-6 nats/token, bf16 on a GPU
 to ~1e-2 (docs/diagnostics.md, "Calibrated mismatch floor"). One fixed threshold cannot serve both,
-so each run measures its own floor once, at the first parity probe (identical weights in sampler
-and trainer), and the doctor judges every gap as a multiple of it.
+so each run measures its own floor at every parity probe, on the weights of that moment, and the
+doctor judges every gap as a multiple of the floor measured nearest to it. Not once: the floor grows as
+the policy sharpens (a peaked distribution amplifies round-off in the log-probs of its rare tokens), so
+a step-0 floor under-states what numerics alone give late in a run.
 
 Two floors, both on the fixed probe sequences:
 
@@ -28,7 +30,8 @@ import torch
 
 # Completion tokens per probe sequence replayed through the KV cache: one forward per token, so the
 # cost is bounded (8 sequences x 128 tokens ~ 1,000 decode steps: ~25 s for a 7B model on one GPU,
-# well under a second for the tiny model). The floor is a per-token statistic; 128 tokens per sequence estimate it.
+# well under a second for the tiny model), paid once per parity probe (diagnostics.parity_probe_every).
+# The floor is a per-token statistic; 128 tokens per sequence estimate it.
 MAX_REPLAY_TOKENS = 128
 # The dtype floor copies the model to float32: only when that copy takes at most this many bytes
 # (a 1B model); above it the copy could exhaust the accelerator's memory mid-run.

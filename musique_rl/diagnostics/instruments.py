@@ -366,17 +366,17 @@ class Instruments:
             base = peft_base_scorer(model, temperature)
         else:
             base = model_scorer(base_model, temperature) if base_model is not None else None
-        first = not self._fit_done
         out = self.parity_probe(trainer=trainer, sampler=sampler, base=base, trainer_logits=model_logits(model),
                                 temperature=temperature)
-        if first:
-            # Once, with the weights sampler and trainer share at the start: this stack's own floor
-            # (floor.mismatch_floor), against which the doctor judges every sampler/trainer gap.
-            from musique_rl.diagnostics.floor import mismatch_floor
+        # At every probe, on the current weights: this stack's own floor (floor.mismatch_floor), against
+        # which the doctor judges the sampler/trainer gap. Re-measured, not measured once, because it grows
+        # as the policy sharpens (peaked distributions amplify round-off): a floor from step 0 would call
+        # a sharpened healthy run's gap drift.
+        from musique_rl.diagnostics.floor import mismatch_floor
 
-            p = self._probe
-            out.update(mismatch_floor(model, p["input_ids"], p["attention_mask"], p["logits_to_keep"], p["mask"],
-                                      temperature))
+        p = self._probe
+        out.update(mismatch_floor(model, p["input_ids"], p["attention_mask"], p["logits_to_keep"], p["mask"],
+                                  temperature))
         return out
 
     def token_sources(self, sources: list[list[str | int]], width: int) -> torch.Tensor:

@@ -82,7 +82,7 @@ class StepLog(ProgressCallback):
         if self._last is not None and step > self._last[1]:
             parts.append(f"{(now - self._last[0]) / (step - self._last[1]):.2f} s/step")
         self._last = (now, step)
-        if "h06/logp_gap_floor" in logs:  # measured once, at the first probe: the run's own floor
+        if "h06/logp_gap_floor" in logs:  # re-measured at every parity probe: the run's latest floor
             self.gap_floor = logs["h06/logp_gap_floor"]
         bad = out_of_bounds(logs, skip=("h08/",) if step <= self.warmup_steps else (),
                             floor=self.gap_floor)
