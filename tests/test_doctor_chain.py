@@ -103,6 +103,29 @@ def test_after_the_warm_up_tiny_updates_are_still_found():
     assert top_flagged(diag) == "h08" and diag[0]["check"] == "updates_too_small"
 
 
+def test_steps_without_any_group_signal_do_not_count_against_the_learning_rate():
+    """A step on which every group tied has no gradient: the update size is judged on the steps at
+    the scheduled rate that had a signal, and not on fewer than MIN_UPDATE_STEPS of them (the 6-step
+    Qwen2.5 stand-in run: 3 steps at rate, 2 of them tied, was told to raise the learning rate)."""
+    from musique_rl.diagnostics.stages.update import MIN_UPDATE_STEPS
+
+    run = open_source(str(FIX / "realmodel_warmup_3steps"))
+    m = {k: list(v) for k, v in run.histories.items()}
+    for key in ("h08/learning_rate", "learning_rate"):
+        m[key] += [(s, 1e-5) for s in range(4, 16)]
+    m["h08/update_weight_ratio"] += [(s, 1e-6) for s in range(4, 16)]
+    # every group tied on all but two of the steps at the scheduled rate
+    m["h01/zero_std_share"] = [(s, 0.5 if s in (5, 9) else 1.0) for s in range(1, 16)]
+    diag = diagnose_metrics(m, run.params)
+    upd = next(d for d in diag if d["check"] == "updates_too_small")
+    assert not upd["flagged"] and upd["role"] == "note" and f"at least {MIN_UPDATE_STEPS}" in upd["verdict"]
+    assert not any("raise the learning rate" in d["verdict"].lower() for d in diag if d["flagged"])
+    # with signal on enough of those steps, the same tiny updates are the update stage's again
+    m["h01/zero_std_share"] = [(s, 0.5 if s % 2 else 1.0) for s in range(1, 16)]
+    diag = diagnose_metrics(m, run.params)
+    assert next(d for d in diag if d["check"] == "updates_too_small")["flagged"]
+
+
 # ---------------------------------------------------------------- the mechanism
 def test_every_declared_check_sits_in_a_stage_of_the_chain():
     assert [s.name for s in STAGES][:2] == ["inputs", "sampling"] and STAGES[-1].name == "policy"

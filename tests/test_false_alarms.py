@@ -21,11 +21,7 @@ import false_alarms as fa  # noqa: E402
 import gpu_shaped_histories as gsh  # noqa: E402
 
 # What the doctor at this commit gets wrong, with the evidence it gives (issue 29 names each shape).
-KNOWN_WRONG = {
-    "standin-qwen2.5-instruct": "h08 updates_too_small ranked first: 6 steps of a random tiny model on the Qwen2.5 "
-                                "stand-in, its last step at half the peak rate, most groups near-tied (reward std "
-                                "<= 0.035) but not exactly tied, so no_signal does not fire and nothing starves the update",
-}
+KNOWN_WRONG: dict[str, str] = {}  # case -> why the doctor is still wrong on it (a strict xfail)
 
 
 def _mark(name: str) -> list:

@@ -91,3 +91,30 @@ def test_learning_rate_rule_spares_warmup_and_a_linear_decay_to_zero():
     ended = [1e-3] * 20 + [0.0] * 40
     assert ("h08", "learning_rate_zero") in checks({"learning_rate": steps(ended)})
     assert ("h08", "learning_rate_zero") in checks({"learning_rate": steps([0.0] * 30)})
+
+
+def test_a_flat_run_whose_policy_barely_moves_despite_signal_is_the_update_stages():
+    """A flat run with strong group signal used to come out "cause not found": TRL's own `kl` says
+    whether the policy moves at all (a public Wordle run: KL 0.001-0.009 over 400 flat steps)."""
+    import random
+
+    rng = random.Random(0)
+    n = 120
+    base = {"reward": steps([-0.2 + rng.gauss(0, 0.3) for _ in range(n)]),
+            "frac_reward_zero_std": steps([0.0] * n), "grad_norm": steps([0.2 + rng.gauss(0, 0.02) for _ in range(n)]),
+            "learning_rate": steps([1e-5] * n)}
+    still = {**base, "kl": steps([0.001 + 0.00003 * i for i in range(n)])}
+    found = {d["check"]: d for d in diagnose_metrics(still, {}) if d["flagged"]}
+    assert list(found) == ["policy_barely_moves"] and found["policy_barely_moves"]["stage"] == "update"
+    assert "raise the learning rate" in found["policy_barely_moves"]["verdict"]
+    # the policy moves (0.05 nats/token) and the reward stays flat: not an update problem
+    moves = {**base, "kl": steps([0.0005 * i for i in range(n)])}
+    assert ("unexplained", "flat_reward_cause_not_found") in checks(moves)
+    # TRL logs kl = 0 when it computes none (beta 0): nothing to read, so no claim
+    assert ("unexplained", "flat_reward_cause_not_found") in checks({**base, "kl": steps([0.0] * n)})
+    # most groups tied: the signal stage speaks first, not this finding
+    weak = {**still, "frac_reward_zero_std": steps([0.8] * n)}
+    assert ("h08", "policy_barely_moves") not in checks(weak)
+    # a run that learns is not judged at all
+    rising = {**still, "reward": steps([-0.2 + 0.01 * i + rng.gauss(0, 0.1) for i in range(n)])}
+    assert not checks(rising)

@@ -138,6 +138,7 @@ CHECKS: dict[str, tuple[str, Kind]] = {
     "base_drift": ("update", Kind.DEFECT),
     # policy change
     "policy_still": ("policy", Kind.STARVED),
+    "policy_barely_moves": ("update", Kind.SYMPTOM),
     "entropy_collapse": ("policy", Kind.SYMPTOM),
     "spread_falls_first": ("policy", Kind.SYMPTOM),
     "kl_runaway": ("policy", Kind.SYMPTOM),

@@ -92,7 +92,7 @@ def diagnose_metrics(metrics: Mapping[str, History], params: Mapping[str, str] |
     for check in RULES:
         findings.extend(check(metrics, params))
     withdraw(findings, metrics, params)
-    findings.extend(flat_finding(findings, metrics))
+    findings.extend(flat_finding(findings, metrics, params))
     seen = {f.hypothesis for f in findings}
     for h in HYPOTHESES:
         if h not in seen:

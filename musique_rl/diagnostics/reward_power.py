@@ -52,9 +52,12 @@ def reward_trend(m: Mapping[str, History]) -> dict[str, float] | None:
             "gain_se": se, "detectable_gain": (Z_ALPHA + Z_POWER) * se}
 
 
-def flat_finding(findings: Sequence[Finding], m: Mapping[str, History]) -> list[Finding]:
+def flat_finding(findings: Sequence[Finding], m: Mapping[str, History],
+                 params: Mapping[str, str] | None = None) -> list[Finding]:
     """No silent 'clean' on a flat run: when nothing is flagged and the reward does not rise, either
-    "too short to judge" (a rise short of significance; not flagged) or "flat, cause not found"."""
+    "too short to judge" (a rise short of significance; not flagged), the update stage's "policy
+    barely moves" when the policy's own KL says so (stages/policy.barely_moves), or "flat, cause not found"."""
+    params = params or {}
     if any(f.flagged for f in findings):
         return []
     t = reward_trend(m)
@@ -73,6 +76,12 @@ def flat_finding(findings: Sequence[Finding], m: Mapping[str, History]) -> list[
                         f"(p = {t['p_rise']:.2f} for a rise), short of significance; with this reward noise the run "
                         f"could only detect a gain of {t['detectable_gain']:.3f} (80% power at p < {FLAT_P}). About "
                         f"{need:.0f} steps would detect a gain this size. No instrument is out of bounds.", ev)]
+    from musique_rl.diagnostics.stages.policy import barely_moves
+
+    still = barely_moves(m, params, t["points"])
+    if still is not None:  # the cause is found after all: the update stage, from the policy's KL
+        still.evidence.update(ev)
+        return [still]
     ruled_out = sorted({f.hypothesis for f in findings if f.check != "no_data"})
     return [Finding("unexplained", "flat_reward_cause_not_found", True, 0.5,
                     f"Flat reward, cause not found: the reward does not rise over {t['points']:.0f} logged steps "

@@ -9,12 +9,19 @@ from collections.abc import Mapping
 from musique_rl.diagnostics.catalogue import CHECKSUM_DRIFT_MAX, UPDATE_RATIO_MIN, key
 from musique_rl.diagnostics.context import LR_JUDGED_SHARE, schedule
 from musique_rl.diagnostics.findings import Finding, History, judged, magnitude, note, rule, values
+from musique_rl.diagnostics.stages.signal import NO_SIGNAL_STEP_SHARE, tied_steps
 
 # H08: the policy has moved when the KL to its start reaches 1e-4 nats/token (a step of ~1e-3 of the
 # weights' norm moves it by ~1e-4..1e-3 per step on the tiny model); below it after the run's
 # steps, a small update ratio is confirmed as a policy that is not moving.
 KL_TO_START_MIN = 1e-4
 RATIO = key("h08/update_weight_ratio")
+# The update size is a median over the steps that had something to update with: at the scheduled
+# rate AND with at least one group whose rewards differ (on a step where every group tied the
+# gradient is 0 by construction: the signal stage's business, not the optimizer's). A median over
+# fewer than 3 such steps is one step's value (the first step after a tied one moves with Adam's
+# decayed momentum only), too little to tell the user to change the learning rate.
+MIN_UPDATE_STEPS = 3
 
 
 @rule(RATIO)
@@ -24,7 +31,7 @@ def _update_size(m: Mapping[str, History], params: Mapping[str, str]) -> list[Fi
     sched = schedule(m, params)
     judged_steps = sched.judged_steps()
     pts = [(s, v) for s, v in (m.get(RATIO) or []) if v is not None]
-    at_rate = [v for s, v in pts if judged_steps is None or s in judged_steps]
+    at_rate = [(s, v) for s, v in pts if judged_steps is None or s in judged_steps]
     ev: dict[str, float] = {"h08/update_weight_ratio (median, all steps)": statistics.median(v for _, v in pts)}
     if sched.lr:
         ev["learning_rate (peak)"] = sched.peak
@@ -34,7 +41,22 @@ def _update_size(m: Mapping[str, History], params: Mapping[str, str]) -> list[Fi
                      f"Update size not judged: no logged step ran at {LR_JUDGED_SHARE:.0%} of the peak learning rate "
                      f"or more ({sched.words()}): the run is still in its warm-up (or past its decay), so its steps "
                      "are small by schedule.", ev)]
-    med = statistics.median(at_rate)
+    got = tied_steps(m)
+    tied = set(got[0]) if got else set()
+    starved = bool(got and got[1] >= 2 and len(got[0]) / got[1] >= NO_SIGNAL_STEP_SHARE)
+    fed = [v for s, v in at_rate if s not in tied]
+    if len(fed) < len(at_rate):
+        ev["of which with a group signal"] = float(len(fed))
+    if len(fed) < MIN_UPDATE_STEPS and not starved:
+        # (a run whose groups tie on nearly every step is judged below: its update is starved, and
+        # the chain lists it under the signal stage's no_signal)
+        why = (f" (the other {len(at_rate) - len(fed)} had every group tied: no gradient by construction)"
+               if len(fed) < len(at_rate) else "")
+        return [note("h08", "updates_too_small",
+                     f"Update size not judged: only {len(fed)} logged step(s) ran at the scheduled learning rate "
+                     f"with a group whose rewards differ{why}; at least {MIN_UPDATE_STEPS} are needed before the "
+                     "learning rate is blamed.", ev)]
+    med = statistics.median(fed or [v for _, v in at_rate])
     ev["h08/update_weight_ratio (median)"] = med
     kl = values(m.get(key("h08/kl_to_start")))
     # the Trainer's own `grad_norm` is the pre-clip norm (clip_grad_norm_'s return value)
