@@ -83,7 +83,9 @@ def table(uri: str, sweep_dirs: list[Path]) -> dict[tuple[str, str], dict]:
                 verdict = flagged[0]["verdict"] if flagged else "no flagged finding"
             except Exception:
                 pass
-            cells[key] = {"top": top, "verdict": verdict, "run_id": r.info.run_id, "status": r.info.status}
+            cells[key] = {"top": top, "verdict": verdict, "run_id": r.info.run_id, "status": r.info.status,
+                          "trained": r.data.tags.get("git_commit", "?")[:12] + ("+dirty" if r.data.tags.get("git_dirty") == "true" else ""),
+                          "judged": r.data.tags.get("diagnosis_commit", "at training")}
     return cells
 
 
@@ -147,6 +149,10 @@ def main(argv: list[str] | None = None) -> int:
             line += f"{top + (' ok' if hit else ' X'):<14}"
         print(line)
     print(f"\n{ok}/{total} cells diagnosed as expected (tracking store {args.tracking_uri})")
+    trained = sorted({c["trained"] for c in cells.values()})
+    judged = sorted({c["judged"] for c in cells.values()})
+    print(f"runs trained at commit(s) {', '.join(trained) or '-'}; judged by the doctor of {', '.join(judged) or '-'}"
+          " ('at training': the job's own diagnosis; else benchmarks/rediagnose.py's commit)")
     misses = {k: v for k, v in cells.items() if not accepted(k[0], v["top"])}
     for (f, s), c in sorted(misses.items()):
         print(f"  {f} seed {s}: top={c['top']} run={c['run_id']} status={c['status']}: {c['verdict'][:160]}")

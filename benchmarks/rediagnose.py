@@ -25,8 +25,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     os.environ["MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"] = "false"
     from mlflow.tracking import MlflowClient
+    from record import git_commit  # benchmarks/record.py
 
     from musique_rl.diagnostics.doctor import diagnose_run, top_flagged, write_diagnosis
+
+    judge = git_commit()
 
     client = MlflowClient(args.tracking_uri)
     exps = [e.experiment_id for e in client.search_experiments()]
@@ -36,6 +39,8 @@ def main(argv: list[str] | None = None) -> int:
             continue
         diag = diagnose_run(run.info.run_id, args.tracking_uri)
         write_diagnosis(run.info.run_id, diag, args.tracking_uri)
+        # which doctor judged the run (the run's own git_commit tag says which code trained it)
+        client.set_tag(run.info.run_id, "diagnosis_commit", judge)
         n += 1
         print(f"{run.info.run_id} {run.data.tags.get('mlflow.runName', '')}: {top_flagged(diag)}", flush=True)
     print(f"{n} runs re-diagnosed in {args.tracking_uri}")
