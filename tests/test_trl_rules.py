@@ -118,3 +118,52 @@ def test_a_flat_run_whose_policy_barely_moves_despite_signal_is_the_update_stage
     # a run that learns is not judged at all
     rising = {**still, "reward": steps([-0.2 + 0.01 * i + rng.gauss(0, 0.1) for i in range(n)])}
     assert not checks(rising)
+
+
+def test_a_first_logged_kl_the_updates_before_it_cannot_explain_stays_a_reference_finding():
+    """TRL logs every logging_steps: a KL at the first row (step 5) may be the updates'. Not when those
+    updates ran in the warm-up at a tiny rate (a public run: 12.1 nats/token after 4 steps at <= 1.75e-7)."""
+    rows = range(5, 205, 5)
+    warm = {"kl": [(s, 0.3 if s == 5 else 0.1) for s in rows], "reward": [(s, 1.0 + 0.001 * s) for s in rows],
+            "learning_rate": [(s, 5e-6 * min(1.0, s / 115)) for s in rows]}
+    d = next(x for x in diagnose_metrics(warm, {}) if x["check"] == "kl_at_start")
+    assert d["flagged"] and d["role"] == "cause" and "step 5" in d["verdict"]
+    # the same first KL after 4 steps at the peak rate (up to 4 x 0.1 nats/token): theirs, withdrawn
+    peak = {**warm, "learning_rate": [(s, 5e-6) for s in rows]}
+    d = next(x for x in diagnose_metrics(peak, {}) if x["check"] == "kl_at_start")
+    assert not d["flagged"] and d["role"] == "withdrawn" and "peak-rate step" in d["reason"]
+    # and a small first KL after warm-up steps is the updates' own: withdrawn as well
+    small = {**warm, "kl": [(s, 0.005) for s in rows]}
+    d = next(x for x in diagnose_metrics(small, {}) if x["check"] == "kl_at_start")
+    assert not d["flagged"]
+
+
+def test_a_zero_gradient_while_groups_differ_is_a_proof_that_outranks_truncation():
+    n = 40
+    m = {"grad_norm": steps([0.0] * n), "frac_reward_zero_std": steps([0.125] * n),
+         "completions/clipped_ratio": steps([0.32] * n), "completions/mean_length": steps([304] * n),
+         "completions/mean_terminated_length": steps([269] * n), "reward": steps([0.55] * n)}
+    diag = diagnose_metrics(m, {})
+    assert diag[0]["check"] == "gradient_zero" and diag[0]["severity"] >= 3
+    # every group tied on those steps: the zero gradient is the ties' consequence, not a proof
+    tied = diagnose_metrics({**m, "frac_reward_zero_std": steps([1.0] * n)}, {})
+    g = next(d for d in tied if d["check"] == "gradient_zero")
+    assert g["severity"] < 1 and g["role"] == "consequence"
+
+
+def test_a_component_that_drifts_down_by_a_sliver_is_no_trade():
+    n = 200
+    total = steps([0.9 + 0.0005 * i for i in range(n)])  # +0.1 over the run
+    sliver = steps([0.1 - 0.00001 * i for i in range(n)])  # -0.002: 2% of the total's gain
+    trade = steps([0.5 - 0.0003 * i for i in range(n)])  # -0.06: 60% of it
+    other = steps([0.4 + 0.0008 * i for i in range(n)])
+    base = {"reward": total, "rewards/correct/mean": other}
+    assert ("h05", "reward_rises_component_falls") not in checks({**base, "rewards/format/mean": sliver})
+    assert ("h05", "reward_rises_component_falls") in checks({**base, "rewards/format/mean": trade})
+
+
+def test_a_non_finite_gradient_norm_is_said():
+    m = {"grad_norm": steps([0.5] * 10 + [float("nan")] + [0.5] * 10)}
+    d = next(x for x in diagnose_metrics(m, {}) if x["check"] == "gradient_not_finite")
+    assert d["role"] == "note" and "step 11" in d["verdict"]
+    assert not any(x["check"] == "gradient_not_finite" for x in diagnose_metrics({"grad_norm": steps([0.5] * 21)}, {}))

@@ -74,11 +74,20 @@ def _entropy_collapse(m: Mapping[str, History], params: Mapping[str, str]) -> li
 
 @rule("grad_norm")
 def _grad_norm(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
+    out: list[Finding] = []
+    bad = [s for s, v in (m.get("grad_norm") or []) if v is not None and not math.isfinite(v)]
+    if bad:
+        # A note, not a finding: a run that logs finite values after it survived the step (a skipped
+        # overflow step, a scaler that backed off); one that does not shows it in every metric after.
+        out.append(note("h08", "gradient_not_finite",
+                        f"The gradient norm is NaN or infinite on {len(bad)} logged step(s) (first at step {bad[0]}): "
+                        "those steps either were skipped or wrote non-finite values into the weights; look at the "
+                        "loss and KL around them.", {"non-finite grad_norm steps": float(len(bad)),
+                                                     "first non-finite step": float(bad[0])}))
     pts = [(s, v) for s, v in (m.get("grad_norm") or []) if v is not None and math.isfinite(v)]
     if len(pts) < GRAD_SPIKE_HISTORY + 1:
-        return []
+        return out
     norms = [v for _, v in pts]
-    out: list[Finding] = []
     zero_steps = [s for s, v in pts if v == 0]
     zero = len(zero_steps) / len(norms)
     if zero > GRAD_ZERO_SHARE:
@@ -95,10 +104,15 @@ def _grad_norm(m: Mapping[str, History], params: Mapping[str, str]) -> list[Find
                                f"groups: on {explained:.0%} of those steps every group's rewards were equal, so every "
                                "advantage was 0 (see the tied-groups finding and its cause).", ev))
         else:
-            out.append(Finding("h01", "gradient_zero", True, 1 + magnitude(zero / GRAD_ZERO_SHARE * 10),
+            # A proof, not a symptom (tier 3): a group whose rewards differ has non-zero advantages, and at
+            # the sampled policy (ratio 1, inside any clip) their policy-gradient term cannot vanish, so a
+            # gradient of exactly 0 means the loss does not reach the trained weights. Ranked above findings
+            # that only cap part of the reward (truncation): fixing those cannot make a zero gradient train.
+            out.append(Finding("h01", "gradient_zero", True, 3 + magnitude(zero / GRAD_ZERO_SHARE * 10),
                                f"The gradient norm is exactly 0 on {zero:.0%} of the steps while groups still differ "
-                               "in reward: the loss does not depend on the trained weights (a frozen or unscaled "
-                               "adapter, an all-zero loss mask, or a detached graph).", ev))
+                               f"in reward (on {1 - explained:.0%} of those steps at least one group had a spread, so "
+                               "non-zero advantages): the loss does not depend on the trained weights (a frozen or "
+                               "unscaled adapter, an all-zero loss mask, or a detached graph).", ev))
         return out
     spikes = []
     baseline = GRAD_BASELINE_MIN_SHARE * statistics.median(norms)

@@ -128,6 +128,7 @@ CHECKS: dict[str, tuple[str, Kind]] = {
     "kl_on_env_tokens_in_loss": ("loss", Kind.DEFECT),
     # gradient
     "gradient_zero": ("gradient", Kind.STARVED),
+    "gradient_not_finite": ("gradient", Kind.SYMPTOM),
     "gradient_spikes": ("gradient", Kind.SYMPTOM),
     # update
     "updates_too_small": ("update", Kind.STARVED),

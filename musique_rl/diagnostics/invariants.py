@@ -89,12 +89,23 @@ def _reward_components(m: Mapping[str, History], params: Mapping[str, str]) -> l
 @rule("kl", "h03/kl_model_mean")
 def _kl_at_start(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
     key = "kl" if values(m.get("kl")) else "h03/kl_model_mean"
-    first = values(m.get(key))[0]
+    first_step, first = next((s, v) for s, v in m[key] if v is not None)
     if num(params, "loss.beta", 1.0) == 0:
         return []
-    return judged("h03", "kl_at_start", first > KL_AT_START_MAX, 3 + magnitude(first / KL_AT_START_MAX),
-                  {f"{key} (first step)": first},
-                  f"Before the first update the KL to the reference is already {first:.3g} (must be ~0: the "
+    ev = {f"{key} (first step)": first}
+    when = "Before the first update"
+    if first_step > 1:
+        # a first row after updates: context.py withdraws the claim unless those updates cannot account for it
+        from musique_rl.diagnostics.context import KL_PER_PEAK_STEP, update_budget_before
+
+        budget = update_budget_before(first_step, m, params)
+        ev["first logged step"] = float(first_step)
+        if budget is not None:
+            ev["updates before it (peak-rate steps)"] = budget
+            when = (f"At the first logged row (step {first_step}), after updates worth {budget:.2g} peak-rate step(s) "
+                    f"that move a policy at most {KL_PER_PEAK_STEP * budget:.2g} nats/token,")
+    return judged("h03", "kl_at_start", first > KL_AT_START_MAX, 3 + magnitude(first / KL_AT_START_MAX), ev,
+                  f"{when} the KL to the reference is already {first:.3g} (must be ~0: the "
                   "policy starts AS the reference): the reference model is not the starting policy (another "
                   "checkpoint, dtype, or adapter state).",
                   f"KL to the reference starts at {first:.2g}.")
