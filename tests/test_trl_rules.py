@@ -167,3 +167,19 @@ def test_a_non_finite_gradient_norm_is_said():
     d = next(x for x in diagnose_metrics(m, {}) if x["check"] == "gradient_not_finite")
     assert d["role"] == "note" and "step 11" in d["verdict"]
     assert not any(x["check"] == "gradient_not_finite" for x in diagnose_metrics({"grad_norm": steps([0.5] * 21)}, {}))
+
+
+def test_a_constant_non_zero_task_reward_is_not_saturated_and_harmless():
+    """A correctness function at 0.5 for every completion is a task that no longer tells completions
+    apart; a format function at 1.0 is the saturated kind (the name is all TRL's log says of a role)."""
+    fmt = {"rewards/format_reward_func/mean": steps([0.1 + 0.002 * i for i in range(10)]),
+           "rewards/format_reward_func/std": steps([0.05] * 10)}
+    task = {"rewards/correctness_reward_func/mean": steps([0.5] * 10),
+            "rewards/correctness_reward_func/std": steps([0.0] * 10)}
+    d = [x for x in diagnose_metrics({**fmt, **task}, {}) if x["check"] == "reward_function_constant"]
+    assert d[0]["flagged"] and "correctness_reward_func" in d[0]["verdict"] and "format_reward_func" in d[0]["verdict"]
+    swapped = {"rewards/strict_format_reward_func/mean": steps([0.5] * 10),
+               "rewards/strict_format_reward_func/std": steps([0.0] * 10),
+               "rewards/correctness_reward_func/mean": steps([0.3 + 0.01 * i for i in range(10)]),
+               "rewards/correctness_reward_func/std": steps([0.4] * 10)}
+    assert not any(x["flagged"] for x in diagnose_metrics(swapped, {}) if x["check"] == "reward_function_constant")

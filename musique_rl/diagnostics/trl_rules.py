@@ -103,6 +103,13 @@ def _ours(m: Mapping[str, History], what: str) -> bool:
 # the total's rise: a trade costs the component something comparable to what the total gained. A public
 # 1,130-step run's format reward drifted -0.002 (2.7% of the total's +0.074) at p < 0.05: no trade.
 COMPONENT_FALL_MATERIAL = 0.1
+# A reward function named for the task's outcome (TRL users name them: correctness_reward_func,
+# accuracy_reward, answer_reward, outcome_reward_fn, ...) that is the same non-zero number for every
+# completion is not "saturated and harmless": the task itself no longer tells completions apart, so
+# the run learns only from the other functions (format, length). Read from the name because TRL's log
+# says nothing else about a function's role; a function whose name says format is the saturated kind.
+TASK_REWARD_NAME = re.compile(r"correct|accura|answer|outcome|task|exact|\bem\b|_em_|f1|score|solve|pass|win|success")
+FORMAT_REWARD_NAME = re.compile(r"format|xml|tag|length|len_|strict|soft|count|style|think")
 
 
 def _trend(h: History | None) -> tuple[float, float] | None:
@@ -318,6 +325,13 @@ def _constant_reward_func(m: Mapping[str, History], params: Mapping[str, str]) -
             out.append(Finding("h05", "reward_function_constant", True, 1.5 if cut else 2.5,
                                f"Reward function `{f}` returns 0 for every completion at every logged step: it never "
                                "pays, so it carries no signal." + because, ev))
+        elif TASK_REWARD_NAME.search(f.lower()) and not FORMAT_REWARD_NAME.search(f.lower()):
+            others = ", ".join(f"`{g}`" for g in funcs if g not in const) or "nothing"
+            out.append(Finding("h05", "reward_function_constant", True, 1.5 if cut else 2.5,
+                               f"The task's reward function `{f}` is {mean:.3g} for every completion at every logged "
+                               f"step: the task no longer tells completions apart (a parser that returns a default, "
+                               f"partial credit that is always the same, or questions every completion solves), so "
+                               f"the run learns only from {others}." + because, ev))
         else:
             out.append(Finding("h05", "reward_function_constant", False, 0.0,
                                f"Reward function `{f}` is {mean:.3g} for every completion (saturated): it carries "
