@@ -380,8 +380,13 @@ def job_result(step: Step, row: Row, output: str) -> None:
         flagged = [d for d in diagnosis if d.get("flagged")]
         top = flagged[0] if flagged else None
         parts.append("diagnosis: " + (f"{top['hypothesis']} {top['check']}" if top else "clean"))
-        if len(flagged) > 1:
-            row.note = "also flagged: " + ", ".join(f"{d['hypothesis']} {d['check']}" for d in flagged[1:4])
+        # the chain's reading: what the cause explains (said so), then any other cause
+        said = ["its consequences: " + ", ".join(top["consequences"][:4])] if top and top.get("consequences") else []
+        others = [d for d in flagged[1:] if d.get("role") != "consequence"]
+        if others:
+            said.append("other causes: " + ", ".join(f"{d['hypothesis']} {d['check']}" for d in others[:3]))
+        if said:
+            row.note = "; ".join(filter(None, [row.note, *said]))
         if step.expected is not None and row.status == "ok":
             named = top["hypothesis"] if top else "clean"
             right = named == step.expected

@@ -64,8 +64,10 @@ def test_the_budget_skips_what_no_longer_fits_and_a_lone_step_waits_for_the_othe
 def test_a_job_row_reads_the_run_directory_and_names_a_misnamed_fault(tmp_path):
     (tmp_path / "metrics.json").write_text(json.dumps({"train/reward_gain": 0.352, "time/seconds": 80.0}))
     (tmp_path / "diagnosis.json").write_text(json.dumps([
-        {"hypothesis": "h06", "check": "gap_grows", "flagged": True},
-        {"hypothesis": "h08", "check": "spike", "flagged": True},
+        {"hypothesis": "h06", "check": "gap_grows", "flagged": True, "role": "cause",
+         "consequences": ["h08 updates_too_small"]},
+        {"hypothesis": "h08", "check": "spike", "flagged": True, "role": "cause"},
+        {"hypothesis": "h08", "check": "updates_too_small", "flagged": True, "role": "consequence"},
         {"hypothesis": "h02", "check": "attention_coverage", "flagged": False}]))
     output = "step 1/3 | reward 0.1 | 0.90 s/step\nstep 2/3 | 0.50 s/step\nstep 3/3 | 0.70 s/step\n"
     step = gpu_check.Step("fault_blind_context", ["x"], 1, run_dir=str(tmp_path), expected="h02")
@@ -73,7 +75,8 @@ def test_a_job_row_reads_the_run_directory_and_names_a_misnamed_fault(tmp_path):
     gpu_check.summarise(step, row, output)
     assert row.result == ("3 steps, 0.90 s first, median 0.60 s/step; gain +0.352; diagnosis: h06 gap_grows; "
                           "named WRONG (expected h02)")
-    assert row.status == "FAIL" and row.note == "also flagged: h08 spike"
+    assert row.status == "FAIL"
+    assert row.note == "its consequences: h08 updates_too_small; other causes: h08 spike"
     clean = gpu_check.Row("default_bf16", status="ok")
     (tmp_path / "diagnosis.json").write_text("[]")
     gpu_check.summarise(gpu_check.Step("default_bf16", ["x"], 1, run_dir=str(tmp_path)), clean, output)
