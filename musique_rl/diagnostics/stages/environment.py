@@ -14,7 +14,7 @@ from musique_rl.diagnostics.findings import Finding, History, judged, magnitude,
 TOOL_ALTERED_MAX = 0.05
 
 
-# ---------------------------------------------------------------- field alarm (tier 1: a symptom a long run shows before its reward says anything; other causes possible)
+# ---------------------------------------------------------------- field alarms (tier 1: other causes possible)
 # Void turns: an assistant turn with neither a tool call nor an answer ends the episode
 # (stop_reason no_tool_call). The warm-started tiny policy has ~8% such episodes before training;
 # above a quarter of the episodes in the last quarter of the run, the policy or the tool-call

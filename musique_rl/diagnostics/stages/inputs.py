@@ -41,7 +41,7 @@ def _budgets(m: Mapping[str, History], params: Mapping[str, str]) -> list[Findin
     return [Finding("h04", "budgets_binding", False, 0.0, "Token budgets rarely bind.", ev)]
 
 
-# ---------------------------------------------------------------- over TRL's own metric names (plain TRL logs too; each stands down where our instrument is logged: trl_rules.OURS)
+# ---------------------------------------------------------------- over TRL's own metric names (trl_rules.OURS)
 @rule("completions/clipped_ratio")
 def _truncation(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
     if _ours(m, "truncation"):

@@ -20,7 +20,7 @@ IS_WEIGHT_MIN = 0.1
 IS_WEIGHT_KEY = key("sampling/importance_sampling_ratio/mean")
 
 
-# ---------------------------------------------------------------- tier-3 invariant (a proof, not a symptom: a thing that cannot happen in a correct pipeline)
+# ---------------------------------------------------------------- tier-3 invariant (a proof, not a symptom)
 # KL: before the first optimizer step the policy IS the reference (full fine-tuning loads a copy,
 # PEFT disables the adapter), so the KL to it is 0 up to numerics; a larger one means the
 # reference is another model (another checkpoint, dtype or adapter state: the silent reference
@@ -160,7 +160,7 @@ def _h06_importance_sampling_masks(m: Mapping[str, History], params: Mapping[str
                   f"The importance-sampling correction masks {masked:.0%} of sequences.")
 
 
-# ---------------------------------------------------------------- over TRL's own metric names (plain TRL logs too; each stands down where our instrument is logged: trl_rules.OURS)
+# ---------------------------------------------------------------- over TRL's own metric names (trl_rules.OURS)
 # TRL's sequence/token IS weight exp(trainer - sampler logp) is capped at vllm_importance_sampling_cap
 # (default 3.0); a max at the cap on most steps means the correction is truncating or masking
 # tokens every step, not occasionally. A min below 1e-3 means some sequences are weighted ~away.

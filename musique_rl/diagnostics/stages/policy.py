@@ -36,7 +36,7 @@ def _still(m: Mapping[str, History], params: Mapping[str, str], name: str) -> li
                   f"The policy moves (KL to the start up to {worst:.2g} nats/token).")
 
 
-# ---------------------------------------------------------------- field alarm (tier 1: a symptom a long run shows before its reward says anything; other causes possible)
+# ---------------------------------------------------------------- field alarms (tier 1: other causes possible)
 # Entropy collapse: TRL's `entropy` (mean per-token entropy of the policy on its completions, nats).
 # Sampling G completions of a prompt teaches only while they differ; a policy whose entropy fell
 # below a quarter of its starting level within the run has stopped exploring (DAPO's clip-higher
@@ -181,7 +181,7 @@ def barely_moves(m: Mapping[str, History], params: Mapping[str, str], steps: flo
                    "(make sweep SWEEP=h08).", ev)
 
 
-# ---------------------------------------------------------------- over TRL's own metric names (plain TRL logs too; each stands down where our instrument is logged: trl_rules.OURS)
+# ---------------------------------------------------------------- over TRL's own metric names (trl_rules.OURS)
 # KL to the reference (TRL's `kl`, logged when beta > 0), nats per token. Healthy GRPO runs stay
 # around 1e-3..1e-1 per token; 1.0 means the policy gives its reference's tokens e^-1 of their
 # probability on average: the KL term no longer holds it. Growth alone (x10 from the first quarter)

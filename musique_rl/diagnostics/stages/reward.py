@@ -28,7 +28,7 @@ ANSWER_PRESENT_MIN = 0.5
 DEAD_MEAN = 0.05
 
 
-# ---------------------------------------------------------------- tier-3 invariant (a proof, not a symptom: a thing that cannot happen in a correct pipeline)
+# ---------------------------------------------------------------- tier-3 invariant (a proof, not a symptom)
 # rewards: components whose definitions overlap must agree (exact match implies F1 = 1; an F1
 # lies between its precision and recall); a component constant in every group at every step
 # carries no signal (reported, not flagged: a reward that is constant as a whole is TRL's
@@ -115,7 +115,7 @@ def _h05(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
     return out
 
 
-# ---------------------------------------------------------------- over TRL's own metric names (plain TRL logs too; each stands down where our instrument is logged: trl_rules.OURS)
+# ---------------------------------------------------------------- over TRL's own metric names (trl_rules.OURS)
 # A component "falls at the others' expense" only when its fall (fitted, per step) is at least this share of
 # the total's rise: a trade costs the component something comparable to what the total gained. A public
 # 1,130-step run's format reward drifted -0.002 (2.7% of the total's +0.074) at p < 0.05: no trade.

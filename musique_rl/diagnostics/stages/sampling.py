@@ -102,7 +102,7 @@ def _weight_sync(m: Mapping[str, History], params: Mapping[str, str]) -> list[Fi
     return out
 
 
-# ---------------------------------------------------------------- over TRL's own metric names (plain TRL logs too; each stands down where our instrument is logged: trl_rules.OURS)
+# ---------------------------------------------------------------- over TRL's own metric names (trl_rules.OURS)
 # Mean |sampler - trainer| logp per token (TRL's sampling/sampling_logp_difference/mean, vLLM only).
 # Healthy bf16 stacks measure ~0.011 (published vLLM runs) to 0.036 (this project's 7B bf16 run on an
 # H100); SkyRL's CI gate for dense models is 0.09. Without a floor measured in the run (TRL logs

@@ -27,7 +27,7 @@ def tied_steps(m: Mapping[str, History]) -> tuple[list[int], int, str] | None:
     return None
 
 
-# ---------------------------------------------------------------- tier-3 invariant (a proof, not a symptom: a thing that cannot happen in a correct pipeline)
+# ---------------------------------------------------------------- tier-3 invariant (a proof, not a symptom)
 # advantages: TRL's group-relative advantages sum to 0 in each group and carry the sign of
 # reward - group mean; rewards re-ordered or re-attached after grouping break both (a reward list
 # zipped to the wrong samples after the advantage is formed, groups split across processes).
@@ -133,7 +133,7 @@ def _preflight(m: Mapping[str, History], params: Mapping[str, str]) -> list[Find
                     f"Pre-flight: {s:.0%} of groups forecast to carry signal.", ev)]
 
 
-# ---------------------------------------------------------------- over TRL's own metric names (plain TRL logs too; each stands down where our instrument is logged: trl_rules.OURS)
+# ---------------------------------------------------------------- over TRL's own metric names (trl_rules.OURS)
 # A group whose G rewards are equal has advantage 0 on every completion: it adds no gradient. When
 # most groups carry none, the batch's gradient comes from a few groups (or none): learning stalls
 # whatever the optimizer does. Half is the point where most of the compute trains nothing.

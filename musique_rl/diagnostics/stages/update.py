@@ -25,7 +25,7 @@ RATIO = key("h08/update_weight_ratio")
 MIN_UPDATE_STEPS = 3
 
 
-# ---------------------------------------------------------------- tier-3 invariant (a proof, not a symptom: a thing that cannot happen in a correct pipeline)
+# ---------------------------------------------------------------- tier-3 invariant (a proof, not a symptom)
 # updates: an optimizer step with a non-zero learning rate and gradient changes the weights, by at
 # most what Adam at that learning rate can move them (h08/adam_step_ratio); no change, or a far
 # larger one, means the step is not the configured optimizer's (parameters not in the optimizer,
@@ -133,7 +133,7 @@ def _frozen_base(m: Mapping[str, History], params: Mapping[str, str]) -> list[Fi
                   "the base (TRL #6688).", "The frozen base weights are unchanged.")
 
 
-# ---------------------------------------------------------------- over TRL's own metric names (plain TRL logs too; each stands down where our instrument is logged: trl_rules.OURS)
+# ---------------------------------------------------------------- over TRL's own metric names (trl_rules.OURS)
 # Learning rate: a quarter of the logged steps, after the peak, below 1e-3 of the peak rate. A linear decay to 0
 # spends only its last 0.1% of steps there; a quarter of the run without updates is a schedule that
 # ends before the run does (or a rate of 0).
