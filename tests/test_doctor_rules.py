@@ -213,7 +213,7 @@ def test_spread_falling_before_the_mean_and_void_turns_are_alarms():
 def test_a_short_run_that_rises_short_of_significance_is_too_short_to_judge_not_cause_not_found():
     import math
 
-    from musique_rl.diagnostics.reward_power import reward_trend
+    from musique_rl.diagnostics.trend import reward_trend
 
     # +0.08 over 20 steps in step-to-step noise like the tiny model's: p ~ 0.08 for a rise (the
     # issue's healthy bf16 run: +0.083 at p = 0.054)

@@ -77,7 +77,7 @@ def test_frozen_lora_shows_in_the_log_as_a_zero_gradient():
     assert min(v for _, v in sources.read_trainer_state(FIX / "healthy_seed1").histories["grad_norm"]) > 0
 
 
-# The rule that reads grad_norm == 0 is the field alarm `gradient_zero` (diagnostics/alarms.py). Its reward
+# The rule that reads grad_norm == 0 is the field alarm `gradient_zero` (diagnostics/stages/gradient.py). Its reward
 # even "rises" at p = 0.044 by chance, so the flat-reward rule cannot be what names it.
 def test_frozen_lora_is_flagged():
     diag = diagnosis("frozen_lora")

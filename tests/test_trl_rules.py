@@ -6,7 +6,7 @@ healthy counterpart so a rule that fires on everything (or nothing) fails."""
 from __future__ import annotations
 
 from musique_rl.diagnostics.doctor import diagnose_metrics
-from musique_rl.diagnostics.trl_rules import LOGP_DIFF_MAX
+from musique_rl.diagnostics.stages.sampling import LOGP_DIFF_MAX
 
 
 def steps(values):

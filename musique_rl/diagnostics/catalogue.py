@@ -276,8 +276,8 @@ def stage_of(name: str) -> str | None:
     return m.stage if m else None
 
 
-RULE_MODULES = ("diagnostics/stages", "diagnostics/invariants.py", "diagnostics/alarms.py",
-                "diagnostics/trl_rules.py", "diagnostics/point_of_use.py", "diagnostics/reward_power.py", "diagnostics/context.py")
+RULE_MODULES = ("diagnostics/stages", "diagnostics/trl_rules.py", "diagnostics/point_of_use.py",
+                "diagnostics/reward_power.py", "diagnostics/context.py")
 
 
 @functools.lru_cache(maxsize=1)

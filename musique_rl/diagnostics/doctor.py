@@ -9,8 +9,8 @@
 
 How it reasons (docs/diagnostics.md, "The chain"):
 
-1. every rule judges its metrics (rules live one module per stage, diagnostics/stages/, plus the
-   invariants, field alarms and TRL-name rules), against thresholds from the metric catalogue
+1. every rule judges its metrics (rules live one module per stage, diagnostics/stages/: the
+   invariants, field alarms and TRL-name rules in the stage they judge), against thresholds from the metric catalogue
    (diagnostics/catalogue.py) and expectations from the run's own context (diagnostics/context.py:
    learning-rate schedule, backend, dtype floor, materiality);
 2. claims another stage's evidence contradicts are withdrawn, with the reason (context.py);
@@ -40,8 +40,8 @@ from typing import Any
 from musique_rl import rundir
 
 # Rules registered in their own modules (@rule): imported for their registration. stages: one
-# module per stage of the step; point_of_use: checks read where the loss consumes its inputs; trl_rules: over TRL's own metric names (foreign logs too).
-from musique_rl.diagnostics import alarms, invariants, point_of_use, stages, trl_rules  # noqa: F401
+# module per stage of the step; point_of_use: checks read where the loss consumes its inputs.
+from musique_rl.diagnostics import point_of_use, stages, trl_rules  # noqa: F401  (trl_rules: CANNOT_TELL)
 from musique_rl.diagnostics.catalogue import (  # noqa: F401  (re-exported: the thresholds' old home)
     AMPLIFICATION_MAX,
     BUDGET_SHARE_MAX,
@@ -62,14 +62,9 @@ from musique_rl.diagnostics.report import (  # noqa: F401  (the doctor's public 
     top_flagged,
     triage_table,
 )
-from musique_rl.diagnostics.reward_power import (  # noqa: F401
-    FLAT_MIN_POINTS,
-    FLAT_P,
-    NEXT_SWEEPS,
-    flat_finding,
-    reward_trend,
-)
+from musique_rl.diagnostics.reward_power import NEXT_SWEEPS, flat_finding  # noqa: F401
 from musique_rl.diagnostics.stages.loss import IS_WEIGHT_KEY  # noqa: F401
+from musique_rl.diagnostics.trend import FLAT_MIN_POINTS, FLAT_P, reward_trend  # noqa: F401
 
 HYPOTHESES = ("h01", "h02", "h03", "h04", "h05", "h06", "h07", "h08")
 

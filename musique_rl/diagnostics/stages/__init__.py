@@ -1,13 +1,14 @@
 """The doctor's rules, one module per stage of the GRPO step (diagnostics/chain.py).
 
-Importing this package registers every stage's rules (``findings.rule``). Rules that read TRL's own
-metric names (diagnostics/trl_rules.py), the tier-3 invariants (diagnostics/invariants.py) and the
-field alarms (diagnostics/alarms.py) are registered in their own modules; chain.CHECKS assigns each
-of their checks to its stage.
+Importing this package registers every stage's rules (``findings.rule``). Each rule lives in the stage
+of the findings it emits (chain.stage_of: chain.CHECKS, else chain.HYPOTHESIS_STAGE), whatever it
+reads: this project's instruments, the tier-3 invariants, the field alarms, or TRL's own metric
+names (for plain TRL logs; their shared helpers are in diagnostics/trl_rules.py).
 """
 
 from musique_rl.diagnostics.stages import (  # noqa: F401  (imported for their @rule registrations)
     environment,
+    gradient,
     inputs,
     loss,
     policy,

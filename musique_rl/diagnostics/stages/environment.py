@@ -14,6 +14,28 @@ from musique_rl.diagnostics.findings import Finding, History, judged, magnitude,
 TOOL_ALTERED_MAX = 0.05
 
 
+# ---------------------------------------------------------------- field alarms (tier 1: other causes possible)
+# Void turns: an assistant turn with neither a tool call nor an answer ends the episode
+# (stop_reason no_tool_call). The warm-started tiny policy has ~8% such episodes before training;
+# above a quarter of the episodes in the last quarter of the run, the policy or the tool-call
+# parser has stopped producing actions (a format the parser does not read, a chatty collapse).
+VOID_EPISODE_MAX = 0.25
+
+
+@rule("h07/void_episode_share")
+def _void_turns(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
+    void = values(m.get("h07/void_episode_share"))
+    q = max(1, len(void) // 4)
+    last = statistics.fmean(void[-q:])
+    ev = {"h07/void_episode_share (first)": void[0], "h07/void_episode_share (last quarter)": last,
+          "h07/void_turn_share (last)": (values(m.get("h07/void_turn_share")) or [0.0])[-1]}
+    return judged("h07", "void_turns", last > VOID_EPISODE_MAX, 1 + magnitude(last / VOID_EPISODE_MAX), ev,
+                  f"{last:.0%} of the episodes (last quarter of the run) end in a void turn, neither a tool call nor "
+                  "an answer: the policy writes text the tool-call parser does not read, or has collapsed into "
+                  "chatter (check model.tool_call_format against what the model writes).",
+                  f"Void turns: {last:.0%} of episodes in the last quarter.")
+
+
 @rule(key("h04/tool_results_altered_share"))
 def _tool_results_altered(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
     a = statistics.fmean(values(m.get("h04/tool_results_altered_share")))

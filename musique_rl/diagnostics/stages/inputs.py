@@ -6,7 +6,8 @@ import statistics
 from collections.abc import Mapping
 
 from musique_rl.diagnostics.catalogue import BUDGET_SHARE_MAX, key
-from musique_rl.diagnostics.findings import Finding, History, magnitude, rule, values
+from musique_rl.diagnostics.findings import Finding, History, judged, magnitude, num, rule, values
+from musique_rl.diagnostics.trl_rules import CLIPPED_MAX, _ours, clipped_share
 
 BUDGETS = tuple(key(k) for k in ("h04/budget_cap_share", "h04/dropped_tool_results_share",
                                  "h04/question_left_context_share", "h04/prompt_at_cap_share", "h04/no_answer_share"))
@@ -38,3 +39,28 @@ def _budgets(m: Mapping[str, History], params: Mapping[str, str]) -> list[Findin
                         "the budget, not by the policy (raise env.max_tokens_per_turn / env.max_completion_tokens).",
                         ev, starves=starves)]
     return [Finding("h04", "budgets_binding", False, 0.0, "Token budgets rarely bind.", ev)]
+
+
+# ---------------------------------------------------------------- over TRL's own metric names (trl_rules.OURS)
+@rule("completions/clipped_ratio")
+def _truncation(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
+    if _ours(m, "truncation"):
+        return []
+    c = clipped_share(m) or 0.0
+    ev = {"completions/clipped_ratio (mean)": c}
+    mean_len = values(m.get("completions/mean_length"))
+    term = values(m.get("completions/mean_terminated_length"))
+    if mean_len:
+        ev["completions/mean_length (mean)"] = statistics.fmean(mean_len)
+    if term:
+        ev["completions/mean_terminated_length (mean)"] = statistics.fmean(term)
+    budget = num(params, "max_completion_length", 0.0)
+    if budget:
+        ev["max_completion_length (param)"] = budget
+    ended = (f"; the completions that do end are {statistics.fmean(term):.3g} tokens long on average"
+             if term and statistics.fmean(term) > 0 else "; no completion ever ends before the budget")
+    return judged("h04", "completions_truncated", c > CLIPPED_MAX, 2 + magnitude(c / CLIPPED_MAX), ev,
+                  f"{c:.0%} of completions are cut at max_completion_length{ended}: the budget, not the policy, "
+                  "decides those rewards (raise max_completion_length, or mask_truncated_completions=True so "
+                  "cut completions do not train).",
+                  f"{c:.0%} of completions are truncated.")

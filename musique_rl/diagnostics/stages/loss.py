@@ -8,7 +8,7 @@ from collections.abc import Mapping
 
 from musique_rl.diagnostics.catalogue import KL_NEGATIVE_MAX, key
 from musique_rl.diagnostics.context import gap_threshold
-from musique_rl.diagnostics.findings import Finding, History, judged, magnitude, rule, values
+from musique_rl.diagnostics.findings import Finding, History, judged, magnitude, num, rule, values
 
 # H02: sampled assistant tokens left out of the loss; beyond a fifth, the loss ignores what was sampled
 ASSISTANT_UNTRAINED_MAX = 0.2
@@ -18,6 +18,42 @@ ASSISTANT_UNTRAINED_MAX = 0.2
 # vanishes whatever the learning rate (docs/failure_modes.md defect 5).
 IS_WEIGHT_MIN = 0.1
 IS_WEIGHT_KEY = key("sampling/importance_sampling_ratio/mean")
+
+
+# ---------------------------------------------------------------- tier-3 invariant (a proof, not a symptom)
+# KL: before the first optimizer step the policy IS the reference (full fine-tuning loads a copy,
+# PEFT disables the adapter), so the KL to it is 0 up to numerics; a larger one means the
+# reference is another model (another checkpoint, dtype or adapter state: the silent reference
+# mismatch verl and OpenRLHF users reported).
+# KL to the reference at the first step. k3 ~ d^2 / 2 for a per-token log-prob difference d, so
+# 1e-3 needs d ~ 0.045 on average: 20x the bf16-vs-float32 floor measured on CPU (1.9e-3) and far
+# above float32 (~1e-6); a reference that is another model is typically at 1e-2 and above.
+KL_AT_START_MAX = 1e-3
+
+
+@rule("kl", "h03/kl_model_mean")
+def _kl_at_start(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
+    key = "kl" if values(m.get("kl")) else "h03/kl_model_mean"
+    first_step, first = next((s, v) for s, v in m[key] if v is not None)
+    if num(params, "loss.beta", 1.0) == 0:
+        return []
+    ev = {f"{key} (first step)": first}
+    when = "Before the first update"
+    if first_step > 1:
+        # a first row after updates: context.py withdraws the claim unless those updates cannot account for it
+        from musique_rl.diagnostics.context import KL_PER_PEAK_STEP, update_budget_before
+
+        budget = update_budget_before(first_step, m, params)
+        ev["first logged step"] = float(first_step)
+        if budget is not None:
+            ev["updates before it (peak-rate steps)"] = budget
+            when = (f"At the first logged row (step {first_step}), after updates worth {budget:.2g} peak-rate step(s) "
+                    f"that move a policy at most {KL_PER_PEAK_STEP * budget:.2g} nats/token,")
+    return judged("h03", "kl_at_start", first > KL_AT_START_MAX, 3 + magnitude(first / KL_AT_START_MAX), ev,
+                  f"{when} the KL to the reference is already {first:.3g} (must be ~0: the "
+                  "policy starts AS the reference): the reference model is not the starting policy (another "
+                  "checkpoint, dtype, or adapter state).",
+                  f"KL to the reference starts at {first:.2g}.")
 
 
 @rule(key("h02/env_tokens_with_loss"), key("h02/attention_coverage"), key("h02/assistant_tokens_without_loss_share"))
@@ -123,3 +159,36 @@ def _h06_importance_sampling_masks(m: Mapping[str, History], params: Mapping[str
                   "clip; use train.importance_sampling=token_truncate (the vLLM default) or fix the mismatch.",
                   f"The importance-sampling correction masks {masked:.0%} of sequences.")
 
+
+# ---------------------------------------------------------------- over TRL's own metric names (trl_rules.OURS)
+# TRL's sequence/token IS weight exp(trainer - sampler logp) is capped at vllm_importance_sampling_cap
+# (default 3.0); a max at the cap on most steps means the correction is truncating or masking
+# tokens every step, not occasionally. A min below 1e-3 means some sequences are weighted ~away.
+IS_CAP_DEFAULT = 3.0
+IS_AT_CAP_SHARE = 0.5
+IS_MIN_VANISH = 1e-3
+
+
+@rule("sampling/importance_sampling_ratio/max", "sampling/importance_sampling_ratio/min")
+def _is_clipped(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
+    """The mean weight vanishing is the doctor's h06 rule (importance_weights_vanish); this reads the
+    tails: weights at TRL's cap on most steps, or some sequences weighted ~0."""
+    cap = num(params, "vllm_importance_sampling_cap", IS_CAP_DEFAULT)
+    hi = values(m.get("sampling/importance_sampling_ratio/max"))
+    lo = values(m.get("sampling/importance_sampling_ratio/min"))
+    at_cap = sum(v >= cap * (1 - 1e-6) for v in hi) / len(hi) if hi else 0.0
+    vanish = sum(v < IS_MIN_VANISH for v in lo) / len(lo) if lo else 0.0
+    ev = {"importance_sampling_ratio/max at cap (share of steps)": at_cap,
+          "importance_sampling_ratio/min < 1e-3 (share of steps)": vanish, "cap": cap}
+    if hi:
+        ev["sampling/importance_sampling_ratio/max (median)"] = statistics.median(hi)
+    if lo:
+        ev["sampling/importance_sampling_ratio/min (median)"] = statistics.median(lo)
+    bad = at_cap > IS_AT_CAP_SHARE or vanish > IS_AT_CAP_SHARE
+    worst = max(at_cap, vanish)
+    return judged("h06", "importance_weights_clipped", bad, 1 + magnitude(worst / IS_AT_CAP_SHARE * 10), ev,
+                  f"TRL's importance-sampling correction is at work every step: the largest weight sits at the cap "
+                  f"{cap:g} on {at_cap:.0%} of steps and the smallest is below 1e-3 on {vanish:.0%}: the sampler's "
+                  "tokens are not the trainer's (sampling settings or stale weights). TRL's log cannot tell which; "
+                  "run `+hypothesis=h06` (parity probe, sampling-settings fit).",
+                  "Importance weights stay inside TRL's cap.")

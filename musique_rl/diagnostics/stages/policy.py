@@ -7,8 +7,9 @@ from collections.abc import Mapping
 
 from musique_rl.diagnostics.catalogue import key
 from musique_rl.diagnostics.context import schedule
-from musique_rl.diagnostics.findings import Finding, History, judged, num, rule, values
+from musique_rl.diagnostics.findings import Finding, History, judged, magnitude, num, rule, values
 from musique_rl.diagnostics.stages.signal import tied_steps
+from musique_rl.diagnostics.trl_rules import _ours
 
 # The policy has not moved when its KL to the start stays at most 1e-6 nats/token on every probe
 # taken at the scheduled learning rate: a healthy step moves it ~1e-4..1e-3 per step (the tiny
@@ -33,6 +34,65 @@ def _still(m: Mapping[str, History], params: Mapping[str, str], name: str) -> li
                   f"{len(at_rate)} probe(s) taken after updates at the scheduled learning rate (a healthy step "
                   "moves it ~1e-4 or more).",
                   f"The policy moves (KL to the start up to {worst:.2g} nats/token).")
+
+
+# ---------------------------------------------------------------- field alarms (tier 1: other causes possible)
+# Entropy collapse: TRL's `entropy` (mean per-token entropy of the policy on its completions, nats).
+# Sampling G completions of a prompt teaches only while they differ; a policy whose entropy fell
+# below a quarter of its starting level within the run has stopped exploring (DAPO's clip-higher
+# motivation; groups tie, std -> 0). A quarter: the healthy tiny runs move within 0.7-1.3x of their start.
+ENTROPY_COLLAPSE_RATIO = 0.25
+# Within-group spread falling before the mean rises: h01/reward_std_mean (mean over groups of the
+# reward std inside a group) in the last quarter below half its first-quarter level while the
+# reward has not risen: the policy converges to one answer per prompt before it gets better, so the
+# groups that remain teach nothing (the collapse precedes the plateau).
+SPREAD_FALL_RATIO = 0.5
+MIN_POINTS = 8  # fewer logged steps than this: no trend is judged
+
+
+def _quarters(xs: list[float]) -> tuple[float, float]:
+    q = max(2, len(xs) // 4)
+    return statistics.fmean(xs[:q]), statistics.fmean(xs[-q:])
+
+
+
+@rule("entropy")
+def _entropy_collapse(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
+    ent = values(m.get("entropy"))
+    if len(ent) < MIN_POINTS:
+        return []
+    first, last = _quarters(ent)
+    ev = {"entropy (first quarter mean)": first, "entropy (last quarter mean)": last}
+    ratio = last / first if first > 0 else 1.0
+    return judged("h01", "entropy_collapse", first > 0 and ratio < ENTROPY_COLLAPSE_RATIO,
+                  1 + magnitude(ENTROPY_COLLAPSE_RATIO / max(ratio, 1e-9)), ev,
+                  f"The policy's entropy fell from {first:.3g} to {last:.3g} nats/token ({ratio:.0%} of its start, "
+                  f"alarm below {ENTROPY_COLLAPSE_RATIO:.0%}): the completions of a prompt become the same, groups "
+                  "tie and the learning signal goes with them (raise the temperature, loss.epsilon_high, or beta).",
+                  f"Entropy holds ({first:.3g} -> {last:.3g} nats/token).")
+
+
+@rule("h01/reward_std_mean")
+def _spread_falls(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
+    spread = values(m.get("h01/reward_std_mean"))
+    reward = values(m.get("reward"))
+    if len(spread) < MIN_POINTS or len(reward) < MIN_POINTS:
+        return []
+    s0, s1 = _quarters(spread)
+    r0, r1 = _quarters(reward)
+    from musique_rl.diagnostics.trend import reward_trend
+
+    t = reward_trend(m)
+    rising = t is not None and t["p_rise"] < 0.05
+    ev = {"h01/reward_std_mean (first quarter)": s0, "h01/reward_std_mean (last quarter)": s1,
+          "reward (first quarter)": r0, "reward (last quarter)": r1}
+    fell = s0 > 0 and s1 < SPREAD_FALL_RATIO * s0
+    settling = (f"The reward spread inside groups fell from {s0:.3g} to {s1:.3g} while the mean reward did not "
+                f"rise ({r0:.3f} -> {r1:.3f}): the policy settles on one answer per prompt before it gets better, "
+                "so fewer groups carry signal each step. A plateau follows.")
+    severity = 1 + magnitude(SPREAD_FALL_RATIO * s0 / max(s1, 1e-9))
+    return judged("h01", "spread_falls_first", fell and not rising, severity, ev, settling,
+                  f"Within-group reward spread {s0:.3g} -> {s1:.3g}.")
 
 
 @rule(key("h08/kl_to_start"))
@@ -119,3 +179,34 @@ def barely_moves(m: Mapping[str, History], params: Mapping[str, str], steps: flo
                    f"start reaches only {moved:.2g} nats/token (runs that learn pass {KL_MOVED_MIN:g}). The updates "
                    f"are too small to change what the policy samples: raise the learning rate{held} "
                    "(make sweep SWEEP=h08).", ev)
+
+
+# ---------------------------------------------------------------- over TRL's own metric names (trl_rules.OURS)
+# KL to the reference (TRL's `kl`, logged when beta > 0), nats per token. Healthy GRPO runs stay
+# around 1e-3..1e-1 per token; 1.0 means the policy gives its reference's tokens e^-1 of their
+# probability on average: the KL term no longer holds it. Growth alone (x10 from the first quarter)
+# is normal early in a run, so runaway needs both. TRL's k3 estimator is >= 0 for every token: a
+# negative mean is a sign error (tier 3), not noise beyond KL_NEGATIVE_TOL.
+KL_RUNAWAY = 1.0
+KL_GROWTH = 10.0
+KL_NEGATIVE_TOL = -1e-6
+
+
+@rule("kl")
+def _kl_runaway(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
+    if _ours(m, "kl"):
+        return []
+    kl = values(m.get("kl"))
+    q = max(1, len(kl) // 4)
+    early, late = statistics.fmean(kl[:q]), statistics.fmean(kl[-q:])
+    ev = {"kl (first quarter mean)": early, "kl (last quarter mean)": late, "kl (min)": min(kl)}
+    if min(kl) < KL_NEGATIVE_TOL:
+        return [Finding("h03", "kl_negative", True, 3 + magnitude(1 + abs(min(kl)) / abs(KL_NEGATIVE_TOL)),
+                        f"TRL's KL estimate is negative ({min(kl):.3g}); its k3 estimator cannot be below 0 for any "
+                        "token, so the KL term's sign or its inputs are wrong.", ev)]
+    runaway = late > KL_RUNAWAY and late > KL_GROWTH * max(early, 1e-12)
+    return judged("h03", "kl_runaway", runaway, 2 + magnitude(late / KL_RUNAWAY), ev,
+                  f"KL to the reference runs away: {early:.3g} -> {late:.3g} nats/token. The policy has left its "
+                  "reference (reward hacking, or a learning rate too high for beta); TRL's log cannot say which "
+                  "tokens: run `+hypothesis=h03` (KL per token kind).",
+                  f"KL to the reference stays moderate ({early:.2g} -> {late:.2g} nats/token).")

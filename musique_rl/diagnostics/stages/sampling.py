@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from musique_rl.diagnostics.catalogue import PARITY_STALE_MAX, key
 from musique_rl.diagnostics.context import gap_threshold, late_gap_threshold
 from musique_rl.diagnostics.findings import Finding, History, magnitude, rule, values
+from musique_rl.diagnostics.trl_rules import TREND_MIN_POINTS, _ours
 
 # H06 vs H02: the sampling-settings fit (sync.sampling_fit) "explains" a step-0 gap when the best
 # setting brings it below the gap threshold and to at most a fifth of the trainer's own gap: a change
@@ -99,3 +100,40 @@ def _weight_sync(m: Mapping[str, History], params: Mapping[str, str]) -> list[Fi
             ev["h06/logp_gap_mean (max)"] = max(v for _, v in gap)
         out.append(Finding("h06", "sync", False, 0.0, "Sampler tracks the trainer.", ev))
     return out
+
+
+# ---------------------------------------------------------------- over TRL's own metric names (trl_rules.OURS)
+# Mean |sampler - trainer| logp per token (TRL's sampling/sampling_logp_difference/mean, vLLM only).
+# Healthy bf16 stacks measure ~0.011 (published vLLM runs) to 0.036 (this project's 7B bf16 run on an
+# H100); SkyRL's CI gate for dense models is 0.09. Without a floor measured in the run (TRL logs
+# none), 0.09 is the level no healthy bf16 stack reaches; growth is judged against the run's start.
+LOGP_DIFF_MAX = 0.09
+LOGP_DIFF_GROWTH = 3.0  # last quarter above 3x the first steps' level: the sampler drifts from the trainer
+
+
+@rule("sampling/sampling_logp_difference/mean")
+def _logp_diff(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
+    if _ours(m, "logp_diff"):
+        return []
+    vals = values(m.get("sampling/sampling_logp_difference/mean"))
+    first = statistics.fmean(vals[: max(1, min(3, len(vals) // 4))])
+    tail = statistics.fmean(vals[-max(1, len(vals) // 4):])
+    ev = {"sampling/sampling_logp_difference/mean (first steps)": first,
+          "sampling/sampling_logp_difference/mean (last quarter)": tail}
+    mx = values(m.get("sampling/sampling_logp_difference/max"))
+    if mx:
+        ev["sampling/sampling_logp_difference/max (median)"] = statistics.median(mx)
+    if first > LOGP_DIFF_MAX:
+        return [Finding("h06", "sampler_trainer_differ_at_start", True, 2 + magnitude(first / LOGP_DIFF_MAX),
+                        f"From the first steps the sampler's and the trainer's log-probs differ by {first:.3g} "
+                        f"nats/token (healthy bf16 stacks: 0.01-0.04): they do not compute the same distribution "
+                        "(sampling settings such as temperature/top-p, a different context, or dtype/kernels). "
+                        "TRL's log cannot tell which; run `+hypothesis=h06` (sampling-settings fit) and "
+                        "`+hypothesis=h02` (trainer's view of the context).", ev)]
+    if len(vals) >= TREND_MIN_POINTS and tail > LOGP_DIFF_MAX and tail > LOGP_DIFF_GROWTH * first:
+        return [Finding("h06", "sampler_trainer_drift", True, 2 + magnitude(tail / max(first, 1e-12) / LOGP_DIFF_GROWTH),
+                        f"The sampler/trainer log-prob difference grows from {first:.3g} to {tail:.3g} nats/token: "
+                        "the sampler falls behind the trainer (weights not synced to vLLM, or synced from the "
+                        "wrong copy). Run `+hypothesis=h06` (parity probe).", ev)]
+    return [Finding("h06", "sampler_trainer_differ_at_start", False, 0.0,
+                    f"Sampler and trainer agree ({first:.2g} -> {tail:.2g} nats/token).", ev)]

@@ -6,7 +6,8 @@ import statistics
 from collections.abc import Mapping
 
 from musique_rl.diagnostics.catalogue import AMPLIFICATION_MAX, key
-from musique_rl.diagnostics.findings import Finding, History, magnitude, note, rule, values
+from musique_rl.diagnostics.findings import Finding, History, judged, magnitude, note, rule, values
+from musique_rl.diagnostics.trl_rules import CLIPPED_MAX, _ours, clipped_share, constant_funcs, reward_funcs
 
 # No signal: a step on which every group tied (h01/zero_std_share = 1, TRL's frac_reward_zero_std = 1)
 # has every advantage exactly 0, so its gradient and update are 0 by construction. On at least 90%
@@ -24,6 +25,34 @@ def tied_steps(m: Mapping[str, History]) -> tuple[list[int], int, str] | None:
         if pts:
             return [s for s, v in pts if v >= TIED], len(pts), k
     return None
+
+
+# ---------------------------------------------------------------- tier-3 invariant (a proof, not a symptom)
+# advantages: TRL's group-relative advantages sum to 0 in each group and carry the sign of
+# reward - group mean; rewards re-ordered or re-attached after grouping break both (a reward list
+# zipped to the wrong samples after the advantage is formed, groups split across processes).
+# |sum of a group's advantages| / (G x mean |advantage|): float32 round-off of a centred sum is
+# ~1e-7; 1e-3 leaves four orders of magnitude for it.
+ADV_GROUP_SUM_MAX = 1e-3
+# Any advantage with the wrong sign is impossible (division by a positive std keeps the sign);
+# 1% tolerates rewards within float round-off of their group mean.
+ADV_SIGN_MISMATCH_MAX = 0.01
+
+
+@rule("h01/adv_group_sum_rel_max", "h01/adv_sign_mismatch_share")
+def _advantages_from_groups(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
+    sums = values(m.get("h01/adv_group_sum_rel_max"))
+    signs = values(m.get("h01/adv_sign_mismatch_share"))
+    worst_sum, worst_sign = max(sums, default=0.0), max(signs, default=0.0)
+    ev = {"h01/adv_group_sum_rel_max (max)": worst_sum, "h01/adv_sign_mismatch_share (max)": worst_sign}
+    bad = worst_sum > ADV_GROUP_SUM_MAX or worst_sign > ADV_SIGN_MISMATCH_MAX
+    return judged("h01", "advantages_not_from_groups", bad,
+                  3 + magnitude(max(worst_sum / ADV_GROUP_SUM_MAX, worst_sign / ADV_SIGN_MISMATCH_MAX)), ev,
+                  f"The advantages the loss uses do not describe the groups' rewards: a group's advantages sum to "
+                  f"{worst_sum:.2g} of their scale (must be 0) and {worst_sign:.0%} have the opposite sign of "
+                  "reward - group mean. Rewards and completions are paired differently where the advantages are "
+                  "formed than where they are logged (re-ordered, shifted, or grouped across processes).",
+                  "Advantages sum to 0 in every group and follow the rewards' signs.")
 
 
 @rule(key("h01/zero_std_share"))
@@ -103,3 +132,43 @@ def _preflight(m: Mapping[str, History], params: Mapping[str, str]) -> list[Find
     return [Finding("preflight", "learnability", False, 0.0,
                     f"Pre-flight: {s:.0%} of groups forecast to carry signal.", ev)]
 
+
+# ---------------------------------------------------------------- over TRL's own metric names (trl_rules.OURS)
+# A group whose G rewards are equal has advantage 0 on every completion: it adds no gradient. When
+# most groups carry none, the batch's gradient comes from a few groups (or none): learning stalls
+# whatever the optimizer does. Half is the point where most of the compute trains nothing.
+ZERO_STD_MAX = 0.5
+# ... and at 95% on average the batch's gradient is ~0: the update, the adapter and the policy
+# change downstream are this finding's consequences, not separate causes (diagnostics/chain.py)
+ZERO_STD_STARVES = 0.95
+
+
+@rule("frac_reward_zero_std")
+def _zero_variance(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
+    if _ours(m, "zero_variance"):
+        return []
+    z = values(m.get("frac_reward_zero_std"))
+    share = statistics.fmean(z)
+    ev = {"frac_reward_zero_std (mean)": share, "frac_reward_zero_std (first)": z[0], "frac_reward_zero_std (last)": z[-1]}
+    if share <= ZERO_STD_MAX:
+        return [Finding("preflight", "zero_variance_groups", False, 0.0,
+                        f"{share:.0%} of groups have equal rewards on average: most groups carry signal.", ev)]
+    const = constant_funcs(m)
+    clip = clipped_share(m)
+    why = []
+    if clip is not None and clip > CLIPPED_MAX:
+        why.append(f"{clip:.0%} of completions are truncated (h04)")
+    if const and len(const) == len(reward_funcs(m)):
+        why.append("every reward function is constant (h05)")
+    cause = (f" A consequence of what is flagged above: {'; '.join(why)}." if why else
+             " Either the task is too hard or too easy for this policy at this group size (pass@G near 0 or 1), or "
+             "the reward cannot tell completions apart: run musique_rl's pre-flight (learnability forecast) or "
+             "`+hypothesis=h05` (reward audit) to decide.")
+    # ranked below its cause when one is flagged (truncation, constant reward)
+    sev = (1 if why else 2) + magnitude(share / ZERO_STD_MAX) * (0.5 if why else 1)
+    # (nearly) every group tied on (nearly) every step: nothing reaches the gradient (chain.STARVING)
+    starves = share >= ZERO_STD_STARVES
+    return [Finding("preflight", "zero_variance_groups", True, sev,
+                    f"{share:.0%} of groups have identical rewards for all their completions (TRL's "
+                    "frac_reward_zero_std): their advantages are 0, so they add no gradient." + cause, ev,
+                    starves=starves)]

@@ -8,8 +8,9 @@ from collections.abc import Mapping
 
 from musique_rl.diagnostics.catalogue import CHECKSUM_DRIFT_MAX, UPDATE_RATIO_MIN, key
 from musique_rl.diagnostics.context import LR_JUDGED_SHARE, schedule
-from musique_rl.diagnostics.findings import Finding, History, judged, magnitude, note, rule, values
+from musique_rl.diagnostics.findings import Finding, History, judged, magnitude, note, num, rule, values
 from musique_rl.diagnostics.stages.signal import NO_SIGNAL_STEP_SHARE, tied_steps
+from musique_rl.diagnostics.trl_rules import _ours
 
 # H08: the policy has moved when the KL to its start reaches 1e-4 nats/token (a step of ~1e-3 of the
 # weights' norm moves it by ~1e-4..1e-3 per step on the tiny model); below it after the run's
@@ -22,6 +23,43 @@ RATIO = key("h08/update_weight_ratio")
 # fewer than 3 such steps is one step's value (the first step after a tied one moves with Adam's
 # decayed momentum only), too little to tell the user to change the learning rate.
 MIN_UPDATE_STEPS = 3
+
+
+# ---------------------------------------------------------------- tier-3 invariant (a proof, not a symptom)
+# updates: an optimizer step with a non-zero learning rate and gradient changes the weights, by at
+# most what Adam at that learning rate can move them (h08/adam_step_ratio); no change, or a far
+# larger one, means the step is not the configured optimizer's (parameters not in the optimizer,
+# a frozen copy trained, weights written outside the optimizer).
+# An optimizer step far beyond what Adam takes: |m/sqrt(v)| <= ~3 per element for default betas.
+ADAM_STEP_MAX = 10.0
+
+
+@rule("h08/update_norm")
+def _updates_apply(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
+    upd = dict(m.get("h08/update_norm") or [])
+    lr = dict(m.get("h08/learning_rate") or [])
+    grad = dict(m.get("h08/grad_norm_after_clip") or m.get("grad_norm") or [])
+    idle = [s for s, u in upd.items() if u == 0 and lr.get(s, 0) > 0 and grad.get(s, 0) > 0]
+    ratio = values(m.get("h08/adam_step_ratio"))
+    big = max(ratio, default=0.0)
+    ev = {"steps that changed nothing": float(len(idle)), "h08/adam_step_ratio (max)": big}
+    if ratio:
+        ev["h08/adam_step_ratio (median)"] = statistics.median(ratio)
+    if idle:
+        low = str(params.get("model.dtype", "")) in ("bfloat16", "float16")
+        why = ("each step is below the precision of the bf16/fp16 weights, so rounding discards it (train with "
+               "float32 master weights, or a larger learning rate), or the optimizer does not hold the parameters"
+               if low else "the optimizer does not hold the parameters the loss differentiates (a copy, a "
+               "re-wrapped model, parameters added after it was built)")
+        return [Finding("h08", "step_changed_nothing", True, 3 + magnitude(1 + len(idle)),
+                        f"{len(idle)} optimizer step(s) with a non-zero learning rate and gradient left every trained "
+                        f"weight unchanged (first at step {min(idle)}): {why}.", ev)]
+    return judged("h08", "step_larger_than_adam", big > ADAM_STEP_MAX, 3 + magnitude(big / ADAM_STEP_MAX), ev,
+                  f"An optimizer step moved the weights {big:.3g}x as far as Adam at the logged learning rate can "
+                  f"(at most ~3): the weights change outside the optimizer, or the learning rate applied is not "
+                  "the one logged.",
+                  "Every step with a gradient moved the weights, within Adam's reach "
+                  f"(step / (lr x sqrt(n)) up to {big:.2g}).")
 
 
 @rule(RATIO)
@@ -93,3 +131,37 @@ def _frozen_base(m: Mapping[str, History], params: Mapping[str, str]) -> list[Fi
                   {"h06/base_checksum_drift (max)": drift},
                   f"The frozen base weights changed (relative drift {drift:.3g}); merge/unmerge round trips corrupt "
                   "the base (TRL #6688).", "The frozen base weights are unchanged.")
+
+
+# ---------------------------------------------------------------- over TRL's own metric names (trl_rules.OURS)
+# Learning rate: a quarter of the logged steps, after the peak, below 1e-3 of the peak rate. A linear decay to 0
+# spends only its last 0.1% of steps there; a quarter of the run without updates is a schedule that
+# ends before the run does (or a rate of 0).
+LR_ZERO_REL = 1e-3
+LR_ZERO_SHARE = 0.25
+
+
+@rule("learning_rate")
+def _lr_zero(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
+    if _ours(m, "lr"):
+        return []
+    lr = m.get("learning_rate") or []
+    vals = values(lr)
+    peak = max(vals)
+    peak_step = next(s for s, v in lr if v == peak)
+    # after the peak: a warmup starting at 0 is not a schedule that ended
+    dead = [s for s, v in lr if v is not None and v <= peak * LR_ZERO_REL and s > peak_step]
+    share = len(dead) / len(vals)
+    ev = {"learning_rate (peak)": peak, "learning_rate (last)": vals[-1], "steps at ~0 (share)": share}
+    configured = num(params, "learning_rate", 0.0)
+    if configured:
+        ev["learning_rate (param)"] = configured
+    if peak == 0:
+        return [Finding("h08", "learning_rate_zero", True, 3.0,
+                        "The learning rate is 0 at every logged step: no update is ever applied.", ev)]
+    from_step = f" from step {dead[0]:g}" if dead else ""
+    return judged("h08", "learning_rate_zero", share > LR_ZERO_SHARE, 2 + magnitude(share / LR_ZERO_SHARE * 10), ev,
+                  f"The learning rate is ~0 (below {LR_ZERO_REL:g} of its peak {peak:.3g}){from_step} on {share:.0%} "
+                  "of the logged steps: the schedule ends before the run does, so those steps update nothing "
+                  "(check lr_scheduler_type / lr_scheduler_kwargs / max_steps against the run's length).",
+                  f"The learning rate stays above {LR_ZERO_REL:g} of its peak ({peak:.3g}) on most steps.")

@@ -1,9 +1,8 @@
-"""Field alarms: symptoms a long run shows before its reward says anything (tier 1: other causes possible).
+"""Stage "gradient": the gradient of the loss (TRL's `grad_norm`, before clipping; h01's zero gradient,
+h08's spikes).
 
-Each reads the metric TRL itself logs where TRL logs one (``entropy``, ``grad_norm``), so the same
-rule serves runs of plain TRL; the within-group reward spread and void turns come from this
-project's instruments (``h01/reward_std_mean``, ``h07/void_episode_share``). The flat-reward
-finding with its statistical power is in ``reward_power`` (the doctor calls it after every rule).
+Field alarms (tier 1: symptoms with other possible causes) read the metric TRL itself logs, so the
+same rule serves runs of plain TRL; a zero gradient while groups still differ is a proof (tier 3).
 """
 
 from __future__ import annotations
@@ -12,13 +11,8 @@ import math
 import statistics
 from collections.abc import Mapping
 
-from musique_rl.diagnostics.findings import Finding, History, judged, magnitude, note, rule, values
+from musique_rl.diagnostics.findings import Finding, History, judged, magnitude, note, rule
 
-# Entropy collapse: TRL's `entropy` (mean per-token entropy of the policy on its completions, nats).
-# Sampling G completions of a prompt teaches only while they differ; a policy whose entropy fell
-# below a quarter of its starting level within the run has stopped exploring (DAPO's clip-higher
-# motivation; groups tie, std -> 0). A quarter: the healthy tiny runs move within 0.7-1.3x of their start.
-ENTROPY_COLLAPSE_RATIO = 0.25
 # Gradient-norm spikes: TRL's `grad_norm` (pre-clip). A step more than 10x the median of the
 # steps before it is one batch dominating the update (a ratio blow-up, a reward outlier, an
 # unmasked token with a huge log-prob); healthy runs stay within ~3x of their median.
@@ -38,38 +32,6 @@ GRAD_ZERO_SHARE = 0.5
 # gradient_zero is the tied groups' consequence when at least this share of its zero-gradient steps had
 # every group tied (advantages all 0); below it something else zeroes the gradient
 TIED_EXPLAINS_SHARE = 0.9
-# Within-group spread falling before the mean rises: h01/reward_std_mean (mean over groups of the
-# reward std inside a group) in the last quarter below half its first-quarter level while the
-# reward has not risen: the policy converges to one answer per prompt before it gets better, so the
-# groups that remain teach nothing (the collapse precedes the plateau).
-SPREAD_FALL_RATIO = 0.5
-# Void turns: an assistant turn with neither a tool call nor an answer ends the episode
-# (stop_reason no_tool_call). The warm-started tiny policy has ~8% such episodes before training;
-# above a quarter of the episodes in the last quarter of the run, the policy or the tool-call
-# parser has stopped producing actions (a format the parser does not read, a chatty collapse).
-VOID_EPISODE_MAX = 0.25
-MIN_POINTS = 8  # fewer logged steps than this: no trend is judged
-
-
-def _quarters(xs: list[float]) -> tuple[float, float]:
-    q = max(2, len(xs) // 4)
-    return statistics.fmean(xs[:q]), statistics.fmean(xs[-q:])
-
-
-@rule("entropy")
-def _entropy_collapse(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
-    ent = values(m.get("entropy"))
-    if len(ent) < MIN_POINTS:
-        return []
-    first, last = _quarters(ent)
-    ev = {"entropy (first quarter mean)": first, "entropy (last quarter mean)": last}
-    ratio = last / first if first > 0 else 1.0
-    return judged("h01", "entropy_collapse", first > 0 and ratio < ENTROPY_COLLAPSE_RATIO,
-                  1 + magnitude(ENTROPY_COLLAPSE_RATIO / max(ratio, 1e-9)), ev,
-                  f"The policy's entropy fell from {first:.3g} to {last:.3g} nats/token ({ratio:.0%} of its start, "
-                  f"alarm below {ENTROPY_COLLAPSE_RATIO:.0%}): the completions of a prompt become the same, groups "
-                  "tie and the learning signal goes with them (raise the temperature, loss.epsilon_high, or beta).",
-                  f"Entropy holds ({first:.3g} -> {last:.3g} nats/token).")
 
 
 @rule("grad_norm")
@@ -137,40 +99,3 @@ def _grad_norm(m: Mapping[str, History], params: Mapping[str, str]) -> list[Find
                            f"of the steps before (worst {worst:.3g}x at step {worst_step:.0f}). Healthy runs show one "
                            f"or two such steps; {GRAD_SPIKE_MIN_STEPS} or more would be a finding.", ev)]
     return out + judged("h08", "gradient_spikes", bool(spikes), severity, ev, spiky, steady)
-
-
-@rule("h01/reward_std_mean")
-def _spread_falls(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
-    spread = values(m.get("h01/reward_std_mean"))
-    reward = values(m.get("reward"))
-    if len(spread) < MIN_POINTS or len(reward) < MIN_POINTS:
-        return []
-    s0, s1 = _quarters(spread)
-    r0, r1 = _quarters(reward)
-    from musique_rl.diagnostics.reward_power import reward_trend
-
-    t = reward_trend(m)
-    rising = t is not None and t["p_rise"] < 0.05
-    ev = {"h01/reward_std_mean (first quarter)": s0, "h01/reward_std_mean (last quarter)": s1,
-          "reward (first quarter)": r0, "reward (last quarter)": r1}
-    fell = s0 > 0 and s1 < SPREAD_FALL_RATIO * s0
-    settling = (f"The reward spread inside groups fell from {s0:.3g} to {s1:.3g} while the mean reward did not "
-                f"rise ({r0:.3f} -> {r1:.3f}): the policy settles on one answer per prompt before it gets better, "
-                "so fewer groups carry signal each step. A plateau follows.")
-    severity = 1 + magnitude(SPREAD_FALL_RATIO * s0 / max(s1, 1e-9))
-    return judged("h01", "spread_falls_first", fell and not rising, severity, ev, settling,
-                  f"Within-group reward spread {s0:.3g} -> {s1:.3g}.")
-
-
-@rule("h07/void_episode_share")
-def _void_turns(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
-    void = values(m.get("h07/void_episode_share"))
-    q = max(1, len(void) // 4)
-    last = statistics.fmean(void[-q:])
-    ev = {"h07/void_episode_share (first)": void[0], "h07/void_episode_share (last quarter)": last,
-          "h07/void_turn_share (last)": (values(m.get("h07/void_turn_share")) or [0.0])[-1]}
-    return judged("h07", "void_turns", last > VOID_EPISODE_MAX, 1 + magnitude(last / VOID_EPISODE_MAX), ev,
-                  f"{last:.0%} of the episodes (last quarter of the run) end in a void turn, neither a tool call nor "
-                  "an answer: the policy writes text the tool-call parser does not read, or has collapsed into "
-                  "chatter (check model.tool_call_format against what the model writes).",
-                  f"Void turns: {last:.0%} of episodes in the last quarter.")
