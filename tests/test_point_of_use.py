@@ -52,12 +52,24 @@ def _histories(seen: dict[str, list[float]]) -> dict[str, list[tuple[int, float]
     return {k: list(enumerate(v)) for k, v in seen.items()}
 
 
+# The point-of-use rules, in their stage modules (diagnostics/stages/, the sections "at the point of use").
+POINT_OF_USE_RULES = ("_advantages_paired", "_loss_mask_and_normaliser", "_kl_acts", "_sampling_diverse",
+                      "_scorers_agree")
+
+
+def _point_of_use_source() -> str:
+    """The stage modules' "at the point of use" sections: where those rules and their thresholds live."""
+    from musique_rl.diagnostics.stages import loss, reward, sampling
+
+    return "".join(open(m.__file__).read().split("# ---------------------------------------------------------------- at the point of use")[1]
+                   for m in (loss, sampling, reward))
+
+
 def _flagged(seen, params=None) -> set[str]:
     """The point-of-use rules' flagged checks on a run's metrics."""
-    from musique_rl.diagnostics import point_of_use
     from musique_rl.diagnostics.findings import RULES
 
-    mine = {f.__name__ for f in vars(point_of_use).values() if callable(f)}
+    mine = set(POINT_OF_USE_RULES)
     out = set()
     for r in RULES:
         if r.__name__ in mine:
@@ -235,12 +247,12 @@ def test_reference_advantages_equal_the_trainers_formula():
 
 def test_every_point_of_use_rule_has_its_place_in_the_chain():
     """Each check the point-of-use rules can name is declared with the chain's other checks (stage and
-    kind); the metrics they read are in the catalogue (tests/test_catalogue.py reads point_of_use.py)."""
+    kind); the metrics they read are in the catalogue (tests/test_catalogue.py reads the stage modules)."""
     import re
 
-    from musique_rl.diagnostics import catalogue, chain, point_of_use
+    from musique_rl.diagnostics import catalogue, chain
 
-    src = open(point_of_use.__file__).read()
+    src = _point_of_use_source()
     checks = set(re.findall(r'(?:check|c) = "([a-z_]+)"', src)) | set(re.findall(r'h0\d", "([a-z_]+)"', src))
     assert checks and checks <= set(chain.CHECKS), checks - set(chain.CHECKS)
     assert all(catalogue.lookup(k) is not None for k in re.findall(r'"(h0\d/[a-z_]+)"', src))
@@ -250,8 +262,8 @@ def test_overlapping_scorers_disagree_when_one_reads_another_turn(toy_record):
     """An episode that cites every document it was shown: citation recall >= retrieval recall. A
     citation scorer that reads the first turn (a tool call, no citation) breaks it."""
     from musique_rl.diagnostics.batch import Batch
-    from musique_rl.diagnostics.point_of_use import _scorers_agree
     from musique_rl.diagnostics.scorer_overlap import citation_retrieval_overlap
+    from musique_rl.diagnostics.stages.reward import _scorers_agree
 
     docs = "\n\n".join(f"Document ID: {p['idx']}\n# {p['title']}\n{p['paragraph_text']}"
                         for p in toy_record["paragraphs"] if p["idx"] in (1, 4))

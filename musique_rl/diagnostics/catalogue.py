@@ -221,7 +221,7 @@ _DECLARED = (
     _m("h08/kl_to_start", "nats/token", "policy", _SYNC),
     _m("entropy", "nats/token", "policy", FOREIGN),
     # ---- point of use: read from the loss's own gradient against the rollout's references (diagnostics/loss_inputs.py;
-    # their rules and thresholds: diagnostics/point_of_use.py)
+    # their rules and thresholds: diagnostics/stages/, the section "at the point of use")
     _m("h01/loss_adv_pairing_error", "advantage units", "loss", "diagnostics/loss_inputs.py"),
     _m("h01/loss_adv_misaligned_share", "share of rows", "loss", "diagnostics/loss_inputs.py",
        (">", 0.02, "any mis-paired row teaches the wrong completion; 2% tolerates one odd row in 50")),
@@ -276,7 +276,7 @@ def stage_of(name: str) -> str | None:
     return m.stage if m else None
 
 
-RULE_MODULES = ("diagnostics/stages", "diagnostics/trl_rules.py", "diagnostics/point_of_use.py",
+RULE_MODULES = ("diagnostics/stages", "diagnostics/trl_rules.py",
                 "diagnostics/reward_power.py", "diagnostics/context.py")
 
 

@@ -117,7 +117,7 @@ CHECKS: dict[str, tuple[str, Kind]] = {
     "importance_weights_vanish": ("loss", Kind.SYMPTOM),
     "importance_weights_clipped": ("loss", Kind.SYMPTOM),
     "importance_sampling_masks_sequences": ("loss", Kind.SYMPTOM),
-    # loss, read where the loss consumes its inputs (diagnostics/point_of_use.py)
+    # loss, read where the loss consumes its inputs (diagnostics/loss_inputs.py; rules in stages/)
     "advantages_not_paired_in_loss": ("loss", Kind.DEFECT),
     "loss_trains_env_tokens": ("loss", Kind.DEFECT),
     "loss_leaves_sampled_tokens_out": ("loss", Kind.DEFECT),
@@ -153,6 +153,11 @@ HYPOTHESIS_STAGE = {"h01": "signal", "h02": "loss", "h03": "loss", "h04": "input
 # say so for one finding only (Finding.starves), e.g. budgets that bind on every episode.
 STARVING = frozenset({"no_signal", "importance_weights_vanish", "learning_rate_zero", "gradient_zero",
                       "updates_too_small", "lora_untrained", "step_changed_nothing"})
+
+
+def stage_sentence(check: str) -> str:
+    """" Stage: <stage>." for a verdict: the point-of-use checks say where in the step they read."""
+    return f" Stage: {CHECKS[check][0]}."
 
 
 def stage_of(f: Finding) -> str:

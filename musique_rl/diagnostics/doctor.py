@@ -40,8 +40,8 @@ from typing import Any
 from musique_rl import rundir
 
 # Rules registered in their own modules (@rule): imported for their registration. stages: one
-# module per stage of the step; point_of_use: checks read where the loss consumes its inputs.
-from musique_rl.diagnostics import point_of_use, stages, trl_rules  # noqa: F401  (trl_rules: CANNOT_TELL)
+# module per stage of the step (the checks read where the loss consumes its inputs among them).
+from musique_rl.diagnostics import stages, trl_rules  # noqa: F401  (trl_rules: CANNOT_TELL)
 from musique_rl.diagnostics.catalogue import (  # noqa: F401  (re-exported: the thresholds' old home)
     AMPLIFICATION_MAX,
     BUDGET_SHARE_MAX,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import re
+import statistics
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -102,3 +103,9 @@ def rule(*needs: Any) -> Any:
         return fn
 
     return register
+
+
+def mean_of(m: Mapping[str, History], key: str) -> float | None:
+    """The mean of a metric's logged values (None when it was never logged)."""
+    v = values(m.get(key))
+    return statistics.fmean(v) if v else None

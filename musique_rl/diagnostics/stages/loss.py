@@ -3,12 +3,14 @@ importance-sampling correction)."""
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Mapping
 
 from musique_rl.diagnostics.catalogue import KL_NEGATIVE_MAX, key
+from musique_rl.diagnostics.chain import stage_sentence
 from musique_rl.diagnostics.context import gap_threshold
-from musique_rl.diagnostics.findings import Finding, History, judged, magnitude, num, rule, values
+from musique_rl.diagnostics.findings import Finding, History, judged, magnitude, mean_of, num, rule, values
 
 # H02: sampled assistant tokens left out of the loss; beyond a fifth, the loss ignores what was sampled
 ASSISTANT_UNTRAINED_MAX = 0.2
@@ -192,3 +194,122 @@ def _is_clipped(m: Mapping[str, History], params: Mapping[str, str]) -> list[Fin
                   "tokens are not the trainer's (sampling settings or stale weights). TRL's log cannot tell which; "
                   "run `+hypothesis=h06` (parity probe, sampling-settings fit).",
                   "Importance weights stay inside TRL's cap.")
+
+# ---------------------------------------------------------------- at the point of use
+# Read where the loss consumes its inputs (diagnostics/loss_inputs.py: the loss's own gradient against
+# the rollout's references); the metrics, units and bounds are declared in diagnostics/catalogue.py.
+# Rows whose applied advantage is not their own (mean share over the logged steps): 2% tolerates one
+# odd row in 50 (a decode quirk); a reorder moves most rows.
+MISALIGNED_MAX = 0.02
+UNMATCHED_MAX = 0.02
+# Sampled tokens of a row with signal left without gradient (mean share): 1% is one token in 100.
+LEFT_OUT_MAX = 0.01
+# The per-row normaliser ratio's worst step (median over steps) outside this band: float round-off
+# is ~1e-6; the slips pipelines ship are factors >= 1.2 (accumulation, max length vs length).
+NORMALISER_BAND = (0.95, 1.05)
+# beta applied / configured (median over the steps where the policy moved): the float32 fit error is
+# < 1e-3; dropped (0), flipped (-1) or rescaled betas sit far outside.
+BETA_BAND = (0.9, 1.1)
+
+
+@rule("h01/loss_adv_misaligned_share", "h01/loss_rows_unmatched_share", "h01/loss_adv_from_inputs")
+def _advantages_paired(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
+    mis = mean_of(m, "h01/loss_adv_misaligned_share") or 0.0
+    err = max(values(m.get("h01/loss_adv_pairing_error")), default=0.0)
+    unmatched = mean_of(m, "h01/loss_rows_unmatched_share") or 0.0
+    from_inputs = min(values(m.get("h01/loss_adv_from_inputs")), default=1.0)
+    ev = {"h01/loss_adv_misaligned_share (mean)": mis, "h01/loss_adv_pairing_error (max)": err,
+          "h01/loss_rows_unmatched_share (mean)": unmatched, "h01/loss_adv_from_inputs (min)": from_inputs}
+    bad = mis > MISALIGNED_MAX or unmatched > UNMATCHED_MAX or from_inputs < 1
+    worst = max(mis / MISALIGNED_MAX, unmatched / UNMATCHED_MAX, 1 + 10 * (from_inputs < 1))
+    check = "advantages_not_paired_in_loss"
+    why = []
+    if mis > MISALIGNED_MAX:
+        why.append(f"{mis:.0%} of the rows the loss trains are multiplied by an advantage that is not their own "
+                   f"(up to {err:.2g} off the advantage recomputed from the rewards of the episode with the same "
+                   "token ids): completions were reordered without their advantages after scoring")
+    if unmatched > UNMATCHED_MAX:
+        why.append(f"{unmatched:.0%} of the loss's rows match no episode of the rollout by their token ids")
+    if from_inputs < 1:
+        why.append("the loss's advantages are not those of its inputs (no gradient reaches them)")
+    return judged("h01", check, bad, 3 + magnitude(worst), ev,
+                  "Read where the loss consumes them: " + "; ".join(why) + "." + stage_sentence(check),
+                  "Every row the loss trains carries its own episode's advantage." + stage_sentence(check))
+
+
+@rule("h02/loss_tool_token_share", "h02/loss_assistant_left_out_share", "h02/loss_normaliser_ratio")
+def _loss_mask_and_normaliser(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
+    out: list[Finding] = []
+    tool = max(values(m.get("h02/loss_tool_token_share")), default=None)
+    if tool is not None:
+        c = "loss_trains_env_tokens"
+        out += judged("h02", c, tool > 0, 3 + magnitude(1 + 100 * tool), {"h02/loss_tool_token_share (max)": tool},
+                      f"The loss puts a gradient on {tool:.0%} of the tool-result and template tokens (the rollout's "
+                      "token sources, not the trainer's mask): the mask the loss applies is not the rollout's; they "
+                      "are not the policy's actions (docs/failure_modes.md defect 2)." + stage_sentence(c),
+                      "The loss trains no tool or template token." + stage_sentence(c))
+    left = mean_of(m, "h02/loss_assistant_left_out_share")
+    if left is not None:
+        c = "loss_leaves_sampled_tokens_out"
+        out += judged("h02", c, left > LEFT_OUT_MAX, 2 + magnitude(left / LEFT_OUT_MAX),
+                      {"h02/loss_assistant_left_out_share (mean)": left},
+                      f"{left:.0%} of the sampled tokens of rows with a non-zero advantage get no gradient from the "
+                      "loss (not clipped, not importance-masked): the loss's mask misses the policy's own tokens."
+                      + stage_sentence(c), "Every sampled token of a row with signal trains." + stage_sentence(c))
+    ratios = values(m.get("h02/loss_normaliser_ratio"))
+    if ratios:
+        c = "loss_normaliser_off"
+        r = statistics.median(ratios)
+        lo, hi = NORMALISER_BAND
+        off = max(r / hi, lo / r) if r > 0 else math.inf
+        lt = params.get("loss.loss_type", "the configured loss_type")
+        # a wrong mask changes the token count the loss divides by: then the ratio is its consequence
+        mask_wrong = any(f.flagged and f.check in ("loss_trains_env_tokens", "loss_leaves_sampled_tokens_out")
+                         for f in out)
+        consequence = (" A consequence of the mask above (the loss counts other tokens), not a separate cause."
+                       if mask_wrong else "")
+        out += judged("h02", c, not lo <= r <= hi, (1 if mask_wrong else 2) + magnitude(off),
+                      {"h02/loss_normaliser_ratio (median)": r},
+                      f"The loss divides a row's tokens by {r:.3g}x what {lt} implies (the weight -dL/dA the loss "
+                      "gave the row vs tokens x loss_type's normaliser): every update is scaled, per row, by the "
+                      "wrong amount." + consequence + stage_sentence(c), f"The loss normalises as {lt} says." + stage_sentence(c))
+    return out
+
+
+@rule("h03/kl_term_zero_with_beta", "h03/kl_term_without_beta", "h03/kl_beta_applied_ratio",
+      "h03/loss_kl_env_token_share")
+def _kl_acts(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
+    out: list[Finding] = []
+    zero = max(values(m.get("h03/kl_term_zero_with_beta")), default=0.0)
+    without = max(values(m.get("h03/kl_term_without_beta")), default=0.0)
+    moved = max(values(m.get("h03/loss_kl_moved")), default=0.0)
+    beta = params.get("loss.beta", "> 0")
+    if zero >= 1:
+        c = "kl_penalty_not_applied"
+        out.append(Finding("h03", c, True, 3.5, f"A KL penalty is configured (loss.beta={beta}) and the policy has "
+                           f"moved from its reference ({moved:.2g} nats/token), yet no KL term reaches the loss (no "
+                           "gradient flows to the reference log-probs, or none reached it): beta is not forwarded."
+                           + stage_sentence(c), {"h03/kl_term_zero_with_beta (max)": zero, "h03/loss_kl_moved (max)": moved}))
+    if without >= 1:
+        c = "kl_penalty_without_beta"
+        out.append(Finding("h03", c, True, 2.5, "loss.beta is 0, yet a KL term acts in the loss." + stage_sentence(c),
+                           {"h03/kl_term_without_beta (max)": without}))
+    ratios = values(m.get("h03/kl_beta_applied_ratio"))
+    if ratios and zero < 1:
+        c = "kl_beta_not_as_configured"
+        r = statistics.median(ratios)
+        lo, hi = BETA_BAND
+        off = abs(r - 1) / (hi - 1)
+        out += judged("h03", c, not lo <= r <= hi, 3 + magnitude(1 + off), {"h03/kl_beta_applied_ratio (median)": r},
+                      f"The KL term the loss applies is {r:.3g}x loss.beta={beta} (fit of its gradient on the "
+                      "reference log-probs): the coefficient is not the configured one"
+                      + (", and its sign is flipped" if r < 0 else "") + "." + stage_sentence(c),
+                      "The KL term acts with the configured beta." + stage_sentence(c))
+    env = max(values(m.get("h03/loss_kl_env_token_share")), default=None)
+    if env is not None:
+        c = "kl_on_env_tokens_in_loss"
+        out += judged("h03", c, env > 0, 3 + magnitude(1 + 100 * env), {"h03/loss_kl_env_token_share (max)": env},
+                      f"The loss's KL term reaches {env:.0%} of the tool/template tokens (its gradient on the "
+                      "reference log-probs, by the rollout's token sources)." + stage_sentence(c),
+                      "The loss's KL term stays on the policy's tokens." + stage_sentence(c))
+    return out

@@ -6,7 +6,8 @@ import re
 import statistics
 from collections.abc import Mapping
 
-from musique_rl.diagnostics.findings import Finding, History, judged, magnitude, num, rule, values
+from musique_rl.diagnostics.chain import stage_sentence
+from musique_rl.diagnostics.findings import Finding, History, judged, magnitude, mean_of, num, rule, values
 from musique_rl.diagnostics.trl_rules import (
     CLIPPED_MAX,
     TREND_P,
@@ -198,3 +199,22 @@ def _reward_vs_component(m: Mapping[str, History], params: Mapping[str, str]) ->
                     f"The total reward rises while {names} falls: the policy gains on the other components at "
                     f"{names}'s expense (reward hacking, or weights that trade correctness for format). Check the "
                     "reward weights; run `+hypothesis=h05`.", ev)]
+
+# ---------------------------------------------------------------- at the point of use
+# Read where the loss consumes its inputs (diagnostics/loss_inputs.py: the loss's own gradient against
+# the rollout's references); the metrics, units and bounds are declared in diagnostics/catalogue.py.
+# Episodes where overlapping scorers contradict each other (mean share): 1%, as components_disagree.
+OVERLAP_DISAGREEMENT_MAX = 0.01
+
+
+@rule("h05/scorer_overlap_disagreement_share")
+def _scorers_agree(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
+    share = mean_of(m, "h05/scorer_overlap_disagreement_share") or 0.0
+    checked = sum(values(m.get("h05/scorer_overlap_checked")))
+    c = "scorers_disagree_on_overlap"
+    return judged("h05", c, share > OVERLAP_DISAGREEMENT_MAX, 3 + magnitude(1 + 100 * share),
+                  {"h05/scorer_overlap_disagreement_share (mean)": share, "h05/scorer_overlap_checked (sum)": checked},
+                  f"{share:.0%} of the episodes that cite every document they were shown score a lower citation "
+                  "recall than retrieval recall: one of the two scorers reads other ids than the episode's "
+                  "(another turn, another message)." + stage_sentence(c),
+                  "The citation and retrieval scorers agree where they overlap." + stage_sentence(c))

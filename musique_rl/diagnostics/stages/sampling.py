@@ -3,12 +3,14 @@ h02's agreement of trainer and sampler before any update)."""
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Mapping
 
 from musique_rl.diagnostics.catalogue import PARITY_STALE_MAX, key
+from musique_rl.diagnostics.chain import stage_sentence
 from musique_rl.diagnostics.context import gap_threshold, late_gap_threshold
-from musique_rl.diagnostics.findings import Finding, History, magnitude, rule, values
+from musique_rl.diagnostics.findings import Finding, History, judged, magnitude, rule, values
 from musique_rl.diagnostics.trl_rules import TREND_MIN_POINTS, _ours
 
 # H06 vs H02: the sampling-settings fit (sync.sampling_fit) "explains" a step-0 gap when the best
@@ -137,3 +139,43 @@ def _logp_diff(m: Mapping[str, History], params: Mapping[str, str]) -> list[Find
                         "wrong copy). Run `+hypothesis=h06` (parity probe).", ev)]
     return [Finding("h06", "sampler_trainer_differ_at_start", False, 0.0,
                     f"Sampler and trainer agree ({first:.2g} -> {tail:.2g} nats/token).", ev)]
+
+# ---------------------------------------------------------------- at the point of use
+# Read where the loss consumes its inputs (diagnostics/loss_inputs.py: the loss's own gradient against
+# the rollout's references); the metrics, units and bounds are declared in diagnostics/catalogue.py.
+# Identical groups over the run beyond what the sampler's own probabilities predict: Poisson tail
+# p < 1e-3 (one false alarm in 1,000 runs) and at least 3 such groups (one or two prove nothing).
+IDENTICAL_P_MAX = 1e-3
+IDENTICAL_MIN = 3
+
+
+def poisson_tail(k: int, mean: float) -> float:
+    """P(X >= k) for X ~ Poisson(mean)."""
+    if k <= 0:
+        return 1.0
+    if mean <= 0:
+        return 0.0
+    term, below = math.exp(-mean), 0.0
+    for i in range(k):
+        below += term
+        term *= mean / (i + 1)
+    return max(0.0, 1.0 - below)
+
+
+@rule("h06/identical_group_expected_share")
+def _sampling_diverse(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
+    """Identical groups over the run vs the count the sampler's own log-probs predict (Poisson)."""
+    seen = dict(m.get("h06/identical_group_share") or [])
+    pairs = [(seen[s], e) for s, e in (m.get("h06/identical_group_expected_share") or []) if s in seen]
+    groups = max(1.0, float(params.get("train.prompts_per_step", 8) or 8))
+    observed = round(sum(o for o, _ in pairs) * groups)
+    expected = sum(e for _, e in pairs) * groups
+    p = poisson_tail(observed, expected)
+    c = "sampling_not_diverse"
+    t = params.get("train.temperature", "> 0")
+    ev = {"identical groups": float(observed), "identical groups expected": expected, "p": p}
+    return judged("h06", c, observed >= IDENTICAL_MIN and p < IDENTICAL_P_MAX, 2 + magnitude(IDENTICAL_P_MAX / max(p, 1e-300)),
+                  ev, f"{observed} groups held G identical completions where the sampler's own log-probs predict "
+                  f"{expected:.2g} (Poisson p = {p:.1g}, train.temperature={t}): the sampler does not sample as "
+                  "configured (greedy, or the temperature applied on one side only), so groups tie and carry no "
+                  "signal." + stage_sentence(c), "Groups are as diverse as the sampler's probabilities say." + stage_sentence(c))
