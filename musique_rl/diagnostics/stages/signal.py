@@ -55,18 +55,23 @@ def _advantages_from_groups(m: Mapping[str, History], params: Mapping[str, str])
                   "Advantages sum to 0 in every group and follow the rewards' signs.")
 
 
+def starved_of_signal(got: tuple[list[int], int, str] | None) -> bool:
+    """Whether ``tied_steps``' answer is the no-signal failure: every group tied on at least
+    NO_SIGNAL_STEP_SHARE of the logged steps, and at least 2 logged."""
+    return got is not None and got[1] >= 2 and len(got[0]) / got[1] >= NO_SIGNAL_STEP_SHARE
+
+
 @rule(key("h01/zero_std_share"))
 def _no_signal(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
     got = tied_steps(m)
     if got is None:
         return []
     tied, n, k = got
-    share = len(tied) / n
     ev = {f"steps with every group tied ({k} = 1)": float(len(tied)), "steps logged": float(n)}
     adv = values(m.get(key("h01/adv_abs_max")))
     if adv:
         ev["h01/adv_abs_max (max)"] = max(adv)
-    if n >= 2 and share >= NO_SIGNAL_STEP_SHARE:
+    if starved_of_signal(got):
         return [Finding("h01", "no_signal", True, 3.0,
                         f"Every group tied on {len(tied)} of {n} steps: all G completions of each prompt earned the "
                         "same reward, so every advantage is 0 and the loss has no gradient to give, whatever the "
@@ -116,7 +121,7 @@ def _preflight(m: Mapping[str, History], params: Mapping[str, str]) -> list[Find
     if actual:
         ev["h01/signal_group_share (first steps)"] = statistics.fmean(actual)
     got = tied_steps(m)
-    if s < MIN_SIGNAL_SHARE and got is not None and got[1] >= 2 and len(got[0]) / got[1] >= NO_SIGNAL_STEP_SHARE:
+    if s < MIN_SIGNAL_SHARE and starved_of_signal(got):
         # the forecast came true: the measured finding (no_signal) says it, with the steps
         return [note("preflight", "learnability",
                      f"Pre-flight forecast only {s:.0%} of groups to carry signal at this group size, and it came "

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from musique_rl.diagnostics.catalogue import CHECKSUM_DRIFT_MAX, UPDATE_RATIO_MIN, key
 from musique_rl.diagnostics.context import LR_JUDGED_SHARE, schedule
 from musique_rl.diagnostics.findings import Finding, History, judged, magnitude, note, num, rule, values
-from musique_rl.diagnostics.stages.signal import NO_SIGNAL_STEP_SHARE, tied_steps
+from musique_rl.diagnostics.stages.signal import starved_of_signal, tied_steps
 from musique_rl.diagnostics.trl_rules import _ours
 
 # H08: the policy has moved when the KL to its start reaches 1e-4 nats/token (a step of ~1e-3 of the
@@ -81,7 +81,7 @@ def _update_size(m: Mapping[str, History], params: Mapping[str, str]) -> list[Fi
                      "are small by schedule.", ev)]
     got = tied_steps(m)
     tied = set(got[0]) if got else set()
-    starved = bool(got and got[1] >= 2 and len(got[0]) / got[1] >= NO_SIGNAL_STEP_SHARE)
+    starved = starved_of_signal(got)
     fed = [v for s, v in at_rate if s not in tied]
     if len(fed) < len(at_rate):
         ev["of which with a group signal"] = float(len(fed))
