@@ -210,7 +210,7 @@ def _kl_first_row_after_updates(f: Finding, m: Mapping[str, History], params: Ma
     step, first = pts[0]
     budget = update_budget_before(step, m, params)
     if budget is not None and first > KL_PER_PEAK_STEP * max(budget, 1e-9):
-        return None  # the claim stands: the evidence below is added by the rule's caller
+        return None  # the claim stands (loss.py's kl_at_start states the budget in its verdict)
     return (f"the first logged `{k}` is at step {step}, after {step - 1} optimizer step(s)"
             + (f" worth {budget:.2g} peak-rate step(s), enough to move the policy {first:.2g} nats/token"
                if budget is not None else "") +
