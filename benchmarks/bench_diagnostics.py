@@ -46,8 +46,8 @@ def _timed(owner: type, name: str) -> None:
 
 
 def instrument_timers(trainer_cls: type) -> None:
-    from musique_rl.diagnostics.callback import InstrumentsCallback
-    from musique_rl.diagnostics.instruments import Instruments
+    from musique_rl.instruments.suite import Instruments
+    from musique_rl.instruments.trainer_callback import InstrumentsCallback
 
     # the trainer's glue around the instruments (building their inputs, the probe's forward passes)
     for name in ("_observe_batch", "_parity_probe"):

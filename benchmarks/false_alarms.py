@@ -100,7 +100,7 @@ def read_fixture_run(d: Path) -> tuple[dict, dict[str, str]]:
     """A run fixture of this project: ``metrics.jsonl`` read by the doctor's own reader, params from
     the ``params.json`` beside it (the flattened resolved config; the reader takes them from
     ``.hydra/config.yaml``, which a fixture does not carry)."""
-    from musique_rl.diagnostics.sources import read_run_dir
+    from musique_rl.doctor.sources import read_run_dir
 
     run = read_run_dir(d)
     params = json.loads((d / "params.json").read_text()) if (d / "params.json").is_file() else {}
@@ -121,7 +121,7 @@ def cpu_cases(root: Path = HEALTHY_RUNS) -> list[Case]:
 
 def trl_cases(root: Path = TRL_RUNS) -> list[Case]:
     """tests/fixtures/trl_runs/<name>/ (plain TRL on this project's tiny warm start), by expected.json."""
-    from musique_rl.diagnostics.sources import read_trainer_state
+    from musique_rl.doctor.sources import read_trainer_state
 
     exp = _expectations(root / "expected.json")
     out = []
@@ -134,7 +134,7 @@ def trl_cases(root: Path = TRL_RUNS) -> list[Case]:
 
 def public_cases(logs: Path | None, expected: Path = PUBLIC_EXPECTED) -> tuple[list[Case], list[str]]:
     """Public TRL logs with expectations; (cases read, names whose log is not in ``logs``)."""
-    from musique_rl.diagnostics.sources import read_trainer_state
+    from musique_rl.doctor.sources import read_trainer_state
 
     exp = _expectations(expected)
     out, missing = [], []
@@ -187,7 +187,7 @@ def false_alarms(case: Case, diagnosis: Sequence[Mapping[str, Any]]) -> list[str
 
 def agreement(case: Case, diagnosis: Sequence[Mapping[str, Any]]) -> tuple[str, bool]:
     """(the doctor's top finding in words, whether it agrees with the case's expectation)."""
-    from musique_rl.diagnostics.doctor import top_finding
+    from musique_rl.doctor.diagnose import top_finding
 
     top = top_finding(diagnosis)
     e = case.expected
@@ -201,7 +201,7 @@ def agreement(case: Case, diagnosis: Sequence[Mapping[str, Any]]) -> tuple[str, 
 
 
 def diagnose(case: Case) -> list[dict[str, Any]]:
-    from musique_rl.diagnostics.doctor import diagnose_metrics
+    from musique_rl.doctor.diagnose import diagnose_metrics
 
     return diagnose_metrics(case.histories, case.params)
 
@@ -230,7 +230,7 @@ def alarm_rates(rows: Sequence[Mapping[str, Any]]) -> tuple[int, Counter, dict[s
 
 # ---------------------------------------------------------------- report
 def report(rows: Sequence[Mapping[str, Any]], missing: Sequence[str], public_logs: Path | None) -> int:
-    from musique_rl.diagnostics.doctor import triage_table
+    from musique_rl.doctor.diagnose import triage_table
 
     n, count, where = alarm_rates(rows)
     healthy = [r for r in rows if r["case"].expected.healthy]

@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     from mlflow.tracking import MlflowClient
     from record import git_commit  # benchmarks/record.py
 
-    from musique_rl.diagnostics.doctor import diagnose_run, top_flagged, write_diagnosis
+    from musique_rl.doctor.diagnose import diagnose_run, top_flagged, write_diagnosis
 
     judge = git_commit()
 

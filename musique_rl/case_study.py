@@ -245,9 +245,9 @@ def _history(path: Path) -> dict[str, list[tuple[int, float]]]:
 
 def doctor_on(job: Job) -> dict[str, Any]:
     """The doctor's diagnosis of one run: from its MLflow run when it has one (as a user runs
-    ``python -m musique_rl.diagnostics.doctor <run>``; diagnosis.json is attached to it), else from
+    ``python -m musique_rl.doctor <run>``; diagnosis.json is attached to it), else from
     the job's metrics.jsonl and config."""
-    from musique_rl.diagnostics import doctor
+    from musique_rl.doctor import diagnose as doctor
 
     run_id, uri = (job.metrics or {}).get("mlflow/run_id"), (job.metrics or {}).get("mlflow/uri")
     diagnosis, source = None, rundir.METRICS_LOG

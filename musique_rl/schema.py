@@ -32,7 +32,6 @@ from musique_rl.core.config import (  # noqa: F401  (the groups' types and enums
     VllmMode,
 )
 from musique_rl.core.faults import FAULTS
-from musique_rl.diagnostics.config import DiagnosticsConfig
 from musique_rl.env import config as env_config
 from musique_rl.env.answer_formats import ANSWER_FORMATS
 from musique_rl.env.config import (  # noqa: F401
@@ -53,6 +52,7 @@ from musique_rl.env.policies import POLICIES
 from musique_rl.env.retrieval import RETRIEVERS
 from musique_rl.env.tasks import TASKS
 from musique_rl.env.tool_formats import TOOL_FORMATS
+from musique_rl.instruments.config import DiagnosticsConfig
 
 
 # ---------------------------------------------------------------- enums (allowed values)
@@ -87,7 +87,7 @@ class Priority(StrEnum):
 
 
 # ---------------------------------------------------------------- groups
-# Each layer declares the groups it reads (env/config.py, core/config.py, diagnostics/config.py),
+# Each layer declares the groups it reads (env/config.py, core/config.py, instruments/config.py),
 # naming a plug-in as a str; here each plug-in field is narrowed to its registry's enum, so a typo
 # fails at composition naming the allowed values. Named ``*Schema`` to keep them apart from the
 # layers' own ``EnvConfig`` / ``ModelConfig``, which they extend.
@@ -186,7 +186,7 @@ def job_config(cfg: DictConfig | Config) -> Config:
 
 # ---------------------------------------------------------------- values that cannot work
 # The types above refuse a wrong type or name; each group's ``RULES`` (in its class: env/config.py,
-# core/config.py, diagnostics/config.py, here) refuse a well-typed value no job can run with.
+# core/config.py, instruments/config.py, here) refuse a well-typed value no job can run with.
 def validate(cfg: DictConfig) -> None:
     """Refuse values of the composed config that cannot work (every group's ``RULES`` and
     ``relations``), naming each dotted key, before any data or model is loaded. Hydra composes

@@ -1,4 +1,4 @@
-"""The metric catalogue (musique_rl/diagnostics/catalogue.py) declares every metric once: a producer
+"""The metric catalogue (musique_rl/base/catalogue.py) declares every metric once: a producer
 that logs an undeclared metric, or a rule that reads a metric nothing produces, fails here."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import ast
 import re
 from pathlib import Path
 
-from musique_rl.diagnostics import catalogue
-from musique_rl.diagnostics.bounds import BOUNDS
-from musique_rl.diagnostics.chain import ORDER
+from musique_rl.base import catalogue
+from musique_rl.doctor.bounds import BOUNDS
+from musique_rl.doctor.chain import ORDER
 
 PKG = Path(catalogue.__file__).resolve().parent.parent
 # this project's instrument metrics: h01/..h08/, preflight/ (TRL's own names are declared FOREIGN)
@@ -64,7 +64,7 @@ def test_every_produced_metric_is_declared():
                          + [s for s in _fstring_shapes(f) if not _shape_declared(s)])
         if missing:
             undeclared[str(f.relative_to(PKG))] = missing
-    assert not undeclared, f"declare these in musique_rl/diagnostics/catalogue.py: {undeclared}"
+    assert not undeclared, f"declare these in musique_rl/base/catalogue.py: {undeclared}"
 
 
 def test_every_metric_a_rule_reads_is_declared_with_a_producer_that_exists():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from types import SimpleNamespace
 
-from musique_rl.diagnostics.bounds import out_of_bounds
+from musique_rl.doctor.bounds import out_of_bounds
 from musique_rl.job.console import StepLog
 from musique_rl.rundir import start_metrics_log as start_metrics_file
 

@@ -8,16 +8,16 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from musique_rl.diagnostics import Instruments, Source
-from musique_rl.diagnostics.advantages import advantage_stats
-from musique_rl.diagnostics.episodes import episode_shape
-from musique_rl.diagnostics.kl import kl_stats
-from musique_rl.diagnostics.ledger import attention_coverage, sources_tensor, token_ledger
-from musique_rl.diagnostics.preflight import learnability, warning
-from musique_rl.diagnostics.reward_signal import reward_component_stats
-from musique_rl.diagnostics.sync import BaseChecksum, lora_b_norm, model_scorer, parity
-from musique_rl.diagnostics.truncation import episode_truncation, has_answer
-from musique_rl.diagnostics.updates import UpdateMeter
+from musique_rl.instruments import Instruments, Source
+from musique_rl.instruments.advantages import advantage_stats
+from musique_rl.instruments.episodes import episode_shape
+from musique_rl.instruments.kl import kl_stats
+from musique_rl.instruments.ledger import attention_coverage, sources_tensor, token_ledger
+from musique_rl.instruments.preflight import learnability, warning
+from musique_rl.instruments.reward_signal import reward_component_stats
+from musique_rl.instruments.sync import BaseChecksum, lora_b_norm, model_scorer, parity
+from musique_rl.instruments.truncation import episode_truncation, has_answer
+from musique_rl.instruments.updates import UpdateMeter
 
 G = 8
 A, T, P = Source.ASSISTANT, Source.TOOL, Source.TEMPLATE
@@ -322,7 +322,7 @@ def test_instruments_from_config_reads_the_schema():
 
 
 def test_callback_measures_an_optimizer_step():
-    from musique_rl.diagnostics.callback import InstrumentsCallback
+    from musique_rl.instruments.trainer_callback import InstrumentsCallback
 
     ins = Instruments(num_generations=G, artifact_logger=None)
     got: dict[str, float] = {}
@@ -345,8 +345,8 @@ def test_callback_measures_an_optimizer_step():
 def test_a_new_instrument_is_one_registered_function_and_its_doctor_rule():
     """The recipe of docs/architecture.md, done: a function registered as a per-batch instrument
     reaches observe_batch's metrics, and a rule registered with @doctor.rule reads it back."""
-    from musique_rl.diagnostics import doctor
-    from musique_rl.diagnostics.batch import BATCH_INSTRUMENTS, Batch
+    from musique_rl.doctor import diagnose as doctor
+    from musique_rl.instruments.batch import BATCH_INSTRUMENTS, Batch
 
     @BATCH_INSTRUMENTS.register("test long completions")
     def long_completions(b: Batch) -> dict[str, float]:

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import torch
 
-from musique_rl.diagnostics.audit import RewardAudit, environment_integrity
-from musique_rl.diagnostics.doctor import diagnose_metrics, top_flagged
-from musique_rl.diagnostics.ledger import Source
-from musique_rl.diagnostics.sync import logp_gap, sampling_fit
+from musique_rl.doctor.diagnose import diagnose_metrics, top_flagged
 from musique_rl.env import rewards, tools
+from musique_rl.instruments.audit import RewardAudit, environment_integrity
+from musique_rl.instruments.ledger import Source
+from musique_rl.instruments.sync import logp_gap, sampling_fit
 from tests.test_doctor import clean, series, with_
 
 
@@ -139,7 +139,7 @@ def test_flat_run_with_nothing_flagged_says_cause_not_found_and_a_learning_run_s
 
 
 def test_sampling_fit_grid_equals_the_per_setting_reference():
-    from musique_rl.diagnostics.sync import _warped_logps
+    from musique_rl.instruments.sync import _warped_logps
 
     g = torch.Generator().manual_seed(1)
     logits = torch.randn(3, 10, 40, generator=g) * 2

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from musique_rl.core.faults import FAULTS as FAULT_REGISTRY
-from musique_rl.diagnostics.doctor import diagnose_metrics, diagnose_run, main, top_flagged, write_diagnosis
+from musique_rl.doctor.diagnose import diagnose_metrics, diagnose_run, main, top_flagged, write_diagnosis
 
 STEPS = 20
 

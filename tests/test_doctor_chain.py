@@ -9,10 +9,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from musique_rl.diagnostics.chain import CHECKS, ORDER, STAGES, Kind, reason
-from musique_rl.diagnostics.doctor import diagnose_log, diagnose_metrics, format_diagnosis, main, top_flagged
-from musique_rl.diagnostics.findings import Finding
-from musique_rl.diagnostics.sources import open_source
+from musique_rl.doctor.chain import CHECKS, ORDER, STAGES, Kind, reason
+from musique_rl.doctor.diagnose import diagnose_log, diagnose_metrics, format_diagnosis, main, top_flagged
+from musique_rl.doctor.findings import Finding
+from musique_rl.doctor.sources import open_source
 
 FIX = Path(__file__).resolve().parent / "fixtures" / "doctor"
 
@@ -107,7 +107,7 @@ def test_steps_without_any_group_signal_do_not_count_against_the_learning_rate()
     """A step on which every group tied has no gradient: the update size is judged on the steps at
     the scheduled rate that had a signal, and not on fewer than MIN_UPDATE_STEPS of them (the 6-step
     Qwen2.5 stand-in run: 3 steps at rate, 2 of them tied, was told to raise the learning rate)."""
-    from musique_rl.diagnostics.stages.update import MIN_UPDATE_STEPS
+    from musique_rl.doctor.stages.update import MIN_UPDATE_STEPS
 
     run = open_source(str(FIX / "realmodel_warmup_3steps"))
     m = {k: list(v) for k, v in run.histories.items()}
@@ -199,7 +199,7 @@ def test_from_writes_one_result_per_input_and_never_over_another(tmp_path, monke
 
 def test_docs_show_the_chain_and_the_worked_example_as_the_code_has_them():
     docs = (Path(__file__).resolve().parents[1] / "docs" / "diagnostics.md").read_text()
-    from musique_rl.diagnostics.chain import stage_table
+    from musique_rl.doctor.chain import stage_table
 
     assert stage_table() in docs, "regenerate the chain table in docs/diagnostics.md (command beside it)"
     assert format_diagnosis(diagnose("qwen7b_tied"), show_ok=False) in docs, "re-run the worked example's command"
@@ -230,7 +230,7 @@ def test_inside_one_stage_a_defect_explains_its_symptom_and_two_defects_stay_cau
 
 
 def test_each_stage_gets_a_health_verdict_and_a_foreign_log_shows_fewer_stages():
-    from musique_rl.diagnostics.doctor import stage_health
+    from musique_rl.doctor.diagnose import stage_health
 
     tied = {h["stage"]: h for h in stage_health(diagnose("qwen7b_tied"))}
     assert tied["inputs"]["health"] == "cause" and "budgets_binding" in tied["inputs"]["checks"]

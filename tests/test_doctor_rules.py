@@ -8,13 +8,13 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from musique_rl.diagnostics.advantages import advantage_stats
-from musique_rl.diagnostics.doctor import GAP_ABS_MIN, LOGP_GAP_MAX, diagnose_metrics, top_flagged
-from musique_rl.diagnostics.episodes import episode_shape
-from musique_rl.diagnostics.floor import mismatch_floor
-from musique_rl.diagnostics.reward_signal import reward_component_stats
-from musique_rl.diagnostics.sync import _warped_logps, sampling_fit
-from musique_rl.diagnostics.updates import update_metrics
+from musique_rl.doctor.diagnose import GAP_ABS_MIN, LOGP_GAP_MAX, diagnose_metrics, top_flagged
+from musique_rl.instruments.advantages import advantage_stats
+from musique_rl.instruments.episodes import episode_shape
+from musique_rl.instruments.floor import mismatch_floor
+from musique_rl.instruments.reward_signal import reward_component_stats
+from musique_rl.instruments.sync import _warped_logps, sampling_fit
+from musique_rl.instruments.updates import update_metrics
 from tests.test_doctor import STEPS, series, with_
 
 
@@ -66,12 +66,12 @@ def test_the_floor_is_measured_per_precision_and_float32_sits_far_below_bf16():
 def test_the_floor_is_re_measured_at_every_probe_on_the_weights_of_that_moment():
     """A step-0 floor under-states what numerics give once the policy sharpens: every parity probe
     measures it again, on the current weights (bf16, where the floor is above round-off of the mean)."""
-    from musique_rl.diagnostics.instruments import Instruments
+    from musique_rl.instruments.suite import Instruments
 
     ids, mask, c, lm = _probe()
     model = _tiny_lm(torch.bfloat16)
     inst = Instruments(num_generations=2)
-    from musique_rl.diagnostics.floor import _full_forward
+    from musique_rl.instruments.floor import _full_forward
 
     sampled = _full_forward(model, ids, mask, c, 1.0)  # the sampler's own log-probs: the first probe fits settings too
     inst._probe = {"input_ids": ids, "attention_mask": mask, "logits_to_keep": c, "mask": lm, "sampling_logps": sampled}
@@ -213,7 +213,7 @@ def test_spread_falling_before_the_mean_and_void_turns_are_alarms():
 def test_a_short_run_that_rises_short_of_significance_is_too_short_to_judge_not_cause_not_found():
     import math
 
-    from musique_rl.diagnostics.trend import reward_trend
+    from musique_rl.doctor.trend import reward_trend
 
     # +0.08 over 20 steps in step-to-step noise like the tiny model's: p ~ 0.08 for a rise (the
     # issue's healthy bf16 run: +0.083 at p = 0.054)
@@ -230,7 +230,7 @@ def test_a_short_run_that_rises_short_of_significance_is_too_short_to_judge_not_
 
 
 def test_the_live_console_bounds_the_gap_by_the_same_floor_as_the_doctor():
-    from musique_rl.diagnostics.bounds import out_of_bounds
+    from musique_rl.doctor.bounds import out_of_bounds
 
     assert out_of_bounds({"h06/logp_gap_mean": 0.012}) == ["h06/logp_gap_mean=0.012"]
     assert out_of_bounds({"h06/logp_gap_mean": 0.012}, floor=2e-3) == []

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from musique_rl.diagnostics import sources
-from musique_rl.diagnostics.doctor import diagnose_log, main, top_finding
+from musique_rl.doctor import sources
+from musique_rl.doctor.diagnose import diagnose_log, main, top_finding
 
 FIX = Path(__file__).resolve().parent / "fixtures" / "trl_runs"
 HEALTHY = ("healthy_seed1", "healthy_seed2", "healthy_kl")
@@ -77,7 +77,7 @@ def test_frozen_lora_shows_in_the_log_as_a_zero_gradient():
     assert min(v for _, v in sources.read_trainer_state(FIX / "healthy_seed1").histories["grad_norm"]) > 0
 
 
-# The rule that reads grad_norm == 0 is the field alarm `gradient_zero` (diagnostics/stages/gradient.py). Its reward
+# The rule that reads grad_norm == 0 is the field alarm `gradient_zero` (doctor/stages/gradient.py). Its reward
 # even "rises" at p = 0.044 by chance, so the flat-reward rule cannot be what names it.
 def test_frozen_lora_is_flagged():
     diag = diagnosis("frozen_lora")
@@ -239,7 +239,7 @@ def test_every_training_run_writes_its_diagnosis(tmp_path, tracked):
         return
     from mlflow.tracking import MlflowClient
 
-    from musique_rl.diagnostics.doctor import diagnosis_tags
+    from musique_rl.doctor.diagnose import diagnosis_tags
 
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     run = client.get_run(summary["mlflow/run_id"])

@@ -12,7 +12,7 @@ import torch
 
 from musique_rl.core import trainer as trainer_mod
 from musique_rl.core.importance import importance_metrics, importance_weights
-from musique_rl.diagnostics.doctor import diagnose_metrics
+from musique_rl.doctor.diagnose import diagnose_metrics
 from tests.test_trainer import _batch, _cfg, _trainer
 
 

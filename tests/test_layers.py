@@ -3,10 +3,12 @@
 Layers, bottom to top (docs/architecture.md draws them):
   rundir.py     what a run (and sweep) directory holds, its names, writing and reading: a contract
                 every layer reads, so it imports nothing of the package
+  base/         the contracts every layer reads: the metric catalogue
   env/          the environment: data, synthetic worlds, retrieval, tools, parsing, rewards,
                 prompts, scripted policies, the plug-in registry
   core/         the RL core: models, generation, rollouts, the trainer, warm starts, faults, devices
-  diagnostics/  instruments and the doctor
+  instruments/  what is measured during a run
+  doctor/       what is judged from it
   the rest      the experiment layer, itself ordered in parts (``EXPERIMENT_PARTS``) along the data
                 flow of a job: the typed config, the warm start and memory plan, tracking (MLflow),
                 the GPU topology, the job, the verdict over a sweep's jobs, the sweep that calls the
@@ -22,7 +24,7 @@ import ast
 from pathlib import Path
 
 PKG = Path(__file__).resolve().parent.parent / "musique_rl"
-LAYERS = ("rundir", "env", "core", "diagnostics", "experiment")
+LAYERS = ("rundir", "base", "env", "core", "instruments", "doctor", "experiment")
 # The experiment layer's parts, bottom to top: each holds the modules named (a package: all of it).
 EXPERIMENT_PARTS = (
     ("config", ("musique_rl.schema",)),
@@ -46,7 +48,7 @@ MODULES = {module_name(p): p for p in PKG.rglob("*.py")}
 
 def layer(module: str) -> str:
     parts = module.split(".")
-    return parts[1] if len(parts) > 1 and parts[1] in LAYERS[:4] else "experiment"
+    return parts[1] if len(parts) > 1 and parts[1] in LAYERS[:-1] else "experiment"
 
 
 def part(module: str) -> str | None:
@@ -163,7 +165,7 @@ def test_no_import_circle():
 
 
 def test_the_layers_are_packages_and_hold_what_they_say():
-    for name in ("env", "core", "diagnostics"):
+    for name in ("base", "env", "core", "instruments", "doctor"):
         assert (PKG / name / "__init__.py").is_file()
     assert {"musique_rl.env.retrieval", "musique_rl.env.rewards", "musique_rl.env.policies"} <= set(MODULES)
     assert {"musique_rl.core.trainer", "musique_rl.core.rollout", "musique_rl.core.warm_start"} <= set(MODULES)

@@ -36,7 +36,7 @@ REGISTRIES = {
     "musique_rl.env.tasks:TASKS": "tasks, registered by Task.__init_subclass__ at import",
     "musique_rl.env.tool_formats:TOOL_FORMATS": "tool formats, registered by ToolFormat.__init_subclass__ at import",
     "musique_rl.env.answer_formats:ANSWER_FORMATS": "answer formats, registered by AnswerFormat.__init_subclass__ at import",
-    "musique_rl.diagnostics.findings:RULES": "the doctor's rules, appended by the @rule decorator at import",
+    "musique_rl.doctor.findings:RULES": "the doctor's rules, appended by the @rule decorator at import",
 }
 
 # Functions that write os.environ: settings a library reads only from the environment, never a

@@ -156,7 +156,7 @@ def test_qwen3_episodes_are_token_exact_under_its_own_template_and_score_the_ans
     """Across tool turns: the ids the trainer scores are the ids sampled, equal to the messages rendered
     by TRL's training twin of Qwen3's template (the one sampling and training use) AND by Qwen3's own
     shipped template with enable_thinking; no decoy inside a block ends an episode or is scored."""
-    from musique_rl.diagnostics.audit import RewardAudit
+    from musique_rl.instruments.audit import RewardAudit
 
     tok = qwen3_tok
     cfg, records, engine, episodes, trained = _qwen3_episodes(tok)
@@ -187,7 +187,7 @@ def test_qwen3_episodes_are_token_exact_under_its_own_template_and_score_the_ans
     # the reward audit re-decodes the trained ids in the same format and agrees with the reward used
     import torch
 
-    from musique_rl.diagnostics.ledger import sources_tensor
+    from musique_rl.instruments.ledger import sources_tensor
 
     width = max(len(ep.completion_ids) for ep in episodes)
     completion = torch.tensor([ep.completion_ids + [tok.pad_token_id] * (width - len(ep.completion_ids))

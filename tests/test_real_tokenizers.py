@@ -17,11 +17,11 @@ import torch
 
 from musique_rl.core.generation import HFGenerator, SamplingSettings, sampling_settings, stop_ids
 from musique_rl.core.rollout import ChatTokens, RolloutEngine
-from musique_rl.diagnostics.audit import RewardAudit, environment_integrity
-from musique_rl.diagnostics.doctor import diagnose_metrics
-from musique_rl.diagnostics.ledger import sources_tensor
+from musique_rl.doctor.diagnose import diagnose_metrics
 from musique_rl.env import policies, prompts, rewards
 from musique_rl.env.retrieval import build_retriever
+from musique_rl.instruments.audit import RewardAudit, environment_integrity
+from musique_rl.instruments.ledger import sources_tensor
 from tests import tokenizer_fixtures as tf
 from tests.conftest import TEST_OVERRIDES, job_cfg, with_keys
 from tests.scripted import ScriptedGenerator, sampled_runs
@@ -345,7 +345,7 @@ def _scripted_model_dir(spec, tok) -> object:
 def test_a_healthy_run_on_the_standin_is_diagnosed_without_an_h04_alarm(standins, spec, tmp_path):
     """``model=<config> model.name_or_path=<dir>``: the project's own loading, HF backend, 3 steps. Every
     tool result is checked and none is altered, and the doctor raises no h04 / h05 alarm."""
-    from musique_rl.diagnostics.doctor import diagnose_metrics
+    from musique_rl.doctor.diagnose import diagnose_metrics
     from musique_rl.job.train import train
 
     tok = _tok(standins, spec)

@@ -10,7 +10,7 @@ import logging
 import pytest
 
 from musique_rl import rundir
-from musique_rl.diagnostics import sources
+from musique_rl.doctor import sources
 from musique_rl.tracking.plots import save_reward_curves
 from musique_rl.verdict.load import read_metrics as verdict_summary
 from musique_rl.verdict.plots import reward_history

@@ -120,7 +120,7 @@ def test_step0_trainer_logprobs_equal_the_samplers(tiny_cfg, warm_tiny, tmp_path
     assert gap.max() < 1e-4, gap.max()
     # loss-bearing tokens are exactly the assistant tokens of the ledger (the rollout's token labels;
     # the trainer attaches them to the batch only when instruments read them)
-    from musique_rl.diagnostics.ledger import Source, sources_tensor
+    from musique_rl.instruments.ledger import Source, sources_tensor
 
     sources = sources_tensor([ep.sources for ep in rolled], loss_mask.shape[1])
     assert torch.equal(loss_mask.cpu(), sources == int(Source.ASSISTANT))  # the batch is on the model's device
@@ -129,7 +129,7 @@ def test_step0_trainer_logprobs_equal_the_samplers(tiny_cfg, warm_tiny, tmp_path
 def test_blind_context_fault_breaks_parity(tiny_cfg, warm_tiny, tmp_path):
     """The planted fault (attention mask = loss mask) makes the trainer score tokens without the
     prompt and tool results: the step-0 parity check that catches it must see a large gap."""
-    from musique_rl.diagnostics import Instruments
+    from musique_rl.instruments import Instruments
 
     model, tok = warm_tiny
     cfg = _cfg(tiny_cfg, {"fault": "blind_context"})

@@ -5,8 +5,8 @@ healthy counterpart so a rule that fires on everything (or nothing) fails."""
 
 from __future__ import annotations
 
-from musique_rl.diagnostics.doctor import diagnose_metrics
-from musique_rl.diagnostics.stages.sampling import LOGP_DIFF_MAX
+from musique_rl.doctor.diagnose import diagnose_metrics
+from musique_rl.doctor.stages.sampling import LOGP_DIFF_MAX
 
 
 def steps(values):

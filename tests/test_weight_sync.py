@@ -23,8 +23,8 @@ from trl.generation.vllm_generation import VLLMGeneration
 
 from musique_rl.core import weight_sync
 from musique_rl.core.weight_sync import ExactLoraSync
-from musique_rl.diagnostics.doctor import CHECKSUM_DRIFT_MAX, diagnose_metrics
-from musique_rl.diagnostics.sync import BaseChecksum
+from musique_rl.doctor.diagnose import CHECKSUM_DRIFT_MAX, diagnose_metrics
+from musique_rl.instruments.sync import BaseChecksum
 
 CYCLES = 40  # the record runs 1,000 (benchmarks/bench_lora_sync.py)
 
@@ -243,8 +243,8 @@ def test_the_fault_run_on_the_hf_backend_is_diagnosed_base_drift_and_the_same_ru
     """The job end to end (``train``, the instruments, metrics.jsonl, the doctor) as bench_faults.py runs
     it on a CPU: +fault=inplace_merge_sync runs TRL's sync before each hf rollout; the doctor's top
     finding is h06 base_drift. The same bf16 LoRA run without the fault has an exactly-0 checksum."""
-    from musique_rl.diagnostics.doctor import diagnose_log
-    from musique_rl.diagnostics.sources import read_run_dir
+    from musique_rl.doctor.diagnose import diagnose_log
+    from musique_rl.doctor.sources import read_run_dir
     from musique_rl.job.train import train
 
     small = [*TEST_OVERRIDES, "train.max_steps=6", "train.prompts_per_step=2", "train.num_generations=4",

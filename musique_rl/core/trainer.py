@@ -19,7 +19,7 @@ trainer's ``Generator``, musique_rl/core/rollout.py), which returns ``prompt_ids
     weight sync).
   - ``_compute_loss``: calls TRL's loss with the KL coefficient and mask the job's fault gives,
     and ``instruments.observe_loss``; arms the point-of-use probe (its advantages and reference
-    log-probs as gradient-reading leaves, diagnostics/loss_inputs.py), which ``training_step``
+    log-probs as gradient-reading leaves, instruments/loss_inputs.py), which ``training_step``
     reads once the micro-batch's backward has run.
   - ``_get_per_token_logps_and_entropies``: every forward pass of the trainer (loss, old and
     reference log-probs) gets the attention mask the job's fault gives (the planted

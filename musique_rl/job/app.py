@@ -153,13 +153,13 @@ def diagnose(cfg: DictConfig, run_dir: Path, tracker: Tracker | None = None) -> 
     if not process_state().is_main_process or not (run_dir / rundir.METRICS_LOG).is_file():
         return None
     try:
-        from musique_rl.diagnostics.doctor import (
+        from musique_rl.doctor.diagnose import (
             diagnose_log,
             diagnosis_tags,
             format_diagnosis,
             save_diagnosis,
         )
-        from musique_rl.diagnostics.sources import read_run_dir
+        from musique_rl.doctor.sources import read_run_dir
         from musique_rl.tracking.provenance import config_params
 
         run = read_run_dir(run_dir)
@@ -170,7 +170,7 @@ def diagnose(cfg: DictConfig, run_dir: Path, tracker: Tracker | None = None) -> 
             tracker.log_text(json.dumps(diagnosis, indent=2), rundir.DIAGNOSIS)
             tracker.set_tags(diagnosis_tags(diagnosis))
         # flagged findings with their evidence on the console; the full ranked list is diagnosis.json
-        # (and `python -m musique_rl.diagnostics.doctor --run-dir <run dir>`)
+        # (and `python -m musique_rl.doctor --run-dir <run dir>`)
         checks = sum(d["check"] != "no_data" for d in diagnosis)
         log.info("doctor (%d checks, all in %s):\n%s", checks, run_dir / rundir.DIAGNOSIS,
                  format_diagnosis(diagnosis, show_ok=False))

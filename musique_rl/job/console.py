@@ -19,7 +19,7 @@ from typing import Any
 from transformers.trainer_callback import ProgressCallback
 
 from musique_rl import rundir
-from musique_rl.diagnostics.bounds import out_of_bounds
+from musique_rl.doctor.bounds import out_of_bounds
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,60 @@
+"""Stage "environment": tools and the tool results the policy reads (h07, h04's tool-result audit)."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping
+
+from musique_rl.base.catalogue import TOOL_FAILURE_MAX, key
+from musique_rl.doctor.findings import Finding, History, judged, magnitude, rule, values
+
+# H04: share of tool results that differ from their source. Any difference is a defect (a tool
+# result is a copy of its document); 5% tolerates one odd result per 20 audited (a decode that does
+# not round-trip) without hiding a systematic defect.
+TOOL_ALTERED_MAX = 0.05
+
+
+# ---------------------------------------------------------------- field alarms (tier 1: other causes possible)
+# Void turns: an assistant turn with neither a tool call nor an answer ends the episode
+# (stop_reason no_tool_call). The warm-started tiny policy has ~8% such episodes before training;
+# above a quarter of the episodes in the last quarter of the run, the policy or the tool-call
+# parser has stopped producing actions (a format the parser does not read, a chatty collapse).
+VOID_EPISODE_MAX = 0.25
+
+
+@rule("h07/void_episode_share")
+def _void_turns(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
+    void = values(m.get("h07/void_episode_share"))
+    q = max(1, len(void) // 4)
+    last = statistics.fmean(void[-q:])
+    ev = {"h07/void_episode_share (first)": void[0], "h07/void_episode_share (last quarter)": last,
+          "h07/void_turn_share (last)": (values(m.get("h07/void_turn_share")) or [0.0])[-1]}
+    return judged("h07", "void_turns", last > VOID_EPISODE_MAX, 1 + magnitude(last / VOID_EPISODE_MAX), ev,
+                  f"{last:.0%} of the episodes (last quarter of the run) end in a void turn, neither a tool call nor "
+                  "an answer: the policy writes text the tool-call parser does not read, or has collapsed into "
+                  "chatter (check model.tool_call_format against what the model writes).",
+                  f"Void turns: {last:.0%} of episodes in the last quarter.")
+
+
+@rule(key("h04/tool_results_altered_share"))
+def _tool_results_altered(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
+    a = statistics.fmean(values(m.get("h04/tool_results_altered_share")))
+    ev = {"h04/tool_results_altered_share (mean)": a,
+          "h04/tool_results_altered (sum)": sum(values(m.get(key("h04/tool_results_altered"))))}
+    return judged("h04", "tool_results_altered", a > TOOL_ALTERED_MAX, 3 + magnitude(1 + 100 * a), ev,
+                  f"{a:.0%} of the tool results the model saw differ from their source documents (cut, altered, or "
+                  "under another document's id) between the retriever and the prompt: the policy reads a different "
+                  "environment from the one the reward assumes.",
+                  f"Tool results match their source documents ({a:.0%} differ).")
+
+
+@rule(key("h07/tool_failure_rate"))
+def _tool_failures(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
+    fail = values(m.get("h07/tool_failure_rate"))
+    ev = {"h07/tool_failure_rate (mean)": statistics.fmean(fail),
+          "h07/tool_calls_mean (mean)": statistics.fmean(values(m.get(key("h07/tool_calls_mean"))) or [0.0]),
+          "h07/turns_mean (mean)": statistics.fmean(values(m.get(key("h07/turns_mean"))) or [0.0])}
+    f = statistics.fmean(fail)
+    return judged("h07", "tool_failures", f > TOOL_FAILURE_MAX, 1 + magnitude(f / TOOL_FAILURE_MAX), ev,
+                  f"{f:.0%} of tool calls fail: the multi-turn machinery, not the policy's choices, decides the episodes.",
+                  f"Tool calls mostly succeed ({f:.0%} fail).")

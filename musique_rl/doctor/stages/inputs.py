@@ -1,0 +1,66 @@
+"""Stage "inputs": data, prompts and token budgets (h04)."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping
+
+from musique_rl.base.catalogue import BUDGET_SHARE_MAX, key
+from musique_rl.doctor.findings import Finding, History, judged, magnitude, num, rule, values
+from musique_rl.doctor.trl_rules import CLIPPED_MAX, _ours, clipped_share
+
+BUDGETS = tuple(key(k) for k in ("h04/budget_cap_share", "h04/dropped_tool_results_share",
+                                 "h04/question_left_context_share", "h04/prompt_at_cap_share", "h04/no_answer_share"))
+# Budgets binding on (nearly) every episode starve everything downstream: no episode ends with an
+# answer, so every reward is the budget's. 0.95: one episode in 20 may still finish.
+BUDGET_STARVES = 0.95
+
+
+@rule(*BUDGETS)
+def _budgets(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
+    means = {k: statistics.fmean(values(m.get(k))) for k in BUDGETS if values(m.get(k))}
+    ev = {f"{k} (mean)": v for k, v in means.items()}
+    lost = means.get("h04/question_left_context_share", 0.0)
+    if lost > 0:
+        return [Finding("h04", "question_left_context", True, 3 + magnitude(1 + 100 * lost),
+                        f"In {lost:.0%} of episodes the question itself was truncated out of the context.", ev)]
+    binding = ("h04/budget_cap_share", "h04/dropped_tool_results_share", "h04/prompt_at_cap_share")
+    worst_key = max((k for k in binding if k in means), key=lambda k: means[k], default=None)
+    if worst_key is not None and means[worst_key] > BUDGET_SHARE_MAX:
+        w = means[worst_key]
+        what = {"h04/budget_cap_share": "end at a token budget",
+                "h04/dropped_tool_results_share": "silently lose a tool result to the budget",
+                "h04/prompt_at_cap_share": "start with the prompt at its token cap"}[worst_key]
+        na = means.get("h04/no_answer_share")
+        tail = f"; {na:.0%} end with no answer" if na is not None else ""
+        starves = w >= BUDGET_STARVES and (na is None or na >= BUDGET_STARVES)
+        return [Finding("h04", "budgets_binding", True, 2 + magnitude(w / BUDGET_SHARE_MAX),
+                        f"Token budgets truncate the episodes: {w:.0%} of episodes {what}{tail}. The reward is capped by "
+                        "the budget, not by the policy (raise env.max_tokens_per_turn / env.max_completion_tokens).",
+                        ev, starves=starves)]
+    return [Finding("h04", "budgets_binding", False, 0.0, "Token budgets rarely bind.", ev)]
+
+
+# ---------------------------------------------------------------- over TRL's own metric names (trl_rules.OURS)
+@rule("completions/clipped_ratio")
+def _truncation(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
+    if _ours(m, "truncation"):
+        return []
+    c = clipped_share(m) or 0.0
+    ev = {"completions/clipped_ratio (mean)": c}
+    mean_len = values(m.get("completions/mean_length"))
+    term = values(m.get("completions/mean_terminated_length"))
+    if mean_len:
+        ev["completions/mean_length (mean)"] = statistics.fmean(mean_len)
+    if term:
+        ev["completions/mean_terminated_length (mean)"] = statistics.fmean(term)
+    budget = num(params, "max_completion_length", 0.0)
+    if budget:
+        ev["max_completion_length (param)"] = budget
+    ended = (f"; the completions that do end are {statistics.fmean(term):.3g} tokens long on average"
+             if term and statistics.fmean(term) > 0 else "; no completion ever ends before the budget")
+    return judged("h04", "completions_truncated", c > CLIPPED_MAX, 2 + magnitude(c / CLIPPED_MAX), ev,
+                  f"{c:.0%} of completions are cut at max_completion_length{ended}: the budget, not the policy, "
+                  "decides those rewards (raise max_completion_length, or mask_truncated_completions=True so "
+                  "cut completions do not train).",
+                  f"{c:.0%} of completions are truncated.")

@@ -1,0 +1,179 @@
+"""Stage "signal": the spread of rewards inside a group and the advantages formed from it (h01, pre-flight)."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping
+
+from musique_rl.base.catalogue import AMPLIFICATION_MAX, key
+from musique_rl.doctor.findings import Finding, History, judged, magnitude, note, rule, values
+from musique_rl.doctor.trl_rules import CLIPPED_MAX, _ours, clipped_share, constant_funcs, reward_funcs
+
+# No signal: a step on which every group tied (h01/zero_std_share = 1, TRL's frac_reward_zero_std = 1)
+# has every advantage exactly 0, so its gradient and update are 0 by construction. On at least 90%
+# of the logged steps (and at least 2), the run learns nothing whatever its optimizer: a starving
+# failure (chain.STARVING) whose consequences are the zero gradient, the missing update and the
+# adapter that stays at 0. 1e-9 tolerates float round-off of the share.
+NO_SIGNAL_STEP_SHARE = 0.9
+TIED = 1 - 1e-9
+
+
+def tied_steps(m: Mapping[str, History]) -> tuple[list[int], int, str] | None:
+    """(steps on which every group tied, steps logged, the metric read) or None without one."""
+    for k in (key("h01/zero_std_share"), key("frac_reward_zero_std")):
+        pts = [(s, v) for s, v in (m.get(k) or []) if v is not None]
+        if pts:
+            return [s for s, v in pts if v >= TIED], len(pts), k
+    return None
+
+
+# ---------------------------------------------------------------- tier-3 invariant (a proof, not a symptom)
+# advantages: TRL's group-relative advantages sum to 0 in each group and carry the sign of
+# reward - group mean; rewards re-ordered or re-attached after grouping break both (a reward list
+# zipped to the wrong samples after the advantage is formed, groups split across processes).
+# |sum of a group's advantages| / (G x mean |advantage|): float32 round-off of a centred sum is
+# ~1e-7; 1e-3 leaves four orders of magnitude for it.
+ADV_GROUP_SUM_MAX = 1e-3
+# Any advantage with the wrong sign is impossible (division by a positive std keeps the sign);
+# 1% tolerates rewards within float round-off of their group mean.
+ADV_SIGN_MISMATCH_MAX = 0.01
+
+
+@rule("h01/adv_group_sum_rel_max", "h01/adv_sign_mismatch_share")
+def _advantages_from_groups(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
+    sums = values(m.get("h01/adv_group_sum_rel_max"))
+    signs = values(m.get("h01/adv_sign_mismatch_share"))
+    worst_sum, worst_sign = max(sums, default=0.0), max(signs, default=0.0)
+    ev = {"h01/adv_group_sum_rel_max (max)": worst_sum, "h01/adv_sign_mismatch_share (max)": worst_sign}
+    bad = worst_sum > ADV_GROUP_SUM_MAX or worst_sign > ADV_SIGN_MISMATCH_MAX
+    return judged("h01", "advantages_not_from_groups", bad,
+                  3 + magnitude(max(worst_sum / ADV_GROUP_SUM_MAX, worst_sign / ADV_SIGN_MISMATCH_MAX)), ev,
+                  f"The advantages the loss uses do not describe the groups' rewards: a group's advantages sum to "
+                  f"{worst_sum:.2g} of their scale (must be 0) and {worst_sign:.0%} have the opposite sign of "
+                  "reward - group mean. Rewards and completions are paired differently where the advantages are "
+                  "formed than where they are logged (re-ordered, shifted, or grouped across processes).",
+                  "Advantages sum to 0 in every group and follow the rewards' signs.")
+
+
+def starved_of_signal(got: tuple[list[int], int, str] | None) -> bool:
+    """Whether ``tied_steps``' answer is the no-signal failure: every group tied on at least
+    NO_SIGNAL_STEP_SHARE of the logged steps, and at least 2 logged."""
+    return got is not None and got[1] >= 2 and len(got[0]) / got[1] >= NO_SIGNAL_STEP_SHARE
+
+
+@rule(key("h01/zero_std_share"))
+def _no_signal(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
+    got = tied_steps(m)
+    if got is None:
+        return []
+    tied, n, k = got
+    ev = {f"steps with every group tied ({k} = 1)": float(len(tied)), "steps logged": float(n)}
+    adv = values(m.get(key("h01/adv_abs_max")))
+    if adv:
+        ev["h01/adv_abs_max (max)"] = max(adv)
+    if starved_of_signal(got):
+        return [Finding("h01", "no_signal", True, 3.0,
+                        f"Every group tied on {len(tied)} of {n} steps: all G completions of each prompt earned the "
+                        "same reward, so every advantage is 0 and the loss has no gradient to give, whatever the "
+                        "learning rate. Find why the rewards do not differ within a group (the reward stage, or "
+                        "the inputs: budgets, a task too hard or too easy at this group size).", ev, starves=True)]
+    return []
+
+
+@rule
+def _amplification(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
+    amp = values(m.get("h01/amplification_max"))
+    near = values(m.get("h01/near_zero_std_share"))
+    if not amp and not near:
+        return []
+    ev = {
+        "h01/amplification_max (max)": max(amp, default=0.0),
+        "h01/near_zero_std_share (mean)": statistics.fmean(near) if near else 0.0,
+        "h01/near_tie_adv_share (mean)": statistics.fmean(values(m.get("h01/near_tie_adv_share")) or [0.0]),
+        "h01/adv_abs_max (max)": max(values(m.get("h01/adv_abs_max")) or [0.0]),
+    }
+    worst = max(amp, default=0.0)
+    steps = sum(a > AMPLIFICATION_MAX for a in amp)
+    if worst > AMPLIFICATION_MAX:
+        return [Finding("h01", "std_amplification", True, 2 + magnitude(worst / AMPLIFICATION_MAX),
+                        f"Std scaling multiplied reward differences by up to {worst:.3g}x (TRL's epsilon caps it at "
+                        f"{AMPLIFICATION_MAX:.0e}) on {steps} of {len(amp)} steps: near-tied groups whose rewards differ "
+                        "by float noise get full-size advantages, so the gradient follows noise. Raise the std "
+                        "epsilon or stop scaling by the group std (loss.scale_rewards=none).", ev)]
+    return [Finding("h01", "std_amplification", False, 0.0,
+                    f"Advantage scaling within bounds (max amplification {worst:.3g}x); "
+                    f"{ev['h01/near_zero_std_share (mean)']:.0%} of groups are near-ties on average.", ev)]
+
+
+
+@rule(key("preflight/signal_share_forecast"))
+def _preflight(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
+    sig = values(m.get("preflight/signal_share_forecast"))
+    from musique_rl.instruments.preflight import MIN_SIGNAL_SHARE
+
+    ev = {k: values(m.get(k))[0] for k in ("preflight/pass_rate_mean", "preflight/zero_variance_forecast",
+                                           "preflight/signal_share_forecast") if values(m.get(k))}
+    s = sig[0]
+    # The forecast is about answer correctness; a partial-credit reward can still spread inside a
+    # group. Flag only when the reward actually trained on confirms it: few signal-carrying groups
+    # over the first steps too.
+    actual = values(m.get("h01/signal_group_share"))[:5]
+    if actual:
+        ev["h01/signal_group_share (first steps)"] = statistics.fmean(actual)
+    got = tied_steps(m)
+    if s < MIN_SIGNAL_SHARE and starved_of_signal(got):
+        # the forecast came true: the measured finding (no_signal) says it, with the steps
+        return [note("preflight", "learnability",
+                     f"Pre-flight forecast only {s:.0%} of groups to carry signal at this group size, and it came "
+                     "true: see no_signal.", ev)]
+    if s < MIN_SIGNAL_SHARE and (not actual or statistics.fmean(actual) < MIN_SIGNAL_SHARE):
+        return [Finding("preflight", "learnability", True, 1 + magnitude(MIN_SIGNAL_SHARE / max(s, 1e-3)) / 2,
+                        f"Pre-flight: only {s:.0%} of groups are forecast to carry learning signal at this group size "
+                        f"(initial pass rate {ev.get('preflight/pass_rate_mean', float('nan')):.2f}).", ev)]
+    if s < MIN_SIGNAL_SHARE:
+        return [Finding("preflight", "learnability", False, 0.0,
+                        f"Pre-flight: only {s:.0%} of groups forecast to carry answer signal, but the reward spreads "
+                        f"in {ev['h01/signal_group_share (first steps)']:.0%} of groups (partial credit).", ev)]
+    return [Finding("preflight", "learnability", False, 0.0,
+                    f"Pre-flight: {s:.0%} of groups forecast to carry signal.", ev)]
+
+
+# ---------------------------------------------------------------- over TRL's own metric names (trl_rules.OURS)
+# A group whose G rewards are equal has advantage 0 on every completion: it adds no gradient. When
+# most groups carry none, the batch's gradient comes from a few groups (or none): learning stalls
+# whatever the optimizer does. Half is the point where most of the compute trains nothing.
+ZERO_STD_MAX = 0.5
+# ... and at 95% on average the batch's gradient is ~0: the update, the adapter and the policy
+# change downstream are this finding's consequences, not separate causes (doctor/chain.py)
+ZERO_STD_STARVES = 0.95
+
+
+@rule("frac_reward_zero_std")
+def _zero_variance(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
+    if _ours(m, "zero_variance"):
+        return []
+    z = values(m.get("frac_reward_zero_std"))
+    share = statistics.fmean(z)
+    ev = {"frac_reward_zero_std (mean)": share, "frac_reward_zero_std (first)": z[0], "frac_reward_zero_std (last)": z[-1]}
+    if share <= ZERO_STD_MAX:
+        return [Finding("preflight", "zero_variance_groups", False, 0.0,
+                        f"{share:.0%} of groups have equal rewards on average: most groups carry signal.", ev)]
+    const = constant_funcs(m)
+    clip = clipped_share(m)
+    why = []
+    if clip is not None and clip > CLIPPED_MAX:
+        why.append(f"{clip:.0%} of completions are truncated (h04)")
+    if const and len(const) == len(reward_funcs(m)):
+        why.append("every reward function is constant (h05)")
+    cause = (f" A consequence of what is flagged above: {'; '.join(why)}." if why else
+             " Either the task is too hard or too easy for this policy at this group size (pass@G near 0 or 1), or "
+             "the reward cannot tell completions apart: run musique_rl's pre-flight (learnability forecast) or "
+             "`+hypothesis=h05` (reward audit) to decide.")
+    # ranked below its cause when one is flagged (truncation, constant reward)
+    sev = (1 if why else 2) + magnitude(share / ZERO_STD_MAX) * (0.5 if why else 1)
+    # (nearly) every group tied on (nearly) every step: nothing reaches the gradient (chain.STARVING)
+    starves = share >= ZERO_STD_STARVES
+    return [Finding("preflight", "zero_variance_groups", True, sev,
+                    f"{share:.0%} of groups have identical rewards for all their completions (TRL's "
+                    "frac_reward_zero_std): their advantages are 0, so they add no gradient." + cause, ev,
+                    starves=starves)]

@@ -1,0 +1,103 @@
+"""What the doctor's rules over TRL's own metric names (GRPOTrainer 1.16) share: for runs made with
+plain TRL (or verifiers on TRL) that carry none of this project's instruments.
+
+The rules themselves live in the stage of the GRPO step their findings belong to
+(doctor/stages/<stage>.py, doctor/chain.py), with the same tiers and ranking as the
+doctor's other rules: severity = tier + magnitude, tier 3 a direct proof, tier 2 a fingerprint past
+a principled threshold, tier 1 a symptom with other causes. Our own runs log TRL's metrics too;
+each such rule stands down where our instrument for the same defect is in the log (``_ours``,
+``OURS``), so one defect is reported once, by the better measurement.
+
+Where TRL's log cannot decide, the finding (or ``CANNOT_TELL``, used for hypotheses with no data)
+says which musique_rl sweep or instrument would.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import statistics
+from collections.abc import Mapping
+
+from musique_rl.doctor.findings import History, values
+
+# ---------------------------------------------------------------- thresholds shared by several stages (and why)
+# Share of completions cut at max_completion_length. A truncated completion usually has no answer,
+# so the budget, not the policy, scores it; more than 1 in 10 binds (as the doctor's h04 budget rule).
+CLIPPED_MAX = 0.1
+# A reward function's std over the batch at exactly 0 on every logged step (at least this many).
+CONSTANT_MIN_STEPS = 5
+# One-sided p for "rises" / "falls" in the reward-vs-component trend (as the doctor's flat rule)
+TREND_P = 0.05
+TREND_MIN_POINTS = 8
+
+
+# TRL's metrics these rules read (the MLflow reader of our runs fetches only the histories rules use)
+TRL_KEYS = ("frac_reward_zero_std", "learning_rate", "kl", "reward", "reward_std")
+TRL_PREFIXES = ("rewards/", "completions/", "sampling/")
+
+# Our instruments for the same defects: a TRL-name rule stands down when one of these was logged.
+OURS = {
+    "zero_variance": ("h01/signal_group_share", "preflight/signal_share_forecast"),
+    "truncation": ("h04/budget_cap_share",),
+    "logp_diff": ("h06/logp_gap_mean",),
+    "lr": ("h08/update_weight_ratio",),
+    "kl": ("h03/kl_model_mean", "h03/kl_negative_share"),
+    "reward_funcs": ("h05/reward_errors", "h05/answer_em/mean", "h05/answer_f1/mean"),
+}
+
+# What decides a hypothesis a log has no data for: the doctor's words for "no data" on a TRL log.
+CANNOT_TELL = {
+    "h01": "advantage scaling is not in TRL's logs (only reward_std); run `+hypothesis=h01` (amplification "
+           "instrument) or make sweep SWEEP=h01",
+    "h02": "env tokens in the loss and the trainer's view of the context cannot be seen in TRL's logs; run "
+           "`+hypothesis=h02` or the token ledger (diagnostics.enabled=true)",
+    "h03": "KL is logged only with beta > 0, and never per token kind; run `+hypothesis=h03`",
+    "h04": "token budgets: only completions/clipped_ratio is logged (prompt truncation and dropped tool results "
+           "are not); run `+hypothesis=h04`",
+    "h05": "whether a reward matches its completion (a shuffled or misaligned reward) cannot be seen in TRL's "
+           "logs; run the reward audit (`+hypothesis=h05`)",
+    "h06": "sampler/trainer agreement is logged by TRL only with vLLM and IS correction "
+           "(sampling/sampling_logp_difference); a temperature or top-p that differs between generation_kwargs "
+           "and the loss is invisible without it; run `+hypothesis=h06` (parity probe, sampling-settings fit)",
+    "h07": "tool failures: TRL logs tools/failure_frequency only for its own tool calling; run `+hypothesis=h07`",
+    "h08": "update size is not in TRL's logs (grad_norm is, before clipping); run `+hypothesis=h08` "
+           "(update/weight ratio, KL to start)",
+}
+
+
+def _ours(m: Mapping[str, History], what: str) -> bool:
+    return any(values(m.get(k)) for k in OURS[what])
+
+
+
+
+def _trend(h: History | None) -> tuple[float, float] | None:
+    """(slope, one-sided p that it rises) of a history, or None with too few points."""
+    pts = [(s, v) for s, v in (h or []) if v is not None and not math.isnan(v)]
+    if len(pts) < TREND_MIN_POINTS or len({v for _, v in pts}) == 1:
+        return None
+    from scipy.stats import linregress
+
+    fit = linregress([float(s) for s, _ in pts], [v for _, v in pts])
+    return float(fit.slope), float(fit.pvalue / 2 if fit.slope > 0 else 1 - fit.pvalue / 2)
+
+
+def reward_funcs(m: Mapping[str, History]) -> list[str]:
+    """Names of the reward functions TRL logged (``rewards/<f>/mean``)."""
+    return sorted({k[len("rewards/"):-len("/mean")] for k in m if re.fullmatch(r"rewards/[^/]+/mean", k)})
+
+
+def constant_funcs(m: Mapping[str, History]) -> dict[str, float]:
+    """Reward functions whose std over the batch is exactly 0 at every logged step: {name: mean}."""
+    out = {}
+    for f in reward_funcs(m):
+        std = values(m.get(f"rewards/{f}/std"))
+        if len(std) >= CONSTANT_MIN_STEPS and max(abs(s) for s in std) == 0:
+            out[f] = statistics.fmean(values(m.get(f"rewards/{f}/mean")))
+    return out
+
+
+def clipped_share(m: Mapping[str, History]) -> float | None:
+    c = values(m.get("completions/clipped_ratio"))
+    return statistics.fmean(c) if c else None

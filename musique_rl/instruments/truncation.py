@@ -1,0 +1,79 @@
+"""H04: hidden truncation. Which cap ended each episode, and what the context lost.
+
+docs/failure_modes.md defect 8: in multi-turn the completion budget includes retrieved text; a tool result
+that would overflow is dropped silently and the episode ends with no answer; a rolling context can
+drop the question itself. The rollout records all of it on each Episode; this module counts it.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from musique_rl.instruments.batch import BATCH_INSTRUMENTS, Batch
+
+STOP_REASONS = ("answer", "max_turns", "turn_budget", "episode_budget", "no_tool_call")
+BUDGET_STOPS = ("turn_budget", "episode_budget")  # token caps, as opposed to the turn cap
+_ANSWER = re.compile(r"<answer>\s*[^<\s]", re.IGNORECASE)  # non-empty answer
+
+
+def has_answer(messages: Sequence[dict[str, Any]]) -> bool:
+    """True when the LAST assistant turn holds a non-empty `<answer>` (the turn the reward reads)."""
+    for m in reversed(messages):
+        if m.get("role") == "assistant":
+            return bool(_ANSWER.search(str(m.get("content") or "")))
+    return False
+
+
+def episode_truncation(episodes: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """Shares over episodes: each stop reason, budget caps, dropped tool results, no answer, lost question."""
+    n = len(episodes)
+    if n == 0:
+        return {}
+    out: dict[str, float] = {}
+    reasons = [str(e.get("stop_reason", "")) for e in episodes]
+    for r in STOP_REASONS:
+        out[f"h04/stop_{r}_share"] = sum(x == r for x in reasons) / n
+    out["h04/budget_cap_share"] = sum(x in BUDGET_STOPS for x in reasons) / n
+    dropped = [int(e.get("dropped_tool_results", 0) or 0) for e in episodes]
+    out["h04/dropped_tool_results_mean"] = sum(dropped) / n
+    out["h04/dropped_tool_results_share"] = sum(d > 0 for d in dropped) / n
+    out["h04/no_answer_share"] = sum(not has_answer(e.get("messages") or []) for e in episodes) / n
+    out["h04/question_left_context_share"] = sum(not e.get("question_in_context", True) for e in episodes) / n
+    return out
+
+
+@torch.no_grad()
+def length_stats(
+    prompt_mask: torch.Tensor,
+    completion_mask: torch.Tensor,
+    max_prompt_tokens: int | None = None,
+    max_completion_tokens: int | None = None,
+) -> dict[str, float]:
+    """Prompt and completion lengths (tokens, env tokens included) and the share at each cap."""
+    p = prompt_mask.sum(dim=1).float()
+    c = completion_mask.sum(dim=1).float()
+    out = {
+        "h04/prompt_len_mean": float(p.mean()),
+        "h04/prompt_len_max": float(p.max()),
+        "h04/completion_len_mean": float(c.mean()),
+        "h04/completion_len_max": float(c.max()),
+    }
+    if max_prompt_tokens:
+        out["h04/prompt_at_cap_share"] = float((p >= max_prompt_tokens).float().mean())
+    if max_completion_tokens:
+        out["h04/completion_at_cap_share"] = float((c >= max_completion_tokens).float().mean())
+    return out
+
+
+@BATCH_INSTRUMENTS.register("h04 lengths")
+def batch_lengths(b: Batch) -> dict[str, float]:
+    return length_stats(b.prompt_mask, b.completion_mask, b.max_prompt_tokens, b.max_completion_tokens)
+
+
+@BATCH_INSTRUMENTS.register("h04 truncation")
+def batch_truncation(b: Batch) -> dict[str, float]:
+    return episode_truncation([dict(e) for e in b.episodes]) if b.episodes else {}
