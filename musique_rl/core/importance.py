@@ -16,6 +16,13 @@ import math
 
 import torch
 
+from musique_rl.base.catalogue import (
+    H06_IS_CLIPPED_SHARE,
+    H06_IS_ESS,
+    H06_IS_MASKED_SEQ_SHARE,
+    H06_IS_MASKED_TOKEN_SHARE,
+)
+
 MODES = ("sequence_mask", "sequence_truncate", "token_mask", "token_truncate")
 
 
@@ -63,8 +70,8 @@ def importance_metrics(trainer_logps: torch.Tensor, sampling_logps: torch.Tensor
     sq = float((w * w).sum())
     ess = float(w.sum()) ** 2 / (len(w) * sq) if sq > 0 else 0.0
     return {
-        "h06/is_masked_seq_share": float(masked_rows.sum()) / float(rows.sum()),
-        "h06/is_masked_token_share": float(zero.sum()) / float(mask.sum()),
-        "h06/is_clipped_share": float(out_units.double().mean()),
-        "h06/is_ess": ess,
+        H06_IS_MASKED_SEQ_SHARE: float(masked_rows.sum()) / float(rows.sum()),
+        H06_IS_MASKED_TOKEN_SHARE: float(zero.sum()) / float(mask.sum()),
+        H06_IS_CLIPPED_SHARE: float(out_units.double().mean()),
+        H06_IS_ESS: ess,
     }

@@ -12,7 +12,7 @@ import math
 import operator
 from collections.abc import Mapping
 
-from musique_rl.base.catalogue import bounds
+from musique_rl.base.catalogue import H06_LOGP_GAP_FLOOR, H06_LOGP_GAP_MEAN, bounds
 from musique_rl.doctor.context import gap_threshold
 
 # metric -> (comparison that means "out of bounds", threshold), from the catalogue
@@ -28,8 +28,8 @@ def out_of_bounds(metrics: Mapping[str, float], skip: tuple[str, ...] = (),
     bounded as the doctor bounds it (``context.gap_threshold``), not by the fixed fallback."""
     out = []
     for name, (op, limit) in BOUNDS.items():
-        if name == "h06/logp_gap_mean" and floor is not None:
-            limit = gap_threshold({"h06/logp_gap_floor": [(0, floor)]})[0]
+        if name == H06_LOGP_GAP_MEAN and floor is not None:
+            limit = gap_threshold({H06_LOGP_GAP_FLOOR: [(0, floor)]})[0]
         v = metrics.get(name)
         if v is None or (isinstance(v, float) and math.isnan(v)) or name.startswith(skip):
             continue

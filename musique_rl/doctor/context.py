@@ -25,7 +25,16 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from musique_rl.base.catalogue import LOGP_GAP_MAX, key
+from musique_rl.base.catalogue import (
+    H03_KL_MODEL_MEAN,
+    H06_LOGP_GAP_FLOOR,
+    H06_PARITY_SAMPLER_TRAINER,
+    H06_PARITY_STALE,
+    H08_LEARNING_RATE,
+    LOGP_GAP_MAX,
+    TRL_KL,
+    TRL_LEARNING_RATE,
+)
 from musique_rl.doctor.findings import Finding, History, num, values
 
 # ---------------------------------------------------------------- gap expectations (and why)
@@ -67,7 +76,7 @@ KL_PER_PEAK_STEP = 0.1
 
 def floor_of(m: Mapping[str, History], first: bool = True) -> float | None:
     """The run's measured sampler/trainer floor: at its first probe (first=True) or its latest."""
-    f = values(m.get(key("h06/logp_gap_floor")))
+    f = values(m.get(H06_LOGP_GAP_FLOOR))
     return (f[0] if first else f[-1]) if f else None
 
 
@@ -133,7 +142,7 @@ class Schedule:
 
 
 def schedule(m: Mapping[str, History], params: Mapping[str, str]) -> Schedule:
-    lr = {s: v for s, v in (m.get(key("h08/learning_rate")) or m.get(key("learning_rate")) or []) if v is not None}
+    lr = {s: v for s, v in (m.get(H08_LEARNING_RATE) or m.get(TRL_LEARNING_RATE) or []) if v is not None}
     warm = int(num(params, "loss.warmup_steps", num(params, "warmup_steps", 0.0)))
     peak = num(params, "loss.learning_rate", num(params, "learning_rate", 0.0))
     if not lr and peak > 0 and warm > 0:
@@ -149,8 +158,8 @@ def parity_same_weights(m: Mapping[str, History], params: Mapping[str, str]) -> 
     Either every parity probe found the sampler's log-probs equal to the trainer's (at least one probe
     after the first step, when the policy has moved) and none found it stale, or the backend is
     in-process and no probe disagrees."""
-    par = [(s, v) for s, v in (m.get(key("h06/parity_sampler_trainer")) or []) if v is not None]
-    stale = values(m.get(key("h06/parity_stale")))
+    par = [(s, v) for s, v in (m.get(H06_PARITY_SAMPLER_TRAINER) or []) if v is not None]
+    stale = values(m.get(H06_PARITY_STALE))
     if any(s > 0.5 for s in stale) or any(v > PARITY_SAME_MAX for _, v in par):
         return None
     backend = str(params.get("train.backend", ""))
@@ -158,7 +167,7 @@ def parity_same_weights(m: Mapping[str, History], params: Mapping[str, str]) -> 
     later = [s for s, _ in par if s > first]
     if later:
         return (f"the parity probe found the sampler's log-probs equal to the trainer's on every probe "
-                f"(h06/parity_sampler_trainer <= {PARITY_SAME_MAX:g} at steps {', '.join(str(s) for s, _ in par)})"
+                f"({H06_PARITY_SAMPLER_TRAINER} <= {PARITY_SAME_MAX:g} at steps {', '.join(str(s) for s, _ in par)})"
                 + (f" and train.backend={backend} samples with the trainer's own weights" if backend else ""))
     if backend in IN_PROCESS_BACKENDS:
         return (f"train.backend={backend} samples with the trainer's own weights (in process)"
@@ -203,7 +212,7 @@ def _kl_first_row_after_updates(f: Finding, m: Mapping[str, History], params: Ma
     learning rates summed are worth ``budget`` peak-rate steps, and a peak-rate step moves a policy at
     most KL_PER_PEAK_STEP nats/token; a first KL far past budget x that is the reference's, not the
     updates' (a run whose first row comes inside its warm-up)."""
-    k = "kl" if values(m.get(key("kl"))) else "h03/kl_model_mean"
+    k = "kl" if values(m.get(TRL_KL)) else H03_KL_MODEL_MEAN
     pts = [(s, v) for s, v in (m.get(k) or []) if v is not None]
     if not pts or pts[0][0] <= 1:
         return None

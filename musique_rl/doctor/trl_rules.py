@@ -19,6 +19,17 @@ import re
 import statistics
 from collections.abc import Mapping
 
+from musique_rl.base.catalogue import (
+    H01_SIGNAL_GROUP_SHARE,
+    H03_KL_MODEL_MEAN,
+    H03_KL_NEGATIVE_SHARE,
+    H04_BUDGET_CAP_SHARE,
+    H05_COMPONENT_MEAN,
+    H05_REWARD_ERRORS,
+    H06_LOGP_GAP_MEAN,
+    H08_UPDATE_WEIGHT_RATIO,
+    PREFLIGHT_SIGNAL_SHARE_FORECAST,
+)
 from musique_rl.doctor.findings import History, values
 
 # ---------------------------------------------------------------- thresholds shared by several stages (and why)
@@ -38,12 +49,12 @@ TRL_PREFIXES = ("rewards/", "completions/", "sampling/")
 
 # Our instruments for the same defects: a TRL-name rule stands down when one of these was logged.
 OURS = {
-    "zero_variance": ("h01/signal_group_share", "preflight/signal_share_forecast"),
-    "truncation": ("h04/budget_cap_share",),
-    "logp_diff": ("h06/logp_gap_mean",),
-    "lr": ("h08/update_weight_ratio",),
-    "kl": ("h03/kl_model_mean", "h03/kl_negative_share"),
-    "reward_funcs": ("h05/reward_errors", "h05/answer_em/mean", "h05/answer_f1/mean"),
+    "zero_variance": (H01_SIGNAL_GROUP_SHARE, PREFLIGHT_SIGNAL_SHARE_FORECAST),
+    "truncation": (H04_BUDGET_CAP_SHARE,),
+    "logp_diff": (H06_LOGP_GAP_MEAN,),
+    "lr": (H08_UPDATE_WEIGHT_RATIO,),
+    "kl": (H03_KL_MODEL_MEAN, H03_KL_NEGATIVE_SHARE),
+    "reward_funcs": (H05_REWARD_ERRORS, H05_COMPONENT_MEAN.of(component="answer_em"), H05_COMPONENT_MEAN.of(component="answer_f1")),
 }
 
 # What decides a hypothesis a log has no data for: the doctor's words for "no data" on a TRL log.

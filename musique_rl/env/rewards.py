@@ -37,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from musique_rl.base.catalogue import REWARD_COMPONENT, REWARD_COMPONENT_ERRORS
 from musique_rl.env.config import EnvConfig, RewardConfig
 from musique_rl.env.parsing import TAGS, assistant_message, parse_message
 from musique_rl.env.tasks import task_for
@@ -326,6 +327,6 @@ class RewardFunction:
             ok = [c for c in comps if c is not None]
             for name in COMPONENTS:
                 if ok:
-                    log_metric(f"reward_components/{name}", float(np.mean([c[name] for c in ok])))
-            log_metric("reward_components/errors", float(n - len(ok)))
+                    log_metric(REWARD_COMPONENT.of(component=name), float(np.mean([c[name] for c in ok])))
+            log_metric(REWARD_COMPONENT_ERRORS, float(n - len(ok)))
         return totals

@@ -10,6 +10,21 @@ from __future__ import annotations
 
 import torch
 
+from musique_rl.base.catalogue import (
+    H01_ADV_ABS_MAX,
+    H01_ADV_ABS_MEAN,
+    H01_ADV_GROUP_SUM_REL_MAX,
+    H01_ADV_SIGN_MISMATCH_SHARE,
+    H01_AMPLIFICATION_MAX,
+    H01_AMPLIFICATION_MEDIAN,
+    H01_NEAR_TIE_ADV_ABS_MAX,
+    H01_NEAR_TIE_ADV_SHARE,
+    H01_NEAR_TIE_AMPLIFICATION_MAX,
+    H01_NEAR_ZERO_STD_SHARE,
+    H01_REWARD_STD_MEAN,
+    H01_SIGNAL_GROUP_SHARE,
+    H01_ZERO_STD_SHARE,
+)
 from musique_rl.instruments.batch import BATCH_INSTRUMENTS, Batch
 
 # Centred rewards below this are float round-off, not a reward difference (fp32 rewards in [0, ~2]
@@ -52,15 +67,15 @@ def advantage_stats(
     near_tie = near & ~zero  # groups with a reward difference too small to mean anything
     total_mass = adv_abs.sum().clamp(min=1e-30)
     out = {
-        "h01/adv_abs_max": adv_abs.max(),
-        "h01/adv_abs_mean": adv_abs.mean(),
-        "h01/reward_std_mean": torch.nanmean(std),
-        "h01/zero_std_share": zero.double().mean(),
-        "h01/near_zero_std_share": near.double().mean(),
-        "h01/signal_group_share": (~near).double().mean(),
+        H01_ADV_ABS_MAX: adv_abs.max(),
+        H01_ADV_ABS_MEAN: adv_abs.mean(),
+        H01_REWARD_STD_MEAN: torch.nanmean(std),
+        H01_ZERO_STD_SHARE: zero.double().mean(),
+        H01_NEAR_ZERO_STD_SHARE: near.double().mean(),
+        H01_SIGNAL_GROUP_SHARE: (~near).double().mean(),
         # share of the total |advantage| handed to groups whose rewards differ by less than near_zero_std
-        "h01/near_tie_adv_share": adv_abs[near_tie].sum() / total_mass,
-        "h01/near_tie_adv_abs_max": adv_abs[near_tie].max() if near_tie.any() else torch.tensor(0.0),
+        H01_NEAR_TIE_ADV_SHARE: adv_abs[near_tie].sum() / total_mass,
+        H01_NEAR_TIE_ADV_ABS_MAX: adv_abs[near_tie].max() if near_tie.any() else torch.tensor(0.0),
     }
     # Invariants of TRL's group-relative advantages, whatever the scaling: (reward - group mean) / s
     # with s > 0 sums to 0 inside each group and has the sign of reward - group mean. A group whose
@@ -73,20 +88,20 @@ def advantage_stats(
     scale = adv_g.abs().mean(dim=1).clamp(min=1e-12)
     finite = ~torch.isnan(adv_g).any(dim=1) & ~torch.isnan(r.view(-1, g)).any(dim=1) & ~near
     if finite.any():
-        out["h01/adv_group_sum_rel_max"] = (adv_g.sum(dim=1).abs() / scale)[finite].max() / g
+        out[H01_ADV_GROUP_SUM_REL_MAX] = (adv_g.sum(dim=1).abs() / scale)[finite].max() / g
         # and signs only where the reward stands clear of its group mean: float32 rewards in
         # [0, ~2] round at ~1e-7, so a centred reward below _SIGN_MIN may flip sign between TRL's
         # float32 mean and this float64 one without any defect
         signed = (centred.abs() > _SIGN_MIN) & finite.unsqueeze(1) & (adv_g.abs() > 1e-9)
         wrong = signed & (torch.sign(adv_g) != torch.sign(centred))
-        out["h01/adv_sign_mismatch_share"] = wrong.double().sum() / signed.double().sum().clamp(min=1.0)
+        out[H01_ADV_SIGN_MISMATCH_SHARE] = wrong.double().sum() / signed.double().sum().clamp(min=1.0)
     if moved.any():
         f = factor[moved]
         # amplification = how many times std scaling multiplied the centred reward (1 = no scaling)
-        out["h01/amplification_max"] = f.max()
-        out["h01/amplification_median"] = f.median()
+        out[H01_AMPLIFICATION_MAX] = f.max()
+        out[H01_AMPLIFICATION_MEDIAN] = f.median()
         near_f = factor[near_tie.unsqueeze(1) & moved]
-        out["h01/near_tie_amplification_max"] = near_f.max() if near_f.numel() else torch.tensor(0.0)
+        out[H01_NEAR_TIE_AMPLIFICATION_MAX] = near_f.max() if near_f.numel() else torch.tensor(0.0)
     return {k: float(v) for k, v in out.items()}
 
 

@@ -25,6 +25,15 @@ from typing import Any
 
 import torch
 
+from musique_rl.base.catalogue import (
+    H04_TOOL_RESULTS_ALTERED,
+    H04_TOOL_RESULTS_ALTERED_SHARE,
+    H04_TOOL_RESULTS_CHECKED,
+    H05_REWARD_AUDIT_ABS_DIFF_MAX,
+    H05_REWARD_AUDIT_CHECKED,
+    H05_REWARD_AUDIT_MISMATCH,
+    H05_REWARD_AUDIT_MISMATCH_SHARE,
+)
 from musique_rl.core.rollout import rendered_tool_content, turn_text
 from musique_rl.env import answer_formats, rewards, tools
 from musique_rl.env.config import RewardConfig
@@ -98,9 +107,9 @@ class RewardAudit:
         if checked == 0:
             return {}
         bad = sum(d > REWARD_AUDIT_ATOL for d in diffs) + errors
-        return {"h05/reward_audit_checked": float(checked), "h05/reward_audit_mismatch": float(bad),
-                "h05/reward_audit_mismatch_share": bad / checked,
-                "h05/reward_audit_abs_diff_max": max(diffs, default=0.0)}
+        return {H05_REWARD_AUDIT_CHECKED: float(checked), H05_REWARD_AUDIT_MISMATCH: float(bad),
+                H05_REWARD_AUDIT_MISMATCH_SHARE: bad / checked,
+                H05_REWARD_AUDIT_ABS_DIFF_MAX: max(diffs, default=0.0)}
 
 
 def _doc_blocks(content: str) -> list[tuple[str, str, str]]:
@@ -162,5 +171,5 @@ def environment_integrity(episodes: Sequence[Mapping[str, Any]], records_by_id: 
             altered += not ok
     if checked == 0:
         return {}
-    return {"h04/tool_results_checked": float(checked), "h04/tool_results_altered": float(altered),
-            "h04/tool_results_altered_share": altered / checked}
+    return {H04_TOOL_RESULTS_CHECKED: float(checked), H04_TOOL_RESULTS_ALTERED: float(altered),
+            H04_TOOL_RESULTS_ALTERED_SHARE: altered / checked}

@@ -5,6 +5,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from musique_rl.base.catalogue import (
+    H07_NO_TOOL_CALL_SHARE,
+    H07_TOOL_CALLS_MEAN,
+    H07_TOOL_FAILURE_RATE,
+    H07_TURNS_MEAN,
+    H07_VOID_EPISODE_SHARE,
+    H07_VOID_TURN_SHARE,
+)
 from musique_rl.instruments.batch import BATCH_INSTRUMENTS, Batch
 
 
@@ -17,14 +25,14 @@ def episode_shape(episodes: Sequence[dict[str, Any]]) -> dict[str, float]:
     calls = [int(e.get("tool_calls", 0) or 0) for e in episodes]
     errors = [int(e.get("tool_errors", 0) or 0) for e in episodes]
     return {
-        "h07/turns_mean": sum(turns) / n,
-        "h07/tool_calls_mean": sum(calls) / n,
-        "h07/no_tool_call_share": sum(c == 0 for c in calls) / n,
-        "h07/tool_failure_rate": sum(errors) / max(sum(calls), 1),
+        H07_TURNS_MEAN: sum(turns) / n,
+        H07_TOOL_CALLS_MEAN: sum(calls) / n,
+        H07_NO_TOOL_CALL_SHARE: sum(c == 0 for c in calls) / n,
+        H07_TOOL_FAILURE_RATE: sum(errors) / max(sum(calls), 1),
         # A void turn is an assistant turn with neither a tool call nor an answer: the rollout ends
         # the episode there (stop_reason "no_tool_call"), whatever the tool-call format.
-        "h07/void_turn_share": sum(e.get("stop_reason") == "no_tool_call" for e in episodes) / max(sum(turns), 1),
-        "h07/void_episode_share": sum(e.get("stop_reason") == "no_tool_call" for e in episodes) / n,
+        H07_VOID_TURN_SHARE: sum(e.get("stop_reason") == "no_tool_call" for e in episodes) / max(sum(turns), 1),
+        H07_VOID_EPISODE_SHARE: sum(e.get("stop_reason") == "no_tool_call" for e in episodes) / n,
     }
 
 

@@ -28,6 +28,8 @@ import math
 
 import torch
 
+from musique_rl.base.catalogue import H06_LOGP_GAP_FLOOR, H06_LOGP_GAP_FLOOR_DTYPE, H06_LOGP_GAP_FLOOR_PATHS
+
 # Completion tokens per probe sequence replayed through the KV cache: one forward per token, so the
 # cost is bounded (8 sequences x 128 tokens ~ 1,000 decode steps: ~25 s for a 7B model on one GPU,
 # well under a second for the tiny model), paid once per parity probe (diagnostics.parity_probe_every).
@@ -107,7 +109,7 @@ def mismatch_floor(model: torch.nn.Module, input_ids: torch.Tensor, attention_ma
         replay = _replayed(model, input_ids, attention_mask, logits_to_keep, temperature, max_tokens)
         paths = _mean_abs(full, replay, mask)
         if paths is not None:
-            out["h06/logp_gap_floor_paths"] = paths
+            out[H06_LOGP_GAP_FLOOR_PATHS] = paths
         dtype = next(model.parameters()).dtype
         size = sum(p.numel() for p in model.parameters()) * 4
         # ZeRO-3 shards parameters (ds_id, numel 0 locally): a copy would hold no weights
@@ -117,7 +119,7 @@ def mismatch_floor(model: torch.nn.Module, input_ids: torch.Tensor, attention_ma
             d = _mean_abs(full, _full_forward(wide, input_ids, attention_mask, logits_to_keep, temperature, plain=True), mask)
             del wide
             if d is not None:
-                out["h06/logp_gap_floor_dtype"] = d
+                out[H06_LOGP_GAP_FLOOR_DTYPE] = d
     except Exception as e:  # an instrument never stops training; the doctor says the floor is missing
         import logging
 
@@ -126,5 +128,5 @@ def mismatch_floor(model: torch.nn.Module, input_ids: torch.Tensor, attention_ma
         model.train(was_training)
     measured = [v for v in out.values() if math.isfinite(v)]
     if measured:
-        out["h06/logp_gap_floor"] = max(measured)
+        out[H06_LOGP_GAP_FLOOR] = max(measured)
     return out

@@ -10,6 +10,13 @@ from __future__ import annotations
 
 import torch
 
+from musique_rl.base.catalogue import (
+    H03_KL_ENV_MEAN,
+    H03_KL_ENV_TOKENS,
+    H03_KL_MODEL_MAX,
+    H03_KL_MODEL_MEAN,
+    H03_KL_NEGATIVE_SHARE,
+)
 from musique_rl.instruments.ledger import Source, env_token_mask
 
 # k3 = exp(x) - x - 1 in fp32 carries ~1e-7 absolute round-off near x = 0 (exp rounds to a half ulp
@@ -39,14 +46,14 @@ def kl_stats(
     env = torch.zeros_like(mask) if token_sources is None else mask & env_token_mask(token_sources)
     n_model = model.sum()
     out = {
-        "h03/kl_model_mean": float(kl[model].sum() / n_model.clamp(min=1)),
-        "h03/kl_model_max": float(kl[model].max()) if n_model else 0.0,
-        "h03/kl_env_tokens": float(env.sum()),  # tool/template tokens inside the KL: must be 0
-        "h03/kl_env_mean": float(kl[env].mean()) if env.any() else 0.0,
+        H03_KL_MODEL_MEAN: float(kl[model].sum() / n_model.clamp(min=1)),
+        H03_KL_MODEL_MAX: float(kl[model].max()) if n_model else 0.0,
+        H03_KL_ENV_TOKENS: float(env.sum()),  # tool/template tokens inside the KL: must be 0
+        H03_KL_ENV_MEAN: float(kl[env].mean()) if env.any() else 0.0,
     }
     share = _negative_share(kl[mask], None if kl_penalty is None else kl_penalty.detach().float()[mask])
     if share is not None:  # only when some token's KL is large enough to have a sign
-        out["h03/kl_negative_share"] = share
+        out[H03_KL_NEGATIVE_SHARE] = share
     return out
 
 

@@ -12,6 +12,16 @@ from enum import IntEnum
 
 import torch
 
+from musique_rl.base.catalogue import (
+    H02_ASSISTANT_TOKENS_WITHOUT_LOSS_SHARE,
+    H02_ATTENTION_COVERAGE,
+    H02_ENV_TOKEN_SHARE,
+    H02_ENV_TOKENS_WITH_LOSS,
+    H02_KL_MASK_EQUALS_LOSS_MASK,
+    H02_LEDGER_AVAILABLE,
+    H02_LOSS_SHARE_KIND,
+    H02_LOSS_TOKENS,
+)
 from musique_rl.instruments.batch import BATCH_INSTRUMENTS, Batch
 
 
@@ -47,9 +57,9 @@ def token_ledger(
     completion_mask: (N, C) 1 on real (non-pad) completion tokens; defaults to sources != PAD.
     """
     loss = loss_mask.bool()
-    out = {"h02/loss_tokens": float(loss.sum())}
+    out = {H02_LOSS_TOKENS: float(loss.sum())}
     if token_sources is None:
-        out["h02/ledger_available"] = 0.0
+        out[H02_LEDGER_AVAILABLE] = 0.0
         return out
     src = token_sources.to(loss.device)
     real = (src != Source.PAD) if completion_mask is None else completion_mask.bool()
@@ -69,16 +79,13 @@ def token_ledger(
         ]
     ).tolist()
     keys = [
-        "h02/loss_share_prompt",
-        "h02/loss_share_assistant",
-        "h02/loss_share_tool",
-        "h02/loss_share_template",
-        "h02/env_tokens_with_loss",  # must be 0
-        "h02/assistant_tokens_without_loss_share",
-        "h02/env_token_share",  # share of completion tokens the environment wrote
+        *(H02_LOSS_SHARE_KIND.of(kind=k) for k in ("prompt", "assistant", "tool", "template")),
+        H02_ENV_TOKENS_WITH_LOSS,  # must be 0
+        H02_ASSISTANT_TOKENS_WITHOUT_LOSS_SHARE,
+        H02_ENV_TOKEN_SHARE,  # share of completion tokens the environment wrote
     ]
     out.update(zip(keys, stats, strict=True))
-    out["h02/ledger_available"] = 1.0
+    out[H02_LEDGER_AVAILABLE] = 1.0
     return out
 
 
@@ -87,7 +94,7 @@ def mask_agreement(loss_mask: torch.Tensor, kl_mask: torch.Tensor | None) -> dic
     """`h02/kl_mask_equals_loss_mask`: 1.0 when the KL is masked exactly like the loss."""
     if kl_mask is None:
         return {}
-    return {"h02/kl_mask_equals_loss_mask": float(torch.equal(loss_mask.bool(), kl_mask.bool()))}
+    return {H02_KL_MASK_EQUALS_LOSS_MASK: float(torch.equal(loss_mask.bool(), kl_mask.bool()))}
 
 
 @torch.no_grad()
@@ -102,7 +109,7 @@ def attention_coverage(
     """
     real = torch.cat([prompt_mask, completion_mask], dim=1).bool()
     seen = attention_mask.bool() & real
-    return {"h02/attention_coverage": float(seen.sum() / real.sum().clamp(min=1))}
+    return {H02_ATTENTION_COVERAGE: float(seen.sum() / real.sum().clamp(min=1))}
 
 
 _BY_NAME = {"pad": Source.PAD, "prompt": Source.PROMPT, "assistant": Source.ASSISTANT,

@@ -40,6 +40,22 @@ from typing import Any
 
 import torch
 
+from musique_rl.base.catalogue import (
+    H01_LOSS_ADV_FROM_INPUTS,
+    H01_LOSS_ADV_MISALIGNED_SHARE,
+    H01_LOSS_ADV_PAIRING_ERROR,
+    H01_LOSS_ROWS_UNMATCHED_SHARE,
+    H02_LOSS_ASSISTANT_LEFT_OUT_SHARE,
+    H02_LOSS_NORMALISER_RATIO,
+    H02_LOSS_TOOL_TOKEN_SHARE,
+    H03_KL_BETA_APPLIED_RATIO,
+    H03_KL_TERM_WITHOUT_BETA,
+    H03_KL_TERM_ZERO_WITH_BETA,
+    H03_LOSS_KL_ENV_TOKEN_SHARE,
+    H03_LOSS_KL_MOVED,
+    H06_IDENTICAL_GROUP_EXPECTED_SHARE,
+    H06_IDENTICAL_GROUP_SHARE,
+)
 from musique_rl.instruments.ledger import Source, env_token_mask
 
 # ------------------------------------------------------------------ thresholds (with their reasons)
@@ -178,11 +194,11 @@ class LossInputCheck:
             return {}
         ids = completion_ids.view(n // g, g, -1)
         same = (ids == ids[:, :1]).all(dim=2).all(dim=1)
-        out = {"h06/identical_group_share": float(same.double().mean())}
+        out = {H06_IDENTICAL_GROUP_SHARE: float(same.double().mean())}
         if sampling_logps is not None and self.temperature > 0 and self.top_k != 1:
             lp = torch.nan_to_num(sampling_logps.detach().double().cpu(), nan=0.0)
             seq = torch.where(token_sources == Source.ASSISTANT, lp, 0.0).sum(dim=1).view(n // g, g)
-            out["h06/identical_group_expected_share"] = float(torch.exp((g - 1) * seq).mean(dim=1).mean())
+            out[H06_IDENTICAL_GROUP_EXPECTED_SHARE] = float(torch.exp((g - 1) * seq).mean(dim=1).mean())
         return out
 
     # ---- in the loss: arm the leaves
@@ -229,7 +245,7 @@ class LossInputCheck:
         keys = [_row_key(pids[i], cids[i]) for i in range(n)]
         refs = [self._refs.get(k) for k in keys]
         matched = torch.tensor([r is not None for r in refs])  # ambiguous rows (None) are not judged
-        out["h01/loss_rows_unmatched_share"] = sum(k not in self._refs for k in keys) / n
+        out[H01_LOSS_ROWS_UNMATCHED_SHARE] = sum(k not in self._refs for k in keys) / n
         if not matched.any():
             return out
         src = torch.stack([r.sources[:t] if r is not None else torch.zeros(t, dtype=torch.long) for r in refs])
@@ -247,15 +263,15 @@ class LossInputCheck:
                                        max_completion_length)
         expected_row = (weight_tok * assistant).sum(dim=1) * w
         if probe.adv_leaf is not None and probe.adv_leaf.grad is not None:
-            out["h01/loss_adv_from_inputs"] = 1.0
+            out[H01_LOSS_ADV_FROM_INPUTS] = 1.0
             row = -probe.adv_leaf.grad.detach().double().cpu().flatten()
         else:
-            out["h01/loss_adv_from_inputs"] = 0.0
+            out[H01_LOSS_ADV_FROM_INPUTS] = 0.0
             row = expected_row  # the reference weight: the pairing still reads the gradient's sums
         ok = matched & (expected_row.abs() > 0) & (row.abs() > 0)
         if ok.any():
             ratio = expected_row[ok] / row[ok]  # per row: 1 when the loss divides as loss_type says
-            out["h02/loss_normaliser_ratio"] = float(ratio[ratio.abs().log().abs().argmax()])  # the worst row
+            out[H02_LOSS_NORMALISER_RATIO] = float(ratio[ratio.abs().log().abs().argmax()])  # the worst row
 
         # -- the advantage that multiplied each row, vs its own
         a_applied = torch.where(row.abs() > 0, -P.sum(dim=1) / row.where(row.abs() > 0, torch.ones_like(row)), 0.0)
@@ -267,20 +283,20 @@ class LossInputCheck:
         judged = matched & ((row.abs() > 0) | (expected_row.abs() > 0)) & ~(clipped & assistant).any(dim=1)
         judged &= scale >= NEAR_TIE_SCALE  # a near-tie group's advantage is round-off: not judged here
         if judged.any():
-            out["h01/loss_adv_pairing_error"] = float(err[judged].max())
-            out["h01/loss_adv_misaligned_share"] = float((err[judged] > tol[judged]).double().mean())
+            out[H01_LOSS_ADV_PAIRING_ERROR] = float(err[judged].max())
+            out[H01_LOSS_ADV_MISALIGNED_SHARE] = float((err[judged] > tol[judged]).double().mean())
 
         # -- which tokens the policy loss trains, vs the rollout's sources
         signal = matched & (a_applied.abs() > SIGNAL_MIN)
         trained = P != 0
         env_sig = env & signal.unsqueeze(1)
         if env_sig.any():
-            out["h02/loss_tool_token_share"] = float((trained & env_sig).sum() / env_sig.sum())
+            out[H02_LOSS_TOOL_TOKEN_SHARE] = float((trained & env_sig).sum() / env_sig.sum())
         if expect_full_mask:
             dropped = torch.zeros_like(clipped) if is_ratio is None else is_ratio.detach().cpu() == 0
             asst_sig = assistant & signal.unsqueeze(1) & ~clipped & ~dropped
             if asst_sig.any():
-                out["h02/loss_assistant_left_out_share"] = float((asst_sig & ~trained).sum() / asst_sig.sum())
+                out[H02_LOSS_ASSISTANT_LEFT_OUT_SHARE] = float((asst_sig & ~trained).sum() / asst_sig.sum())
 
         # -- the KL term, as the loss applied it
         out.update(self._kl(probe, lp, R, assistant, env, row, weight_tok))
@@ -310,27 +326,27 @@ class LossInputCheck:
         if probe.ref_leaf is None:
             # no reference log-probs reached the loss: it cannot hold a KL term
             if self.beta != 0.0:
-                out["h03/kl_term_zero_with_beta"] = 1.0
+                out[H03_KL_TERM_ZERO_WITH_BETA] = 1.0
             return out
         ref = probe.ref_leaf.detach().double().cpu()
         d = ref - lp
         moved = float(d.abs()[assistant].mean()) if assistant.any() else 0.0
-        out["h03/loss_kl_moved"] = moved
+        out[H03_LOSS_KL_MOVED] = moved
         acting = bool((R[assistant] != 0).any())
         if self.beta == 0.0:
-            out["h03/kl_term_without_beta"] = float(bool((R != 0).any()))
+            out[H03_KL_TERM_WITHOUT_BETA] = float(bool((R != 0).any()))
             return out
         if moved > MOVED_MIN:
-            out["h03/kl_term_zero_with_beta"] = float(not acting)
+            out[H03_KL_TERM_ZERO_WITH_BETA] = float(not acting)
             # beta x (exp(ref - logp) - 1) x (the row's per-token weight, measured: row / its weighted tokens)
             per_tok = row / (weight_tok * assistant).sum(dim=1).clamp(min=1e-30)
             e = self.beta * torch.expm1(d) * assistant * per_tok.unsqueeze(1)
             denom = float((e * e).sum())
             if denom > 0:
-                out["h03/kl_beta_applied_ratio"] = float((R * e).sum()) / denom
+                out[H03_KL_BETA_APPLIED_RATIO] = float((R * e).sum()) / denom
             env_moved = env & (d.abs() > 0)
             if env_moved.any():
-                out["h03/loss_kl_env_token_share"] = float(((R != 0) & env_moved).sum() / env_moved.sum())
+                out[H03_LOSS_KL_ENV_TOKEN_SHARE] = float(((R != 0) & env_moved).sum() / env_moved.sum())
         return out
 
 

@@ -12,6 +12,15 @@ import logging
 
 import torch
 
+from musique_rl.base.catalogue import (
+    PREFLIGHT_PASS_AT_G,
+    PREFLIGHT_PASS_RATE_MEAN,
+    PREFLIGHT_QUESTIONS,
+    PREFLIGHT_SIGNAL_SHARE_FORECAST,
+    PREFLIGHT_ZERO_VARIANCE_FORECAST,
+    PREFLIGHT_ZERO_VARIANCE_OBSERVED,
+)
+
 log = logging.getLogger(__name__)
 
 # Warn when fewer than this share of groups is forecast to carry signal: below a quarter, three
@@ -27,23 +36,23 @@ def learnability(passed: torch.Tensor, num_generations: int) -> dict[str, float]
     forecast = p.pow(g) + (1 - p).pow(g)
     observed = ((p == 0) | (p == 1)).double()
     return {
-        "preflight/pass_rate_mean": float(p.mean()),
-        "preflight/pass_at_g": float((p > 0).double().mean()),  # share of questions solved at least once
-        "preflight/zero_variance_forecast": float(forecast.mean()),
-        "preflight/zero_variance_observed": float(observed.mean()),
-        "preflight/signal_share_forecast": float(1 - forecast.mean()),
-        "preflight/questions": float(p.numel()),
+        PREFLIGHT_PASS_RATE_MEAN: float(p.mean()),
+        PREFLIGHT_PASS_AT_G: float((p > 0).double().mean()),  # share of questions solved at least once
+        PREFLIGHT_ZERO_VARIANCE_FORECAST: float(forecast.mean()),
+        PREFLIGHT_ZERO_VARIANCE_OBSERVED: float(observed.mean()),
+        PREFLIGHT_SIGNAL_SHARE_FORECAST: float(1 - forecast.mean()),
+        PREFLIGHT_QUESTIONS: float(p.numel()),
     }
 
 
 def warning(metrics: dict[str, float], min_signal_share: float = MIN_SIGNAL_SHARE) -> str | None:
     """A sentence for the log when too few groups would carry signal, else None."""
-    share = metrics.get("preflight/signal_share_forecast")
+    share = metrics.get(PREFLIGHT_SIGNAL_SHARE_FORECAST)
     if share is None or share >= min_signal_share:
         return None
     return (
         f"pre-flight: only {share:.0%} of groups are forecast to carry learning signal "
-        f"(pass rate {metrics['preflight/pass_rate_mean']:.2f}, zero-variance forecast "
-        f"{metrics['preflight/zero_variance_forecast']:.2f} < {1 - min_signal_share:.2f} allowed): "
+        f"(pass rate {metrics[PREFLIGHT_PASS_RATE_MEAN]:.2f}, zero-variance forecast "
+        f"{metrics[PREFLIGHT_ZERO_VARIANCE_FORECAST]:.2f} < {1 - min_signal_share:.2f} allowed): "
         "the task is too easy or too hard for this policy at this group size"
     )

@@ -12,6 +12,15 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from musique_rl.base.catalogue import (
+    H05_COMPONENT_CONSTANT_GROUP_SHARE,
+    H05_COMPONENT_CORR_TOTAL,
+    H05_COMPONENT_DISAGREEMENT_SHARE,
+    H05_COMPONENT_MEAN,
+    H05_COMPONENT_STD,
+    H05_REWARD_ERRORS,
+    H05_UNSCORABLE_SHARE,
+)
 from musique_rl.instruments.batch import BATCH_INSTRUMENTS, Batch
 
 # two rewards closer than this are the same reward (components live in [0, 1])
@@ -47,8 +56,8 @@ def reward_component_stats(
     """
     total = total.detach().double().flatten()
     out: dict[str, float] = {
-        "h05/reward_errors": float(reward_errors),
-        "h05/unscorable_share": float(torch.isnan(total).double().mean()) if total.numel() else 0.0,
+        H05_REWARD_ERRORS: float(reward_errors),
+        H05_UNSCORABLE_SHARE: float(torch.isnan(total).double().mean()) if total.numel() else 0.0,
     }
     names, mat = _as_matrix(components)
     if not names:
@@ -71,15 +80,15 @@ def reward_component_stats(
             checks.append((f1 > torch.maximum(p, r) + _EQ) | (f1 < torch.minimum(p, r) - _EQ))
     if checks:
         bad = torch.stack(checks).any(dim=0)
-        out["h05/component_disagreement_share"] = float(bad.double().mean())
+        out[H05_COMPONENT_DISAGREEMENT_SHARE] = float(bad.double().mean())
     for j, name in enumerate(names):
         col = mat[:, j]
-        out[f"h05/{name}/mean"] = float(torch.nanmean(col))
-        out[f"h05/{name}/std"] = float(col[~torch.isnan(col)].std()) if (~torch.isnan(col)).sum() > 1 else 0.0
-        out[f"h05/{name}/constant_group_share"] = float(constant[j])
+        out[H05_COMPONENT_MEAN.of(component=name)] = float(torch.nanmean(col))
+        out[H05_COMPONENT_STD.of(component=name)] = float(col[~torch.isnan(col)].std()) if (~torch.isnan(col)).sum() > 1 else 0.0
+        out[H05_COMPONENT_CONSTANT_GROUP_SHARE.of(component=name)] = float(constant[j])
         c = _corr(col, total)
         if c is not None:
-            out[f"h05/{name}/corr_total"] = c
+            out[H05_COMPONENT_CORR_TOTAL.of(component=name)] = c
     return out
 
 

@@ -10,6 +10,7 @@ another message's documents), which no single component shows.
 
 from __future__ import annotations
 
+from musique_rl.base.catalogue import H05_SCORER_OVERLAP_CHECKED, H05_SCORER_OVERLAP_DISAGREEMENT_SHARE
 from musique_rl.env.parsing import assistant_turn, extract_tag, parse_citations
 from musique_rl.env.rewards import shown_document_ids
 from musique_rl.instruments.batch import BATCH_INSTRUMENTS, Batch
@@ -42,4 +43,4 @@ def citation_retrieval_overlap(b: Batch) -> dict[str, float]:
         bad += c < r - _EQ
     if not checked:
         return {}
-    return {"h05/scorer_overlap_checked": float(checked), "h05/scorer_overlap_disagreement_share": bad / checked}
+    return {H05_SCORER_OVERLAP_CHECKED: float(checked), H05_SCORER_OVERLAP_DISAGREEMENT_SHARE: bad / checked}

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from musique_rl.base.catalogue import H06_BASE_CHECKSUM_DRIFT, H06_LORA_B_NORM
 from musique_rl.env.config import RewardConfig
 from musique_rl.instruments import preflight
 from musique_rl.instruments.batch import Batch, batch_instruments
@@ -302,9 +303,9 @@ class Instruments:
             return {}
         out = update_metrics(**step)
         if lora_b_norm is not None:
-            out["h06/lora_b_norm"] = lora_b_norm
+            out[H06_LORA_B_NORM] = lora_b_norm
         if base_checksum_drift is not None:
-            out["h06/base_checksum_drift"] = base_checksum_drift
+            out[H06_BASE_CHECKSUM_DRIFT] = base_checksum_drift
         return out
 
     # ------------------------------------------------------------------ 4. after a weight sync

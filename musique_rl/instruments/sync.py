@@ -15,6 +15,21 @@ from collections.abc import Callable
 
 import torch
 
+from musique_rl.base.catalogue import (
+    H06_FIT_GAP_BEST,
+    H06_FIT_GAP_TRAINER,
+    H06_FIT_TEMPERATURE_FACTOR,
+    H06_FIT_TOP_K,
+    H06_FIT_TOP_P,
+    H06_LOGP_GAP_MAX,
+    H06_LOGP_GAP_MEAN,
+    H06_LOGP_GAP_SIDE_TOOL,
+    H06_PARITY_SAMPLER_BASE,
+    H06_PARITY_SAMPLER_TRAINER,
+    H06_PARITY_STALE,
+    H06_PARITY_TRAINER_BASE,
+    H08_KL_TO_START,
+)
 from musique_rl.instruments.batch import BATCH_INSTRUMENTS, Batch
 from musique_rl.instruments.ledger import Source
 
@@ -54,15 +69,15 @@ def logp_gap(
     d = full[m]
     if d.numel() == 0:
         return {}
-    out = {"h06/logp_gap_mean": float(d.mean()), "h06/logp_gap_max": float(d.max())}
+    out = {H06_LOGP_GAP_MEAN: float(d.mean()), H06_LOGP_GAP_MAX: float(d.max())}
     if token_sources is not None:
         # Mismatch decomposition by position: tokens sampled before any tool result vs after one.
         # A gap only after tool results points at the context (H02); one everywhere at the sampling
         # parameters or the weights (H06).
         after = (token_sources == Source.TOOL).long().cumsum(dim=1) > 0
-        for name, where in (("pre_tool", m & ~after), ("post_tool", m & after)):
+        for side, where in (("pre", m & ~after), ("post", m & after)):
             if where.any():
-                out[f"h06/logp_gap_{name}"] = float(full[where].mean())
+                out[H06_LOGP_GAP_SIDE_TOOL.of(side=side)] = float(full[where].mean())
     return out
 
 
@@ -181,8 +196,8 @@ def sampling_fit(logits: torch.Tensor, targets: torch.Tensor, sampler_logps: tor
         f_ref, g_ref = (a, ga) if ga < gb else (b, gb)
         if g_ref < 0.5 * best[0]:  # a real improvement, not round-off around a grid point
             best = (g_ref, f_ref, p, k)
-    return {"h06/fit_gap_trainer": base, "h06/fit_gap_best": best[0], "h06/fit_temperature_factor": best[1],
-            "h06/fit_top_p": best[2], "h06/fit_top_k": float(best[3])}
+    return {H06_FIT_GAP_TRAINER: base, H06_FIT_GAP_BEST: best[0], H06_FIT_TEMPERATURE_FACTOR: best[1],
+            H06_FIT_TOP_P: best[2], H06_FIT_TOP_K: float(best[3])}
 
 
 def _last_logits(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -237,16 +252,16 @@ def parity(
 
     out: dict[str, float] = {}
     if sampler_logps is not None:
-        out["h06/parity_sampler_trainer"] = dist(sampler_logps, trainer_logps)
+        out[H06_PARITY_SAMPLER_TRAINER] = dist(sampler_logps, trainer_logps)
     if base_logps is not None:
-        out["h06/parity_trainer_base"] = dist(trainer_logps, base_logps)
+        out[H06_PARITY_TRAINER_BASE] = dist(trainer_logps, base_logps)
         log_r = (trainer_logps.float() - base_logps.float())[m]  # log p_trainer / p_start
-        out["h08/kl_to_start"] = float((log_r.exp() - 1 - log_r).mean())
+        out[H08_KL_TO_START] = float((log_r.exp() - 1 - log_r).mean())
     if sampler_logps is not None and base_logps is not None:
-        s_t, s_b = out["h06/parity_sampler_trainer"], dist(sampler_logps, base_logps)
-        out["h06/parity_sampler_base"] = s_b
+        s_t, s_b = out[H06_PARITY_SAMPLER_TRAINER], dist(sampler_logps, base_logps)
+        out[H06_PARITY_SAMPLER_BASE] = s_b
         stale = s_t > PARITY_ATOL and s_b * PARITY_RATIO < s_t
-        out["h06/parity_stale"] = float(stale)
+        out[H06_PARITY_STALE] = float(stale)
     return out
 
 

@@ -15,6 +15,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
+from musique_rl.base.catalogue import H08_GRAD_NORM_BEFORE_CLIP
 from musique_rl.instruments.sync import BaseChecksum, lora_b_norm
 from musique_rl.instruments.updates import UpdateMeter
 
@@ -55,4 +56,4 @@ class InstrumentsCallback(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         # The Trainer's `grad_norm` is the norm returned by clip_grad_norm_, i.e. BEFORE clipping.
         if logs is not None and "grad_norm" in logs and self.instruments.enabled:
-            logs["h08/grad_norm_before_clip"] = logs["grad_norm"]
+            logs[H08_GRAD_NORM_BEFORE_CLIP] = logs["grad_norm"]

@@ -13,6 +13,20 @@ from typing import Any
 
 import torch
 
+from musique_rl.base.catalogue import (
+    H04_BUDGET_CAP_SHARE,
+    H04_COMPLETION_AT_CAP_SHARE,
+    H04_COMPLETION_LEN_MAX,
+    H04_COMPLETION_LEN_MEAN,
+    H04_DROPPED_TOOL_RESULTS_MEAN,
+    H04_DROPPED_TOOL_RESULTS_SHARE,
+    H04_NO_ANSWER_SHARE,
+    H04_PROMPT_AT_CAP_SHARE,
+    H04_PROMPT_LEN_MAX,
+    H04_PROMPT_LEN_MEAN,
+    H04_QUESTION_LEFT_CONTEXT_SHARE,
+    H04_STOP_REASON_SHARE,
+)
 from musique_rl.instruments.batch import BATCH_INSTRUMENTS, Batch
 
 STOP_REASONS = ("answer", "max_turns", "turn_budget", "episode_budget", "no_tool_call")
@@ -36,13 +50,13 @@ def episode_truncation(episodes: Sequence[dict[str, Any]]) -> dict[str, float]:
     out: dict[str, float] = {}
     reasons = [str(e.get("stop_reason", "")) for e in episodes]
     for r in STOP_REASONS:
-        out[f"h04/stop_{r}_share"] = sum(x == r for x in reasons) / n
-    out["h04/budget_cap_share"] = sum(x in BUDGET_STOPS for x in reasons) / n
+        out[H04_STOP_REASON_SHARE.of(reason=r)] = sum(x == r for x in reasons) / n
+    out[H04_BUDGET_CAP_SHARE] = sum(x in BUDGET_STOPS for x in reasons) / n
     dropped = [int(e.get("dropped_tool_results", 0) or 0) for e in episodes]
-    out["h04/dropped_tool_results_mean"] = sum(dropped) / n
-    out["h04/dropped_tool_results_share"] = sum(d > 0 for d in dropped) / n
-    out["h04/no_answer_share"] = sum(not has_answer(e.get("messages") or []) for e in episodes) / n
-    out["h04/question_left_context_share"] = sum(not e.get("question_in_context", True) for e in episodes) / n
+    out[H04_DROPPED_TOOL_RESULTS_MEAN] = sum(dropped) / n
+    out[H04_DROPPED_TOOL_RESULTS_SHARE] = sum(d > 0 for d in dropped) / n
+    out[H04_NO_ANSWER_SHARE] = sum(not has_answer(e.get("messages") or []) for e in episodes) / n
+    out[H04_QUESTION_LEFT_CONTEXT_SHARE] = sum(not e.get("question_in_context", True) for e in episodes) / n
     return out
 
 
@@ -57,15 +71,15 @@ def length_stats(
     p = prompt_mask.sum(dim=1).float()
     c = completion_mask.sum(dim=1).float()
     out = {
-        "h04/prompt_len_mean": float(p.mean()),
-        "h04/prompt_len_max": float(p.max()),
-        "h04/completion_len_mean": float(c.mean()),
-        "h04/completion_len_max": float(c.max()),
+        H04_PROMPT_LEN_MEAN: float(p.mean()),
+        H04_PROMPT_LEN_MAX: float(p.max()),
+        H04_COMPLETION_LEN_MEAN: float(c.mean()),
+        H04_COMPLETION_LEN_MAX: float(c.max()),
     }
     if max_prompt_tokens:
-        out["h04/prompt_at_cap_share"] = float((p >= max_prompt_tokens).float().mean())
+        out[H04_PROMPT_AT_CAP_SHARE] = float((p >= max_prompt_tokens).float().mean())
     if max_completion_tokens:
-        out["h04/completion_at_cap_share"] = float((c >= max_completion_tokens).float().mean())
+        out[H04_COMPLETION_AT_CAP_SHARE] = float((c >= max_completion_tokens).float().mean())
     return out
 
 

@@ -9,6 +9,15 @@ from __future__ import annotations
 
 import torch
 
+from musique_rl.base.catalogue import (
+    H08_ADAM_STEP_RATIO,
+    H08_GRAD_NORM_AFTER_CLIP,
+    H08_GRAD_NORM_BEFORE_CLIP,
+    H08_LEARNING_RATE,
+    H08_UPDATE_NORM,
+    H08_UPDATE_WEIGHT_RATIO,
+)
+
 # Snapshot at most this many parameter elements per step (a deterministic subset of tensors beyond
 # that), so the meter costs a copy of <= 200 MB of fp32 even for a full fine-tune of a large model.
 MAX_SNAPSHOT_ELEMENTS = 50_000_000
@@ -62,15 +71,15 @@ def update_metrics(
     weight decay; 0 with a non-zero gradient means the step changed nothing."""
     out: dict[str, float] = {}
     if update_norm is not None and learning_rate and trainable_elements:
-        out["h08/adam_step_ratio"] = update_norm / (learning_rate * trainable_elements**0.5)
+        out[H08_ADAM_STEP_RATIO] = update_norm / (learning_rate * trainable_elements**0.5)
     if update_norm is not None and weight_norm:
-        out["h08/update_weight_ratio"] = update_norm / weight_norm
+        out[H08_UPDATE_WEIGHT_RATIO] = update_norm / weight_norm
     if update_norm is not None:
-        out["h08/update_norm"] = update_norm
+        out[H08_UPDATE_NORM] = update_norm
     if grad_norm_after_clip is not None:
-        out["h08/grad_norm_after_clip"] = grad_norm_after_clip
+        out[H08_GRAD_NORM_AFTER_CLIP] = grad_norm_after_clip
     if grad_norm_before_clip is not None:
-        out["h08/grad_norm_before_clip"] = grad_norm_before_clip
+        out[H08_GRAD_NORM_BEFORE_CLIP] = grad_norm_before_clip
     if learning_rate is not None:
-        out["h08/learning_rate"] = learning_rate
+        out[H08_LEARNING_RATE] = learning_rate
     return out

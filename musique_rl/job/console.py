@@ -19,6 +19,7 @@ from typing import Any
 from transformers.trainer_callback import ProgressCallback
 
 from musique_rl import rundir
+from musique_rl.base.catalogue import H06_LOGP_GAP_FLOOR, HYPOTHESIS
 from musique_rl.doctor.bounds import out_of_bounds
 
 log = logging.getLogger(__name__)
@@ -82,9 +83,9 @@ class StepLog(ProgressCallback):
         if self._last is not None and step > self._last[1]:
             parts.append(f"{(now - self._last[0]) / (step - self._last[1]):.2f} s/step")
         self._last = (now, step)
-        if "h06/logp_gap_floor" in logs:  # re-measured at every parity probe: the run's latest floor
-            self.gap_floor = logs["h06/logp_gap_floor"]
-        bad = out_of_bounds(logs, skip=("h08/",) if step <= self.warmup_steps else (),
+        if H06_LOGP_GAP_FLOOR in logs:  # re-measured at every parity probe: the run's latest floor
+            self.gap_floor = logs[H06_LOGP_GAP_FLOOR]
+        bad = out_of_bounds(logs, skip=(HYPOTHESIS["h08"].prefix,) if step <= self.warmup_steps else (),
                             floor=self.gap_floor)
         parts.append("out of bounds: " + ", ".join(bad) if bad else "instruments in bounds")
         return " | ".join(parts)

@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 
 from musique_rl import rundir
+from musique_rl.base.catalogue import H01_NEAR_ZERO_STD_SHARE, H05_COMPONENT_MEAN, TRL_REWARDS
 
 
 def save_reward_curves(run_dir: Path) -> Path | None:
@@ -15,12 +16,12 @@ def save_reward_curves(run_dir: Path) -> Path | None:
     rows = rundir.read_metrics_log(run_dir / rundir.METRICS_LOG)
     keys = {k for r in rows for k in r}
     # each reward component's batch mean (instruments h05), else TRL's per-reward-function means
-    comp = sorted(k for k in keys if k.startswith("h05/") and k.endswith("/mean")) or sorted(
-        k for k in keys if k.startswith("rewards/") and k.endswith("/mean"))
+    comp = sorted(k for k in keys if H05_COMPONENT_MEAN.segments(k)) or sorted(
+        k for k in keys if (s := TRL_REWARDS.segments(k)) and s["stat"] == "mean")
     panels = [
         ("total reward", [k for k in ("reward",) if k in keys]),
         ("reward components (batch mean)", comp),
-        ("group signal", [k for k in ("frac_reward_zero_std", "h01/near_zero_std_share") if k in keys]),
+        ("group signal", [k for k in ("frac_reward_zero_std", H01_NEAR_ZERO_STD_SHARE) if k in keys]),
     ]
     panels = [(t, ks) for t, ks in panels if ks]
     if not panels:

@@ -5,7 +5,16 @@ from __future__ import annotations
 import statistics
 from collections.abc import Mapping
 
-from musique_rl.base.catalogue import TOOL_FAILURE_MAX, key
+from musique_rl.base.catalogue import (
+    H04_TOOL_RESULTS_ALTERED,
+    H04_TOOL_RESULTS_ALTERED_SHARE,
+    H07_TOOL_CALLS_MEAN,
+    H07_TOOL_FAILURE_RATE,
+    H07_TURNS_MEAN,
+    H07_VOID_EPISODE_SHARE,
+    H07_VOID_TURN_SHARE,
+    TOOL_FAILURE_MAX,
+)
 from musique_rl.doctor.findings import Finding, History, judged, magnitude, rule, values
 
 # H04: share of tool results that differ from their source. Any difference is a defect (a tool
@@ -22,13 +31,13 @@ TOOL_ALTERED_MAX = 0.05
 VOID_EPISODE_MAX = 0.25
 
 
-@rule("h07/void_episode_share")
+@rule(H07_VOID_EPISODE_SHARE)
 def _void_turns(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
-    void = values(m.get("h07/void_episode_share"))
+    void = values(m.get(H07_VOID_EPISODE_SHARE))
     q = max(1, len(void) // 4)
     last = statistics.fmean(void[-q:])
-    ev = {"h07/void_episode_share (first)": void[0], "h07/void_episode_share (last quarter)": last,
-          "h07/void_turn_share (last)": (values(m.get("h07/void_turn_share")) or [0.0])[-1]}
+    ev = {f"{H07_VOID_EPISODE_SHARE} (first)": void[0], f"{H07_VOID_EPISODE_SHARE} (last quarter)": last,
+          f"{H07_VOID_TURN_SHARE} (last)": (values(m.get(H07_VOID_TURN_SHARE)) or [0.0])[-1]}
     return judged("h07", "void_turns", last > VOID_EPISODE_MAX, 1 + magnitude(last / VOID_EPISODE_MAX), ev,
                   f"{last:.0%} of the episodes (last quarter of the run) end in a void turn, neither a tool call nor "
                   "an answer: the policy writes text the tool-call parser does not read, or has collapsed into "
@@ -36,11 +45,11 @@ def _void_turns(m: Mapping[str, History], params: Mapping[str, str]) -> list[Fin
                   f"Void turns: {last:.0%} of episodes in the last quarter.")
 
 
-@rule(key("h04/tool_results_altered_share"))
+@rule(H04_TOOL_RESULTS_ALTERED_SHARE)
 def _tool_results_altered(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
-    a = statistics.fmean(values(m.get("h04/tool_results_altered_share")))
-    ev = {"h04/tool_results_altered_share (mean)": a,
-          "h04/tool_results_altered (sum)": sum(values(m.get(key("h04/tool_results_altered"))))}
+    a = statistics.fmean(values(m.get(H04_TOOL_RESULTS_ALTERED_SHARE)))
+    ev = {f"{H04_TOOL_RESULTS_ALTERED_SHARE} (mean)": a,
+          f"{H04_TOOL_RESULTS_ALTERED} (sum)": sum(values(m.get(H04_TOOL_RESULTS_ALTERED)))}
     return judged("h04", "tool_results_altered", a > TOOL_ALTERED_MAX, 3 + magnitude(1 + 100 * a), ev,
                   f"{a:.0%} of the tool results the model saw differ from their source documents (cut, altered, or "
                   "under another document's id) between the retriever and the prompt: the policy reads a different "
@@ -48,12 +57,12 @@ def _tool_results_altered(m: Mapping[str, History], params: Mapping[str, str]) -
                   f"Tool results match their source documents ({a:.0%} differ).")
 
 
-@rule(key("h07/tool_failure_rate"))
+@rule(H07_TOOL_FAILURE_RATE)
 def _tool_failures(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
-    fail = values(m.get("h07/tool_failure_rate"))
-    ev = {"h07/tool_failure_rate (mean)": statistics.fmean(fail),
-          "h07/tool_calls_mean (mean)": statistics.fmean(values(m.get(key("h07/tool_calls_mean"))) or [0.0]),
-          "h07/turns_mean (mean)": statistics.fmean(values(m.get(key("h07/turns_mean"))) or [0.0])}
+    fail = values(m.get(H07_TOOL_FAILURE_RATE))
+    ev = {f"{H07_TOOL_FAILURE_RATE} (mean)": statistics.fmean(fail),
+          f"{H07_TOOL_CALLS_MEAN} (mean)": statistics.fmean(values(m.get(H07_TOOL_CALLS_MEAN)) or [0.0]),
+          f"{H07_TURNS_MEAN} (mean)": statistics.fmean(values(m.get(H07_TURNS_MEAN)) or [0.0])}
     f = statistics.fmean(fail)
     return judged("h07", "tool_failures", f > TOOL_FAILURE_MAX, 1 + magnitude(f / TOOL_FAILURE_MAX), ev,
                   f"{f:.0%} of tool calls fail: the multi-turn machinery, not the policy's choices, decides the episodes.",

@@ -11,6 +11,7 @@ import math
 import statistics
 from collections.abc import Mapping
 
+from musique_rl.base.catalogue import H01_ZERO_STD_SHARE
 from musique_rl.doctor.findings import Finding, History, judged, magnitude, note, rule
 
 # Gradient-norm spikes: TRL's `grad_norm` (pre-clip). A step more than 10x the median of the
@@ -56,7 +57,7 @@ def _grad_norm(m: Mapping[str, History], params: Mapping[str, str]) -> list[Find
         # On a step where every group tied (TRL's frac_reward_zero_std, or our h01/zero_std_share, = 1)
         # every advantage is 0, so a zero gradient there is the ties' consequence, not a broken graph:
         # ranked below the tied-groups finding (and its own cause), saying so.
-        tied = {s for key in ("frac_reward_zero_std", "h01/zero_std_share")
+        tied = {s for key in ("frac_reward_zero_std", H01_ZERO_STD_SHARE)
                 for s, v in (m.get(key) or []) if v is not None and v >= 1 - 1e-9}
         explained = sum(s in tied for s in zero_steps) / len(zero_steps)
         ev = {"grad_norm zero share": zero, "zero-gradient steps with every group tied (share)": explained}

@@ -5,12 +5,19 @@ from __future__ import annotations
 import statistics
 from collections.abc import Mapping
 
-from musique_rl.base.catalogue import BUDGET_SHARE_MAX, key
+from musique_rl.base.catalogue import (
+    BUDGET_SHARE_MAX,
+    H04_BUDGET_CAP_SHARE,
+    H04_DROPPED_TOOL_RESULTS_SHARE,
+    H04_NO_ANSWER_SHARE,
+    H04_PROMPT_AT_CAP_SHARE,
+    H04_QUESTION_LEFT_CONTEXT_SHARE,
+)
 from musique_rl.doctor.findings import Finding, History, judged, magnitude, num, rule, values
 from musique_rl.doctor.trl_rules import CLIPPED_MAX, _ours, clipped_share
 
-BUDGETS = tuple(key(k) for k in ("h04/budget_cap_share", "h04/dropped_tool_results_share",
-                                 "h04/question_left_context_share", "h04/prompt_at_cap_share", "h04/no_answer_share"))
+BUDGETS = (H04_BUDGET_CAP_SHARE, H04_DROPPED_TOOL_RESULTS_SHARE, H04_QUESTION_LEFT_CONTEXT_SHARE, H04_PROMPT_AT_CAP_SHARE,
+           H04_NO_ANSWER_SHARE)
 # Budgets binding on (nearly) every episode starve everything downstream: no episode ends with an
 # answer, so every reward is the budget's. 0.95: one episode in 20 may still finish.
 BUDGET_STARVES = 0.95
@@ -20,18 +27,18 @@ BUDGET_STARVES = 0.95
 def _budgets(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
     means = {k: statistics.fmean(values(m.get(k))) for k in BUDGETS if values(m.get(k))}
     ev = {f"{k} (mean)": v for k, v in means.items()}
-    lost = means.get("h04/question_left_context_share", 0.0)
+    lost = means.get(H04_QUESTION_LEFT_CONTEXT_SHARE, 0.0)
     if lost > 0:
         return [Finding("h04", "question_left_context", True, 3 + magnitude(1 + 100 * lost),
                         f"In {lost:.0%} of episodes the question itself was truncated out of the context.", ev)]
-    binding = ("h04/budget_cap_share", "h04/dropped_tool_results_share", "h04/prompt_at_cap_share")
+    binding = (H04_BUDGET_CAP_SHARE, H04_DROPPED_TOOL_RESULTS_SHARE, H04_PROMPT_AT_CAP_SHARE)
     worst_key = max((k for k in binding if k in means), key=lambda k: means[k], default=None)
     if worst_key is not None and means[worst_key] > BUDGET_SHARE_MAX:
         w = means[worst_key]
-        what = {"h04/budget_cap_share": "end at a token budget",
-                "h04/dropped_tool_results_share": "silently lose a tool result to the budget",
-                "h04/prompt_at_cap_share": "start with the prompt at its token cap"}[worst_key]
-        na = means.get("h04/no_answer_share")
+        what = {H04_BUDGET_CAP_SHARE: "end at a token budget",
+                H04_DROPPED_TOOL_RESULTS_SHARE: "silently lose a tool result to the budget",
+                H04_PROMPT_AT_CAP_SHARE: "start with the prompt at its token cap"}[worst_key]
+        na = means.get(H04_NO_ANSWER_SHARE)
         tail = f"; {na:.0%} end with no answer" if na is not None else ""
         starves = w >= BUDGET_STARVES and (na is None or na >= BUDGET_STARVES)
         return [Finding("h04", "budgets_binding", True, 2 + magnitude(w / BUDGET_SHARE_MAX),

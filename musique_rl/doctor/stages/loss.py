@@ -7,7 +7,34 @@ import math
 import statistics
 from collections.abc import Mapping
 
-from musique_rl.base.catalogue import KL_NEGATIVE_MAX, key
+from musique_rl.base.catalogue import (
+    H01_LOSS_ADV_FROM_INPUTS,
+    H01_LOSS_ADV_MISALIGNED_SHARE,
+    H01_LOSS_ADV_PAIRING_ERROR,
+    H01_LOSS_ROWS_UNMATCHED_SHARE,
+    H02_ASSISTANT_TOKENS_WITHOUT_LOSS_SHARE,
+    H02_ATTENTION_COVERAGE,
+    H02_ENV_TOKENS_WITH_LOSS,
+    H02_KL_MASK_EQUALS_LOSS_MASK,
+    H02_LOSS_ASSISTANT_LEFT_OUT_SHARE,
+    H02_LOSS_NORMALISER_RATIO,
+    H02_LOSS_SHARE_KIND,
+    H02_LOSS_TOOL_TOKEN_SHARE,
+    H03_KL_BETA_APPLIED_RATIO,
+    H03_KL_ENV_TOKENS,
+    H03_KL_MODEL_MEAN,
+    H03_KL_NEGATIVE_SHARE,
+    H03_KL_TERM_WITHOUT_BETA,
+    H03_KL_TERM_ZERO_WITH_BETA,
+    H03_LOSS_KL_ENV_TOKEN_SHARE,
+    H03_LOSS_KL_MOVED,
+    H06_IS_ESS,
+    H06_IS_MASKED_SEQ_SHARE,
+    H06_IS_MASKED_TOKEN_SHARE,
+    H06_LOGP_GAP_MEAN,
+    KL_NEGATIVE_MAX,
+    TRL_IMPORTANCE_SAMPLING_RATIO,
+)
 from musique_rl.doctor.chain import stage_sentence
 from musique_rl.doctor.context import gap_threshold
 from musique_rl.doctor.findings import Finding, History, judged, magnitude, mean_of, num, rule, values
@@ -19,7 +46,7 @@ ASSISTANT_UNTRAINED_MAX = 0.2
 # weights give 1; a mean below 0.1 means most of the batch's loss is weighted away: the gradient
 # vanishes whatever the learning rate (docs/failure_modes.md defect 5).
 IS_WEIGHT_MIN = 0.1
-IS_WEIGHT_KEY = key("sampling/importance_sampling_ratio/mean")
+IS_WEIGHT_KEY = TRL_IMPORTANCE_SAMPLING_RATIO.of(stat="mean")
 
 
 # ---------------------------------------------------------------- tier-3 invariant (a proof, not a symptom)
@@ -33,9 +60,9 @@ IS_WEIGHT_KEY = key("sampling/importance_sampling_ratio/mean")
 KL_AT_START_MAX = 1e-3
 
 
-@rule("kl", "h03/kl_model_mean")
+@rule("kl", H03_KL_MODEL_MEAN)
 def _kl_at_start(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
-    key = "kl" if values(m.get("kl")) else "h03/kl_model_mean"
+    key = "kl" if values(m.get("kl")) else H03_KL_MODEL_MEAN
     first_step, first = next((s, v) for s, v in m[key] if v is not None)
     if num(params, "loss.beta", 1.0) == 0:
         return []
@@ -58,15 +85,15 @@ def _kl_at_start(m: Mapping[str, History], params: Mapping[str, str]) -> list[Fi
                   f"KL to the reference starts at {first:.2g}.")
 
 
-@rule(key("h02/env_tokens_with_loss"), key("h02/attention_coverage"), key("h02/assistant_tokens_without_loss_share"))
+@rule(H02_ENV_TOKENS_WITH_LOSS, H02_ATTENTION_COVERAGE, H02_ASSISTANT_TOKENS_WITHOUT_LOSS_SHARE)
 def _loss_mask(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
     out: list[Finding] = []
-    env = values(m.get("h02/env_tokens_with_loss"))
+    env = values(m.get(H02_ENV_TOKENS_WITH_LOSS))
     if env:
-        share = statistics.fmean(values(m.get(key("h02/loss_share_tool"))) or [0.0]) + statistics.fmean(
-            values(m.get(key("h02/loss_share_template"))) or [0.0])
-        ev = {"h02/env_tokens_with_loss (max)": max(env), "h02/env_tokens_with_loss (mean)": statistics.fmean(env),
-              "h02/loss_share_tool+template (mean)": share}
+        share = statistics.fmean(values(m.get(H02_LOSS_SHARE_KIND.of(kind="tool"))) or [0.0]) + statistics.fmean(
+            values(m.get(H02_LOSS_SHARE_KIND.of(kind="template"))) or [0.0])
+        ev = {f"{H02_ENV_TOKENS_WITH_LOSS} (max)": max(env), f"{H02_ENV_TOKENS_WITH_LOSS} (mean)": statistics.fmean(env),
+              f"{H02_LOSS_SHARE_KIND.of(kind='tool+template')} (mean)": share}
         if max(env) > 0:
             out.append(Finding("h02", "env_tokens_in_loss", True, 3 + magnitude(1 + max(env)),
                                f"The loss trains on tokens the environment wrote: up to {max(env):.0f} tool/template "
@@ -75,8 +102,8 @@ def _loss_mask(m: Mapping[str, History], params: Mapping[str, str]) -> list[Find
         else:
             out.append(Finding("h02", "env_tokens_in_loss", False, 0.0,
                                "No tool or template token carries loss.", ev))
-    gap = m.get(key("h06/logp_gap_mean")) or []
-    cov = values(m.get("h02/attention_coverage"))
+    gap = m.get(H06_LOGP_GAP_MEAN) or []
+    cov = values(m.get(H02_ATTENTION_COVERAGE))
     thr, _ = gap_threshold(m)
     # a hidden context with a gap past the threshold is reported by the sampling stage's agreement
     # check (the gap is its measurement); alone, it is a tier-3 proof here
@@ -84,28 +111,28 @@ def _loss_mask(m: Mapping[str, History], params: Mapping[str, str]) -> list[Find
         out.append(Finding("h02", "context_hidden_from_trainer", True, 3 + magnitude(1 / max(min(cov), 1e-3)),
                            f"The trainer's forward pass attends to only {min(cov):.0%} of the context tokens: prompt or "
                            "tool tokens are invisible when it scores the assistant's tokens.",
-                           {"h02/attention_coverage (min)": min(cov)}))
-    untrained = values(m.get("h02/assistant_tokens_without_loss_share"))
+                           {f"{H02_ATTENTION_COVERAGE} (min)": min(cov)}))
+    untrained = values(m.get(H02_ASSISTANT_TOKENS_WITHOUT_LOSS_SHARE))
     if untrained and statistics.fmean(untrained) > ASSISTANT_UNTRAINED_MAX:
         u = statistics.fmean(untrained)
         out.append(Finding("h02", "sampled_tokens_untrained", True, 1 + magnitude(u / ASSISTANT_UNTRAINED_MAX),
                            f"{u:.0%} of the sampled assistant tokens are outside the loss mask: most of what the "
-                           "policy wrote is not trained on.", {"h02/assistant_tokens_without_loss_share (mean)": u}))
+                           "policy wrote is not trained on.", {f"{H02_ASSISTANT_TOKENS_WITHOUT_LOSS_SHARE} (mean)": u}))
     return out
 
 
-@rule(key("h03/kl_env_tokens"), key("h03/kl_negative_share"))
+@rule(H03_KL_ENV_TOKENS, H03_KL_NEGATIVE_SHARE)
 def _kl(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
     out: list[Finding] = []
-    env = values(m.get("h03/kl_env_tokens"))
-    neg = values(m.get("h03/kl_negative_share"))
-    same = values(m.get("h02/kl_mask_equals_loss_mask"))
+    env = values(m.get(H03_KL_ENV_TOKENS))
+    neg = values(m.get(H03_KL_NEGATIVE_SHARE))
+    same = values(m.get(H02_KL_MASK_EQUALS_LOSS_MASK))
     if not env and not neg:
         return []
-    ev = {"h03/kl_env_tokens (max)": max(env, default=0.0), "h03/kl_negative_share (mean)": statistics.fmean(neg or [0.0]),
-          "h03/kl_model_mean (last)": (values(m.get("h03/kl_model_mean")) or [0.0])[-1]}
+    ev = {f"{H03_KL_ENV_TOKENS} (max)": max(env, default=0.0), f"{H03_KL_NEGATIVE_SHARE} (mean)": statistics.fmean(neg or [0.0]),
+          f"{H03_KL_MODEL_MEAN} (last)": (values(m.get(H03_KL_MODEL_MEAN)) or [0.0])[-1]}
     if same:
-        ev["h02/kl_mask_equals_loss_mask (min)"] = min(same)
+        ev[f"{H02_KL_MASK_EQUALS_LOSS_MASK} (min)"] = min(same)
     if env and max(env) > 0:
         out.append(Finding("h03", "kl_on_env_tokens", True, 3 + magnitude(1 + max(env)),
                            f"The KL penalty is computed on up to {max(env):.0f} tool/template tokens per micro-batch "
@@ -137,7 +164,7 @@ def _importance_weights(m: Mapping[str, History], params: Mapping[str, str]) -> 
                   f"Importance-sampling weights near 1 (median {w:.2g}).")
 
 
-@rule(key("h06/is_masked_seq_share"))
+@rule(H06_IS_MASKED_SEQ_SHARE)
 def _h06_importance_sampling_masks(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
     """TRL's importance-sampling correction giving whole sequences zero weight (h06/is_* from
     core/importance.py). Threshold: a median of 20% of a step's sequences masked. Why 20%: with
@@ -147,13 +174,13 @@ def _h06_importance_sampling_masks(m: Mapping[str, History], params: Mapping[str
     out and the reward can stay flat while every other instrument looks sane. token_truncate, the
     vLLM default (train.importance_sampling=auto), masks none."""
     limit = 0.2
-    masked = statistics.median(values(m.get("h06/is_masked_seq_share")))
-    ev = {"h06/is_masked_seq_share (median)": masked}
-    for k in ("h06/is_masked_token_share", "h06/is_ess"):
+    masked = statistics.median(values(m.get(H06_IS_MASKED_SEQ_SHARE)))
+    ev = {f"{H06_IS_MASKED_SEQ_SHARE} (median)": masked}
+    for k in (H06_IS_MASKED_TOKEN_SHARE, H06_IS_ESS):
         if values(m.get(k)):
             ev[f"{k} (median)"] = statistics.median(values(m.get(k)))
     mode = params.get("train.importance_sampling", "the configured mode")
-    ess = f", effective sample size {ev['h06/is_ess (median)']:.2f}" if "h06/is_ess (median)" in ev else ""
+    ess = f", effective sample size {ev[f'{H06_IS_ESS} (median)']:.2f}" if f"{H06_IS_ESS} (median)" in ev else ""
     return judged("h06", "importance_sampling_masks_sequences", masked > limit, 1.5 + magnitude(masked / limit), ev,
                   f"TRL's importance-sampling correction ({mode}) gives {masked:.0%} of each step's sequences zero "
                   f"weight (median; threshold {limit:.0%}){ess}: those episodes, the long ones first, never train. "
@@ -212,14 +239,14 @@ NORMALISER_BAND = (0.95, 1.05)
 BETA_BAND = (0.9, 1.1)
 
 
-@rule("h01/loss_adv_misaligned_share", "h01/loss_rows_unmatched_share", "h01/loss_adv_from_inputs")
+@rule(H01_LOSS_ADV_MISALIGNED_SHARE, H01_LOSS_ROWS_UNMATCHED_SHARE, H01_LOSS_ADV_FROM_INPUTS)
 def _advantages_paired(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
-    mis = mean_of(m, "h01/loss_adv_misaligned_share") or 0.0
-    err = max(values(m.get("h01/loss_adv_pairing_error")), default=0.0)
-    unmatched = mean_of(m, "h01/loss_rows_unmatched_share") or 0.0
-    from_inputs = min(values(m.get("h01/loss_adv_from_inputs")), default=1.0)
-    ev = {"h01/loss_adv_misaligned_share (mean)": mis, "h01/loss_adv_pairing_error (max)": err,
-          "h01/loss_rows_unmatched_share (mean)": unmatched, "h01/loss_adv_from_inputs (min)": from_inputs}
+    mis = mean_of(m, H01_LOSS_ADV_MISALIGNED_SHARE) or 0.0
+    err = max(values(m.get(H01_LOSS_ADV_PAIRING_ERROR)), default=0.0)
+    unmatched = mean_of(m, H01_LOSS_ROWS_UNMATCHED_SHARE) or 0.0
+    from_inputs = min(values(m.get(H01_LOSS_ADV_FROM_INPUTS)), default=1.0)
+    ev = {f"{H01_LOSS_ADV_MISALIGNED_SHARE} (mean)": mis, f"{H01_LOSS_ADV_PAIRING_ERROR} (max)": err,
+          f"{H01_LOSS_ROWS_UNMATCHED_SHARE} (mean)": unmatched, f"{H01_LOSS_ADV_FROM_INPUTS} (min)": from_inputs}
     bad = mis > MISALIGNED_MAX or unmatched > UNMATCHED_MAX or from_inputs < 1
     worst = max(mis / MISALIGNED_MAX, unmatched / UNMATCHED_MAX, 1 + 10 * (from_inputs < 1))
     check = "advantages_not_paired_in_loss"
@@ -237,26 +264,26 @@ def _advantages_paired(m: Mapping[str, History], params: Mapping[str, str]) -> l
                   "Every row the loss trains carries its own episode's advantage." + stage_sentence(check))
 
 
-@rule("h02/loss_tool_token_share", "h02/loss_assistant_left_out_share", "h02/loss_normaliser_ratio")
+@rule(H02_LOSS_TOOL_TOKEN_SHARE, H02_LOSS_ASSISTANT_LEFT_OUT_SHARE, H02_LOSS_NORMALISER_RATIO)
 def _loss_mask_and_normaliser(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
     out: list[Finding] = []
-    tool = max(values(m.get("h02/loss_tool_token_share")), default=None)
+    tool = max(values(m.get(H02_LOSS_TOOL_TOKEN_SHARE)), default=None)
     if tool is not None:
         c = "loss_trains_env_tokens"
-        out += judged("h02", c, tool > 0, 3 + magnitude(1 + 100 * tool), {"h02/loss_tool_token_share (max)": tool},
+        out += judged("h02", c, tool > 0, 3 + magnitude(1 + 100 * tool), {f"{H02_LOSS_TOOL_TOKEN_SHARE} (max)": tool},
                       f"The loss puts a gradient on {tool:.0%} of the tool-result and template tokens (the rollout's "
                       "token sources, not the trainer's mask): the mask the loss applies is not the rollout's; they "
                       "are not the policy's actions (docs/failure_modes.md defect 2)." + stage_sentence(c),
                       "The loss trains no tool or template token." + stage_sentence(c))
-    left = mean_of(m, "h02/loss_assistant_left_out_share")
+    left = mean_of(m, H02_LOSS_ASSISTANT_LEFT_OUT_SHARE)
     if left is not None:
         c = "loss_leaves_sampled_tokens_out"
         out += judged("h02", c, left > LEFT_OUT_MAX, 2 + magnitude(left / LEFT_OUT_MAX),
-                      {"h02/loss_assistant_left_out_share (mean)": left},
+                      {f"{H02_LOSS_ASSISTANT_LEFT_OUT_SHARE} (mean)": left},
                       f"{left:.0%} of the sampled tokens of rows with a non-zero advantage get no gradient from the "
                       "loss (not clipped, not importance-masked): the loss's mask misses the policy's own tokens."
                       + stage_sentence(c), "Every sampled token of a row with signal trains." + stage_sentence(c))
-    ratios = values(m.get("h02/loss_normaliser_ratio"))
+    ratios = values(m.get(H02_LOSS_NORMALISER_RATIO))
     if ratios:
         c = "loss_normaliser_off"
         r = statistics.median(ratios)
@@ -269,46 +296,46 @@ def _loss_mask_and_normaliser(m: Mapping[str, History], params: Mapping[str, str
         consequence = (" A consequence of the mask above (the loss counts other tokens), not a separate cause."
                        if mask_wrong else "")
         out += judged("h02", c, not lo <= r <= hi, (1 if mask_wrong else 2) + magnitude(off),
-                      {"h02/loss_normaliser_ratio (median)": r},
+                      {f"{H02_LOSS_NORMALISER_RATIO} (median)": r},
                       f"The loss divides a row's tokens by {r:.3g}x what {lt} implies (the weight -dL/dA the loss "
                       "gave the row vs tokens x loss_type's normaliser): every update is scaled, per row, by the "
                       "wrong amount." + consequence + stage_sentence(c), f"The loss normalises as {lt} says." + stage_sentence(c))
     return out
 
 
-@rule("h03/kl_term_zero_with_beta", "h03/kl_term_without_beta", "h03/kl_beta_applied_ratio",
-      "h03/loss_kl_env_token_share")
+@rule(H03_KL_TERM_ZERO_WITH_BETA, H03_KL_TERM_WITHOUT_BETA, H03_KL_BETA_APPLIED_RATIO,
+      H03_LOSS_KL_ENV_TOKEN_SHARE)
 def _kl_acts(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
     out: list[Finding] = []
-    zero = max(values(m.get("h03/kl_term_zero_with_beta")), default=0.0)
-    without = max(values(m.get("h03/kl_term_without_beta")), default=0.0)
-    moved = max(values(m.get("h03/loss_kl_moved")), default=0.0)
+    zero = max(values(m.get(H03_KL_TERM_ZERO_WITH_BETA)), default=0.0)
+    without = max(values(m.get(H03_KL_TERM_WITHOUT_BETA)), default=0.0)
+    moved = max(values(m.get(H03_LOSS_KL_MOVED)), default=0.0)
     beta = params.get("loss.beta", "> 0")
     if zero >= 1:
         c = "kl_penalty_not_applied"
         out.append(Finding("h03", c, True, 3.5, f"A KL penalty is configured (loss.beta={beta}) and the policy has "
                            f"moved from its reference ({moved:.2g} nats/token), yet no KL term reaches the loss (no "
                            "gradient flows to the reference log-probs, or none reached it): beta is not forwarded."
-                           + stage_sentence(c), {"h03/kl_term_zero_with_beta (max)": zero, "h03/loss_kl_moved (max)": moved}))
+                           + stage_sentence(c), {f"{H03_KL_TERM_ZERO_WITH_BETA} (max)": zero, f"{H03_LOSS_KL_MOVED} (max)": moved}))
     if without >= 1:
         c = "kl_penalty_without_beta"
         out.append(Finding("h03", c, True, 2.5, "loss.beta is 0, yet a KL term acts in the loss." + stage_sentence(c),
-                           {"h03/kl_term_without_beta (max)": without}))
-    ratios = values(m.get("h03/kl_beta_applied_ratio"))
+                           {f"{H03_KL_TERM_WITHOUT_BETA} (max)": without}))
+    ratios = values(m.get(H03_KL_BETA_APPLIED_RATIO))
     if ratios and zero < 1:
         c = "kl_beta_not_as_configured"
         r = statistics.median(ratios)
         lo, hi = BETA_BAND
         off = abs(r - 1) / (hi - 1)
-        out += judged("h03", c, not lo <= r <= hi, 3 + magnitude(1 + off), {"h03/kl_beta_applied_ratio (median)": r},
+        out += judged("h03", c, not lo <= r <= hi, 3 + magnitude(1 + off), {f"{H03_KL_BETA_APPLIED_RATIO} (median)": r},
                       f"The KL term the loss applies is {r:.3g}x loss.beta={beta} (fit of its gradient on the "
                       "reference log-probs): the coefficient is not the configured one"
                       + (", and its sign is flipped" if r < 0 else "") + "." + stage_sentence(c),
                       "The KL term acts with the configured beta." + stage_sentence(c))
-    env = max(values(m.get("h03/loss_kl_env_token_share")), default=None)
+    env = max(values(m.get(H03_LOSS_KL_ENV_TOKEN_SHARE)), default=None)
     if env is not None:
         c = "kl_on_env_tokens_in_loss"
-        out += judged("h03", c, env > 0, 3 + magnitude(1 + 100 * env), {"h03/loss_kl_env_token_share (max)": env},
+        out += judged("h03", c, env > 0, 3 + magnitude(1 + 100 * env), {f"{H03_LOSS_KL_ENV_TOKEN_SHARE} (max)": env},
                       f"The loss's KL term reaches {env:.0%} of the tool/template tokens (its gradient on the "
                       "reference log-probs, by the rollout's token sources)." + stage_sentence(c),
                       "The loss's KL term stays on the policy's tokens." + stage_sentence(c))

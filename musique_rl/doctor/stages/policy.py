@@ -5,9 +5,24 @@ from __future__ import annotations
 import statistics
 from collections.abc import Mapping
 
-from musique_rl.base.catalogue import key
+from musique_rl.base.catalogue import (
+    H01_REWARD_STD_MEAN,
+    H08_GRAD_NORM_BEFORE_CLIP,
+    H08_KL_TO_START,
+    TRL_GRAD_NORM,
+    TRL_KL,
+    TRL_LEARNING_RATE,
+)
 from musique_rl.doctor.context import schedule
-from musique_rl.doctor.findings import Finding, History, judged, magnitude, num, rule, values
+from musique_rl.doctor.findings import (
+    Finding,
+    History,
+    judged,
+    magnitude,
+    num,
+    rule,
+    values,
+)
 from musique_rl.doctor.stages.signal import tied_steps
 from musique_rl.doctor.trl_rules import _ours
 
@@ -72,9 +87,9 @@ def _entropy_collapse(m: Mapping[str, History], params: Mapping[str, str]) -> li
                   f"Entropy holds ({first:.3g} -> {last:.3g} nats/token).")
 
 
-@rule("h01/reward_std_mean")
+@rule(H01_REWARD_STD_MEAN)
 def _spread_falls(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
-    spread = values(m.get("h01/reward_std_mean"))
+    spread = values(m.get(H01_REWARD_STD_MEAN))
     reward = values(m.get("reward"))
     if len(spread) < MIN_POINTS or len(reward) < MIN_POINTS:
         return []
@@ -84,7 +99,7 @@ def _spread_falls(m: Mapping[str, History], params: Mapping[str, str]) -> list[F
 
     t = reward_trend(m)
     rising = t is not None and t["p_rise"] < 0.05
-    ev = {"h01/reward_std_mean (first quarter)": s0, "h01/reward_std_mean (last quarter)": s1,
+    ev = {f"{H01_REWARD_STD_MEAN} (first quarter)": s0, f"{H01_REWARD_STD_MEAN} (last quarter)": s1,
           "reward (first quarter)": r0, "reward (last quarter)": r1}
     fell = s0 > 0 and s1 < SPREAD_FALL_RATIO * s0
     settling = (f"The reward spread inside groups fell from {s0:.3g} to {s1:.3g} while the mean reward did not "
@@ -95,9 +110,9 @@ def _spread_falls(m: Mapping[str, History], params: Mapping[str, str]) -> list[F
                   f"Within-group reward spread {s0:.3g} -> {s1:.3g}.")
 
 
-@rule(key("h08/kl_to_start"))
+@rule(H08_KL_TO_START)
 def _kl_to_start(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
-    return _still(m, params, "h08/kl_to_start")
+    return _still(m, params, H08_KL_TO_START)
 
 
 def trl_kl_measured(m: Mapping[str, History], params: Mapping[str, str]) -> bool:
@@ -107,19 +122,19 @@ def trl_kl_measured(m: Mapping[str, History], params: Mapping[str, str]) -> bool
     as "not computed" rather than as a policy that never moved."""
     if num(params, "beta", num(params, "loss.beta", 1.0)) == 0:
         return False
-    kl = values(m.get(key("kl")))
+    kl = values(m.get(TRL_KL))
     if not kl or any(v != 0 for v in kl):
         return bool(kl)
-    grads = values(m.get(key("grad_norm")))
-    lrs = values(m.get(key("learning_rate")))
+    grads = values(m.get(TRL_GRAD_NORM))
+    lrs = values(m.get(TRL_LEARNING_RATE))
     moved_by_optimizer = not grads or (statistics.median(grads) > 0 and (not lrs or max(lrs) > 0))
     return not moved_by_optimizer
 
 
-@rule(key("kl"))
+@rule(TRL_KL)
 def _trl_kl(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
     """TRL's `kl` is the KL to the reference, which is the starting policy unless the run says otherwise."""
-    if m.get("h08/kl_to_start") or not trl_kl_measured(m, params):
+    if m.get(H08_KL_TO_START) or not trl_kl_measured(m, params):
         return []
     return _still(m, params, "kl")
 
@@ -140,10 +155,10 @@ TIED_SHARE_MAX = 0.5
 def kl_history(m: Mapping[str, History], params: Mapping[str, str]) -> tuple[str, list[tuple[int, float]]] | None:
     """(name, history) of the run's KL to its start: ours (h08/kl_to_start), else TRL's `kl` when
     it was measured (beta > 0 and not 0 on every step: TRL logs 0 when it computes no KL)."""
-    ours = [(s, v) for s, v in (m.get(key("h08/kl_to_start")) or []) if v is not None]
+    ours = [(s, v) for s, v in (m.get(H08_KL_TO_START) or []) if v is not None]
     if ours:
-        return "h08/kl_to_start", ours
-    trl = [(s, v) for s, v in (m.get(key("kl")) or []) if v is not None]
+        return H08_KL_TO_START, ours
+    trl = [(s, v) for s, v in (m.get(TRL_KL) or []) if v is not None]
     if trl and trl_kl_measured(m, params):
         return "kl", trl
     return None
@@ -161,7 +176,7 @@ def barely_moves(m: Mapping[str, History], params: Mapping[str, str], steps: flo
     tied_share = statistics.fmean(v for _, v in (m.get(got[2]) or []) if v is not None)
     judged_steps = schedule(m, params).judged_steps()
     at_rate = [v for s, v in pts if judged_steps is None or s in judged_steps]
-    grads = values(m.get(key("grad_norm"))) or values(m.get(key("h08/grad_norm_before_clip")))
+    grads = values(m.get(TRL_GRAD_NORM)) or values(m.get(H08_GRAD_NORM_BEFORE_CLIP))
     if len(at_rate) < 3 or tied_share > TIED_SHARE_MAX or (grads and statistics.median(grads) == 0):
         return None
     moved = max(at_rate)

@@ -6,6 +6,21 @@ import re
 import statistics
 from collections.abc import Mapping
 
+from musique_rl.base.catalogue import (
+    H04_NO_ANSWER_SHARE,
+    H05_COMPONENT_CONSTANT_GROUP_SHARE,
+    H05_COMPONENT_CORR_TOTAL,
+    H05_COMPONENT_DISAGREEMENT_SHARE,
+    H05_COMPONENT_MEAN,
+    H05_REWARD_AUDIT_ABS_DIFF_MAX,
+    H05_REWARD_AUDIT_CHECKED,
+    H05_REWARD_AUDIT_MISMATCH,
+    H05_REWARD_AUDIT_MISMATCH_SHARE,
+    H05_REWARD_ERRORS,
+    H05_SCORER_OVERLAP_CHECKED,
+    H05_SCORER_OVERLAP_DISAGREEMENT_SHARE,
+    Metric,
+)
 from musique_rl.doctor.chain import stage_sentence
 from musique_rl.doctor.findings import Finding, History, judged, magnitude, mean_of, num, rule, values
 from musique_rl.doctor.trl_rules import (
@@ -39,55 +54,60 @@ DEAD_MEAN = 0.05
 COMPONENT_DISAGREEMENT_MAX = 0.01
 
 
-@rule("h05/component_disagreement_share", "h05/answer_em/constant_group_share")
+def components_logged(m: Mapping[str, History], metric: Metric) -> list[str]:
+    """The reward components with a logged ``metric`` (an ``h05/{component}/...`` one), sorted."""
+    return sorted({s["component"] for k in m if (s := metric.segments(k)) is not None})
+
+
+@rule(H05_COMPONENT_DISAGREEMENT_SHARE, H05_COMPONENT_CONSTANT_GROUP_SHARE.of(component="answer_em"))
 def _reward_components(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
     out: list[Finding] = []
-    dis = values(m.get("h05/component_disagreement_share"))
+    dis = values(m.get(H05_COMPONENT_DISAGREEMENT_SHARE))
     if dis:
         d = statistics.fmean(dis)
         out += judged("h05", "components_disagree", d > COMPONENT_DISAGREEMENT_MAX,
-                      3 + magnitude(d / COMPONENT_DISAGREEMENT_MAX), {"h05/component_disagreement_share (mean)": d},
+                      3 + magnitude(d / COMPONENT_DISAGREEMENT_MAX), {f"{H05_COMPONENT_DISAGREEMENT_SHARE} (mean)": d},
                       f"In {d:.0%} of the episodes reward components contradict each other where their definitions "
                       "overlap (an exact match without F1 = 1, or an F1 outside its precision and recall): one of "
                       "them reads another text or parses differently.",
                       "Overlapping reward components agree.")
-    comps = sorted({k.split("/")[1] for k in m if k.startswith("h05/") and k.endswith("/constant_group_share")})
+    comps = components_logged(m, H05_COMPONENT_CONSTANT_GROUP_SHARE)
     weighted = [c for c in comps if num(params, f"reward.weights.{c}", 1.0) != 0]
-    const = [c for c in weighted if min(values(m.get(f"h05/{c}/constant_group_share")) or [0.0]) >= 1.0]
+    const = [c for c in weighted if min(values(m.get(H05_COMPONENT_CONSTANT_GROUP_SHARE.of(component=c))) or [0.0]) >= 1.0]
     if const:
         out.append(Finding("h05", "components_without_signal", False, 0.0,
                            f"Constant in every group at every step, so they carry no signal (they shift the reward, "
                            f"not the advantages): {', '.join(const)}.",
-                           {f"h05/{c}/constant_group_share (min)": 1.0 for c in const}))
+                           {f"{H05_COMPONENT_CONSTANT_GROUP_SHARE.of(component=c)} (min)": 1.0 for c in const}))
     return out
 
 
 @rule
 def _h05(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
     out: list[Finding] = []
-    errs = values(m.get("h05/reward_errors"))
+    errs = values(m.get(H05_REWARD_ERRORS))
     if errs and max(errs) > 0:
         out.append(Finding("h05", "reward_errors", True, 3 + magnitude(1 + sum(errs)),
                            f"Reward functions raised {sum(errs):.0f} times (up to {max(errs):.0f} per batch): those "
-                           "completions were not scored.", {"h05/reward_errors (sum)": sum(errs)}))
-    audit = values(m.get("h05/reward_audit_mismatch_share"))
+                           "completions were not scored.", {f"{H05_REWARD_ERRORS} (sum)": sum(errs)}))
+    audit = values(m.get(H05_REWARD_AUDIT_MISMATCH_SHARE))
     if audit and statistics.fmean(audit) > REWARD_AUDIT_MAX:
         a = statistics.fmean(audit)
         out.append(Finding("h05", "reward_audit", True, 3 + magnitude(1 + 100 * a),
                            f"Reward audit: for {a:.0%} of the audited episodes the reward the trainer used is not the "
                            f"reward of that episode's own text re-scored independently (largest difference "
-                           f"{max(values(m.get('h05/reward_audit_abs_diff_max')) or [0.0]):.3g}): rewards are attached to "
+                           f"{max(values(m.get(H05_REWARD_AUDIT_ABS_DIFF_MAX)) or [0.0]):.3g}): rewards are attached to "
                            "the wrong sample, read from the wrong turn, or cached.",
-                           {"h05/reward_audit_mismatch_share (mean)": a,
-                            "h05/reward_audit_mismatch (sum)": sum(values(m.get("h05/reward_audit_mismatch"))),
-                            "h05/reward_audit_checked (sum)": sum(values(m.get("h05/reward_audit_checked")))}))
-    answered = 1 - statistics.fmean(values(m.get("h04/no_answer_share")) or [1.0])
+                           {f"{H05_REWARD_AUDIT_MISMATCH_SHARE} (mean)": a,
+                            f"{H05_REWARD_AUDIT_MISMATCH} (sum)": sum(values(m.get(H05_REWARD_AUDIT_MISMATCH))),
+                            f"{H05_REWARD_AUDIT_CHECKED} (sum)": sum(values(m.get(H05_REWARD_AUDIT_CHECKED)))}))
+    answered = 1 - statistics.fmean(values(m.get(H04_NO_ANSWER_SHARE)) or [1.0])
     # Every answer component present must be dead: an answering policy that is always wrong still
     # earns partial F1 now and then, a reward that never reads the answer earns none.
     dead, live = [], 0
     for comp in ("answer_em", "answer_f1"):
-        const = values(m.get(f"h05/{comp}/constant_group_share"))
-        mean = values(m.get(f"h05/{comp}/mean"))
+        const = values(m.get(H05_COMPONENT_CONSTANT_GROUP_SHARE.of(component=comp)))
+        mean = values(m.get(H05_COMPONENT_MEAN.of(component=comp)))
         weight = num(params, f"reward.weights.{comp}", 1.0)
         if not const or not mean or weight == 0:
             continue
@@ -96,19 +116,20 @@ def _h05(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
         else:
             live += 1
     if dead and not live and answered >= ANSWER_PRESENT_MIN:
-        ev = {f"h05/{c}/constant_group_share (mean)": s for c, s, _ in dead}
-        ev.update({f"h05/{c}/mean (max)": v for c, _, v in dead})
-        ev["answered share (1 - h04/no_answer_share)"] = answered
+        ev = {f"{H05_COMPONENT_CONSTANT_GROUP_SHARE.of(component=c)} (mean)": s for c, s, _ in dead}
+        ev.update({f"{H05_COMPONENT_MEAN.of(component=c)} (max)": v for c, _, v in dead})
+        ev[f"answered share (1 - {H04_NO_ANSWER_SHARE})"] = answered
         names = ", ".join(c for c, _, _ in dead)
         out.append(Finding("h05", "answer_reward_blind", True, 2 + magnitude(answered / ANSWER_PRESENT_MIN * 10),
                            f"{answered:.0%} of episodes end with an answer, yet {names} is ~0 and constant in "
                            f"{min(s for _, s, _ in dead):.0%} of groups: the reward does not read the final answer "
                            "(wrong turn parsed, or brittle parsing).", ev))
     if not out:
-        comps = sorted({k.split("/")[1] for k in m if k.startswith("h05/") and k.endswith("/corr_total")})
-        ev = {f"h05/{c}/corr_total (mean)": statistics.fmean(values(m[f"h05/{c}/corr_total"])) for c in comps}
+        comps = components_logged(m, H05_COMPONENT_CORR_TOTAL)
+        corr = {c: H05_COMPONENT_CORR_TOTAL.of(component=c) for c in comps}
+        ev = {f"{corr[c]} (mean)": statistics.fmean(values(m[corr[c]])) for c in comps}
         if audit:
-            ev["h05/reward_audit_mismatch_share (mean)"] = statistics.fmean(audit)
+            ev[f"{H05_REWARD_AUDIT_MISMATCH_SHARE} (mean)"] = statistics.fmean(audit)
         if comps or errs or audit:
             out.append(Finding("h05", "reward_signal", False, 0.0,
                                "Every weighted answer component varies; no reward errors"
@@ -207,13 +228,13 @@ def _reward_vs_component(m: Mapping[str, History], params: Mapping[str, str]) ->
 OVERLAP_DISAGREEMENT_MAX = 0.01
 
 
-@rule("h05/scorer_overlap_disagreement_share")
+@rule(H05_SCORER_OVERLAP_DISAGREEMENT_SHARE)
 def _scorers_agree(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
-    share = mean_of(m, "h05/scorer_overlap_disagreement_share") or 0.0
-    checked = sum(values(m.get("h05/scorer_overlap_checked")))
+    share = mean_of(m, H05_SCORER_OVERLAP_DISAGREEMENT_SHARE) or 0.0
+    checked = sum(values(m.get(H05_SCORER_OVERLAP_CHECKED)))
     c = "scorers_disagree_on_overlap"
     return judged("h05", c, share > OVERLAP_DISAGREEMENT_MAX, 3 + magnitude(1 + 100 * share),
-                  {"h05/scorer_overlap_disagreement_share (mean)": share, "h05/scorer_overlap_checked (sum)": checked},
+                  {f"{H05_SCORER_OVERLAP_DISAGREEMENT_SHARE} (mean)": share, f"{H05_SCORER_OVERLAP_CHECKED} (sum)": checked},
                   f"{share:.0%} of the episodes that cite every document they were shown score a lower citation "
                   "recall than retrieval recall: one of the two scorers reads other ids than the episode's "
                   "(another turn, another message)." + stage_sentence(c),

@@ -7,7 +7,24 @@ import math
 import statistics
 from collections.abc import Mapping
 
-from musique_rl.base.catalogue import PARITY_STALE_MAX, key
+from musique_rl.base.catalogue import (
+    H02_ATTENTION_COVERAGE,
+    H06_FIT_GAP_BEST,
+    H06_FIT_GAP_TRAINER,
+    H06_FIT_TEMPERATURE_FACTOR,
+    H06_FIT_TOP_K,
+    H06_FIT_TOP_P,
+    H06_IDENTICAL_GROUP_EXPECTED_SHARE,
+    H06_IDENTICAL_GROUP_SHARE,
+    H06_LOGP_GAP_FLOOR,
+    H06_LOGP_GAP_MEAN,
+    H06_LOGP_GAP_SIDE_TOOL,
+    H06_PARITY_SAMPLER_BASE,
+    H06_PARITY_SAMPLER_TRAINER,
+    H06_PARITY_STALE,
+    H06_PARITY_TRAINER_BASE,
+    PARITY_STALE_MAX,
+)
 from musique_rl.doctor.chain import stage_sentence
 from musique_rl.doctor.context import gap_threshold, late_gap_threshold
 from musique_rl.doctor.findings import Finding, History, judged, magnitude, rule, values
@@ -17,10 +34,12 @@ from musique_rl.doctor.trl_rules import TREND_MIN_POINTS, _ours
 # setting brings it below the gap threshold and to at most a fifth of the trainer's own gap: a change
 # of temperature/top-p/top-k, not of context, made the sampler's distribution.
 FIT_EXPLAINS_RATIO = 0.2
-GAP = key("h06/logp_gap_mean")
-FLOOR = key("h06/logp_gap_floor")
-COVERAGE = key("h02/attention_coverage")
-PARITY = tuple(key(k) for k in ("h06/parity_sampler_trainer", "h06/parity_sampler_base", "h06/parity_trainer_base"))
+GAP = H06_LOGP_GAP_MEAN
+FLOOR = H06_LOGP_GAP_FLOOR
+COVERAGE = H02_ATTENTION_COVERAGE
+PARITY = (H06_PARITY_SAMPLER_TRAINER, H06_PARITY_SAMPLER_BASE, H06_PARITY_TRAINER_BASE)
+# the sampling settings the fit (sync.sampling_fit) reports, by the name its verdict gives them
+FITTED_SETTINGS = {"temperature_factor": H06_FIT_TEMPERATURE_FACTOR, "top_p": H06_FIT_TOP_P, "top_k": H06_FIT_TOP_K}
 
 
 @rule(GAP)
@@ -31,24 +50,25 @@ def _agreement_at_start(m: Mapping[str, History], params: Mapping[str, str]) -> 
     cov = values(m.get(COVERAGE))
     thr, why = gap_threshold(m)
     step0 = gap[0][1]
-    ev = {"h06/logp_gap_mean (first step)": step0, "first step": float(gap[0][0]), "gap threshold": thr}
+    ev = {f"{H06_LOGP_GAP_MEAN} (first step)": step0, "first step": float(gap[0][0]), "gap threshold": thr}
     if values(m.get(FLOOR)):
         ev[FLOOR] = values(m.get(FLOOR))[0]
     if cov:
-        ev["h02/attention_coverage (min)"] = min(cov)
-    fit_t, fit_b = values(m.get(key("h06/fit_gap_trainer"))), values(m.get(key("h06/fit_gap_best")))
-    pre, post = values(m.get(key("h06/logp_gap_pre_tool"))), values(m.get(key("h06/logp_gap_post_tool")))
+        ev[f"{H02_ATTENTION_COVERAGE} (min)"] = min(cov)
+    fit_t, fit_b = values(m.get(H06_FIT_GAP_TRAINER)), values(m.get(H06_FIT_GAP_BEST))
+    pre_key, post_key = H06_LOGP_GAP_SIDE_TOOL.of(side="pre"), H06_LOGP_GAP_SIDE_TOOL.of(side="post")
+    pre, post = values(m.get(pre_key)), values(m.get(post_key))
     if pre:
-        ev["h06/logp_gap_pre_tool (first)"] = pre[0]
+        ev[f"{pre_key} (first)"] = pre[0]
     if post:
-        ev["h06/logp_gap_post_tool (first)"] = post[0]
+        ev[f"{post_key} (first)"] = post[0]
     explained = bool(fit_t and fit_b and fit_t[0] > thr and fit_b[0] <= thr
                      and fit_b[0] <= FIT_EXPLAINS_RATIO * fit_t[0] and not (cov and min(cov) < 1))
     if step0 > thr and explained:
-        setting = {k: values(m.get(key(f"h06/fit_{k}")))[0] for k in ("temperature_factor", "top_p", "top_k")
-                   if values(m.get(f"h06/fit_{k}"))}
-        ev.update({"h06/fit_gap_trainer": fit_t[0], "h06/fit_gap_best": fit_b[0],
-                   **{f"h06/fit_{k}": v for k, v in setting.items()}})
+        fitted = {k: v for k, v in FITTED_SETTINGS.items() if values(m.get(v))}
+        setting = {k: values(m.get(v))[0] for k, v in fitted.items()}
+        ev.update({H06_FIT_GAP_TRAINER: fit_t[0], H06_FIT_GAP_BEST: fit_b[0],
+                   **{fitted[k]: v for k, v in setting.items()}})
         return [Finding("h06", "sampling_settings_differ", True, 2 + magnitude(step0 / thr),
                         f"Before any update the sampler and the trainer disagree by {step0:.3g} nats/token "
                         f"(healthy up to {thr:.2g}: {why}), "
@@ -73,10 +93,10 @@ def _agreement_at_start(m: Mapping[str, History], params: Mapping[str, str]) -> 
                     f"{thr:.2g}: {why}).", ev)]
 
 
-@rule(key("h06/parity_stale"), GAP)
+@rule(H06_PARITY_STALE, GAP)
 def _weight_sync(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
     out: list[Finding] = []
-    stale = values(m.get(key("h06/parity_stale")))
+    stale = values(m.get(H06_PARITY_STALE))
     ev_p = {k + " (last)": values(m.get(k))[-1] for k in PARITY if values(m.get(k))}
     if stale and max(stale) > PARITY_STALE_MAX:
         out.append(Finding("h06", "sampler_serves_base", True, 3 + magnitude(1 + 10 * statistics.fmean(stale)),
@@ -89,7 +109,7 @@ def _weight_sync(m: Mapping[str, History], params: Mapping[str, str]) -> list[Fi
         late_thr, why = late_gap_threshold(m, params)
         tail = [v for _, v in gap[-max(2, len(gap) // 4):]]
         late = statistics.fmean(tail)
-        ev = {"h06/logp_gap_mean (first)": gap[0][1], "h06/logp_gap_mean (last quarter)": late,
+        ev = {f"{H06_LOGP_GAP_MEAN} (first)": gap[0][1], f"{H06_LOGP_GAP_MEAN} (last quarter)": late,
               "gap threshold (late)": late_thr, **ev_p}
         if late > late_thr:
             out.append(Finding("h06", "gap_grows", True, 2 + magnitude(late / late_thr),
@@ -99,7 +119,7 @@ def _weight_sync(m: Mapping[str, History], params: Mapping[str, str]) -> list[Fi
     if not any(f.flagged for f in out) and (gap or stale):
         ev = dict(ev_p)
         if gap:
-            ev["h06/logp_gap_mean (max)"] = max(v for _, v in gap)
+            ev[f"{H06_LOGP_GAP_MEAN} (max)"] = max(v for _, v in gap)
         out.append(Finding("h06", "sync", False, 0.0, "Sampler tracks the trainer.", ev))
     return out
 
@@ -162,11 +182,11 @@ def poisson_tail(k: int, mean: float) -> float:
     return max(0.0, 1.0 - below)
 
 
-@rule("h06/identical_group_expected_share")
+@rule(H06_IDENTICAL_GROUP_EXPECTED_SHARE)
 def _sampling_diverse(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
     """Identical groups over the run vs the count the sampler's own log-probs predict (Poisson)."""
-    seen = dict(m.get("h06/identical_group_share") or [])
-    pairs = [(seen[s], e) for s, e in (m.get("h06/identical_group_expected_share") or []) if s in seen]
+    seen = dict(m.get(H06_IDENTICAL_GROUP_SHARE) or [])
+    pairs = [(seen[s], e) for s, e in (m.get(H06_IDENTICAL_GROUP_EXPECTED_SHARE) or []) if s in seen]
     groups = max(1.0, float(params.get("train.prompts_per_step", 8) or 8))
     observed = round(sum(o for o, _ in pairs) * groups)
     expected = sum(e for _, e in pairs) * groups

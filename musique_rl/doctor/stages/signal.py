@@ -5,7 +5,21 @@ from __future__ import annotations
 import statistics
 from collections.abc import Mapping
 
-from musique_rl.base.catalogue import AMPLIFICATION_MAX, key
+from musique_rl.base.catalogue import (
+    AMPLIFICATION_MAX,
+    H01_ADV_ABS_MAX,
+    H01_ADV_GROUP_SUM_REL_MAX,
+    H01_ADV_SIGN_MISMATCH_SHARE,
+    H01_AMPLIFICATION_MAX,
+    H01_NEAR_TIE_ADV_SHARE,
+    H01_NEAR_ZERO_STD_SHARE,
+    H01_SIGNAL_GROUP_SHARE,
+    H01_ZERO_STD_SHARE,
+    PREFLIGHT_PASS_RATE_MEAN,
+    PREFLIGHT_SIGNAL_SHARE_FORECAST,
+    PREFLIGHT_ZERO_VARIANCE_FORECAST,
+    TRL_FRAC_REWARD_ZERO_STD,
+)
 from musique_rl.doctor.findings import Finding, History, judged, magnitude, note, rule, values
 from musique_rl.doctor.trl_rules import CLIPPED_MAX, _ours, clipped_share, constant_funcs, reward_funcs
 
@@ -20,7 +34,7 @@ TIED = 1 - 1e-9
 
 def tied_steps(m: Mapping[str, History]) -> tuple[list[int], int, str] | None:
     """(steps on which every group tied, steps logged, the metric read) or None without one."""
-    for k in (key("h01/zero_std_share"), key("frac_reward_zero_std")):
+    for k in (H01_ZERO_STD_SHARE, TRL_FRAC_REWARD_ZERO_STD):
         pts = [(s, v) for s, v in (m.get(k) or []) if v is not None]
         if pts:
             return [s for s, v in pts if v >= TIED], len(pts), k
@@ -39,12 +53,12 @@ ADV_GROUP_SUM_MAX = 1e-3
 ADV_SIGN_MISMATCH_MAX = 0.01
 
 
-@rule("h01/adv_group_sum_rel_max", "h01/adv_sign_mismatch_share")
+@rule(H01_ADV_GROUP_SUM_REL_MAX, H01_ADV_SIGN_MISMATCH_SHARE)
 def _advantages_from_groups(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
-    sums = values(m.get("h01/adv_group_sum_rel_max"))
-    signs = values(m.get("h01/adv_sign_mismatch_share"))
+    sums = values(m.get(H01_ADV_GROUP_SUM_REL_MAX))
+    signs = values(m.get(H01_ADV_SIGN_MISMATCH_SHARE))
     worst_sum, worst_sign = max(sums, default=0.0), max(signs, default=0.0)
-    ev = {"h01/adv_group_sum_rel_max (max)": worst_sum, "h01/adv_sign_mismatch_share (max)": worst_sign}
+    ev = {f"{H01_ADV_GROUP_SUM_REL_MAX} (max)": worst_sum, f"{H01_ADV_SIGN_MISMATCH_SHARE} (max)": worst_sign}
     bad = worst_sum > ADV_GROUP_SUM_MAX or worst_sign > ADV_SIGN_MISMATCH_MAX
     return judged("h01", "advantages_not_from_groups", bad,
                   3 + magnitude(max(worst_sum / ADV_GROUP_SUM_MAX, worst_sign / ADV_SIGN_MISMATCH_MAX)), ev,
@@ -61,16 +75,16 @@ def starved_of_signal(got: tuple[list[int], int, str] | None) -> bool:
     return got is not None and got[1] >= 2 and len(got[0]) / got[1] >= NO_SIGNAL_STEP_SHARE
 
 
-@rule(key("h01/zero_std_share"))
+@rule(H01_ZERO_STD_SHARE)
 def _no_signal(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
     got = tied_steps(m)
     if got is None:
         return []
     tied, n, k = got
     ev = {f"steps with every group tied ({k} = 1)": float(len(tied)), "steps logged": float(n)}
-    adv = values(m.get(key("h01/adv_abs_max")))
+    adv = values(m.get(H01_ADV_ABS_MAX))
     if adv:
-        ev["h01/adv_abs_max (max)"] = max(adv)
+        ev[f"{H01_ADV_ABS_MAX} (max)"] = max(adv)
     if starved_of_signal(got):
         return [Finding("h01", "no_signal", True, 3.0,
                         f"Every group tied on {len(tied)} of {n} steps: all G completions of each prompt earned the "
@@ -82,15 +96,15 @@ def _no_signal(m: Mapping[str, History], params: Mapping[str, str]) -> list[Find
 
 @rule
 def _amplification(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
-    amp = values(m.get("h01/amplification_max"))
-    near = values(m.get("h01/near_zero_std_share"))
+    amp = values(m.get(H01_AMPLIFICATION_MAX))
+    near = values(m.get(H01_NEAR_ZERO_STD_SHARE))
     if not amp and not near:
         return []
     ev = {
-        "h01/amplification_max (max)": max(amp, default=0.0),
-        "h01/near_zero_std_share (mean)": statistics.fmean(near) if near else 0.0,
-        "h01/near_tie_adv_share (mean)": statistics.fmean(values(m.get("h01/near_tie_adv_share")) or [0.0]),
-        "h01/adv_abs_max (max)": max(values(m.get("h01/adv_abs_max")) or [0.0]),
+        f"{H01_AMPLIFICATION_MAX} (max)": max(amp, default=0.0),
+        f"{H01_NEAR_ZERO_STD_SHARE} (mean)": statistics.fmean(near) if near else 0.0,
+        f"{H01_NEAR_TIE_ADV_SHARE} (mean)": statistics.fmean(values(m.get(H01_NEAR_TIE_ADV_SHARE)) or [0.0]),
+        f"{H01_ADV_ABS_MAX} (max)": max(values(m.get(H01_ADV_ABS_MAX)) or [0.0]),
     }
     worst = max(amp, default=0.0)
     steps = sum(a > AMPLIFICATION_MAX for a in amp)
@@ -102,24 +116,24 @@ def _amplification(m: Mapping[str, History], params: Mapping[str, str]) -> list[
                         "epsilon or stop scaling by the group std (loss.scale_rewards=none).", ev)]
     return [Finding("h01", "std_amplification", False, 0.0,
                     f"Advantage scaling within bounds (max amplification {worst:.3g}x); "
-                    f"{ev['h01/near_zero_std_share (mean)']:.0%} of groups are near-ties on average.", ev)]
+                    f"{ev[f'{H01_NEAR_ZERO_STD_SHARE} (mean)']:.0%} of groups are near-ties on average.", ev)]
 
 
 
-@rule(key("preflight/signal_share_forecast"))
+@rule(PREFLIGHT_SIGNAL_SHARE_FORECAST)
 def _preflight(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
-    sig = values(m.get("preflight/signal_share_forecast"))
+    sig = values(m.get(PREFLIGHT_SIGNAL_SHARE_FORECAST))
     from musique_rl.instruments.preflight import MIN_SIGNAL_SHARE
 
-    ev = {k: values(m.get(k))[0] for k in ("preflight/pass_rate_mean", "preflight/zero_variance_forecast",
-                                           "preflight/signal_share_forecast") if values(m.get(k))}
+    ev = {k: values(m.get(k))[0] for k in (PREFLIGHT_PASS_RATE_MEAN, PREFLIGHT_ZERO_VARIANCE_FORECAST,
+                                           PREFLIGHT_SIGNAL_SHARE_FORECAST) if values(m.get(k))}
     s = sig[0]
     # The forecast is about answer correctness; a partial-credit reward can still spread inside a
     # group. Flag only when the reward actually trained on confirms it: few signal-carrying groups
     # over the first steps too.
-    actual = values(m.get("h01/signal_group_share"))[:5]
+    actual = values(m.get(H01_SIGNAL_GROUP_SHARE))[:5]
     if actual:
-        ev["h01/signal_group_share (first steps)"] = statistics.fmean(actual)
+        ev[f"{H01_SIGNAL_GROUP_SHARE} (first steps)"] = statistics.fmean(actual)
     got = tied_steps(m)
     if s < MIN_SIGNAL_SHARE and starved_of_signal(got):
         # the forecast came true: the measured finding (no_signal) says it, with the steps
@@ -129,11 +143,11 @@ def _preflight(m: Mapping[str, History], params: Mapping[str, str]) -> list[Find
     if s < MIN_SIGNAL_SHARE and (not actual or statistics.fmean(actual) < MIN_SIGNAL_SHARE):
         return [Finding("preflight", "learnability", True, 1 + magnitude(MIN_SIGNAL_SHARE / max(s, 1e-3)) / 2,
                         f"Pre-flight: only {s:.0%} of groups are forecast to carry learning signal at this group size "
-                        f"(initial pass rate {ev.get('preflight/pass_rate_mean', float('nan')):.2f}).", ev)]
+                        f"(initial pass rate {ev.get(PREFLIGHT_PASS_RATE_MEAN, float('nan')):.2f}).", ev)]
     if s < MIN_SIGNAL_SHARE:
         return [Finding("preflight", "learnability", False, 0.0,
                         f"Pre-flight: only {s:.0%} of groups forecast to carry answer signal, but the reward spreads "
-                        f"in {ev['h01/signal_group_share (first steps)']:.0%} of groups (partial credit).", ev)]
+                        f"in {ev[f'{H01_SIGNAL_GROUP_SHARE} (first steps)']:.0%} of groups (partial credit).", ev)]
     return [Finding("preflight", "learnability", False, 0.0,
                     f"Pre-flight: {s:.0%} of groups forecast to carry signal.", ev)]
 

@@ -6,7 +6,20 @@ from __future__ import annotations
 import statistics
 from collections.abc import Mapping
 
-from musique_rl.base.catalogue import CHECKSUM_DRIFT_MAX, UPDATE_RATIO_MIN, key
+from musique_rl.base.catalogue import (
+    CHECKSUM_DRIFT_MAX,
+    H06_BASE_CHECKSUM_DRIFT,
+    H06_LORA_B_NORM,
+    H08_ADAM_STEP_RATIO,
+    H08_GRAD_NORM_AFTER_CLIP,
+    H08_GRAD_NORM_BEFORE_CLIP,
+    H08_KL_TO_START,
+    H08_LEARNING_RATE,
+    H08_UPDATE_NORM,
+    H08_UPDATE_WEIGHT_RATIO,
+    TRL_GRAD_NORM,
+    UPDATE_RATIO_MIN,
+)
 from musique_rl.doctor.context import LR_JUDGED_SHARE, schedule
 from musique_rl.doctor.findings import Finding, History, judged, magnitude, note, num, rule, values
 from musique_rl.doctor.stages.signal import starved_of_signal, tied_steps
@@ -16,7 +29,7 @@ from musique_rl.doctor.trl_rules import _ours
 # weights' norm moves it by ~1e-4..1e-3 per step on the tiny model); below it after the run's
 # steps, a small update ratio is confirmed as a policy that is not moving.
 KL_TO_START_MIN = 1e-4
-RATIO = key("h08/update_weight_ratio")
+RATIO = H08_UPDATE_WEIGHT_RATIO
 # The update size is a median over the steps that had something to update with: at the scheduled
 # rate AND with at least one group whose rewards differ (on a step where every group tied the
 # gradient is 0 by construction: the signal stage's business, not the optimizer's). A median over
@@ -34,17 +47,17 @@ MIN_UPDATE_STEPS = 3
 ADAM_STEP_MAX = 10.0
 
 
-@rule("h08/update_norm")
+@rule(H08_UPDATE_NORM)
 def _updates_apply(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
-    upd = dict(m.get("h08/update_norm") or [])
-    lr = dict(m.get("h08/learning_rate") or [])
-    grad = dict(m.get("h08/grad_norm_after_clip") or m.get("grad_norm") or [])
+    upd = dict(m.get(H08_UPDATE_NORM) or [])
+    lr = dict(m.get(H08_LEARNING_RATE) or [])
+    grad = dict(m.get(H08_GRAD_NORM_AFTER_CLIP) or m.get("grad_norm") or [])
     idle = [s for s, u in upd.items() if u == 0 and lr.get(s, 0) > 0 and grad.get(s, 0) > 0]
-    ratio = values(m.get("h08/adam_step_ratio"))
+    ratio = values(m.get(H08_ADAM_STEP_RATIO))
     big = max(ratio, default=0.0)
-    ev = {"steps that changed nothing": float(len(idle)), "h08/adam_step_ratio (max)": big}
+    ev = {"steps that changed nothing": float(len(idle)), f"{H08_ADAM_STEP_RATIO} (max)": big}
     if ratio:
-        ev["h08/adam_step_ratio (median)"] = statistics.median(ratio)
+        ev[f"{H08_ADAM_STEP_RATIO} (median)"] = statistics.median(ratio)
     if idle:
         low = str(params.get("model.dtype", "")) in ("bfloat16", "float16")
         why = ("each step is below the precision of the bf16/fp16 weights, so rounding discards it (train with "
@@ -70,7 +83,7 @@ def _update_size(m: Mapping[str, History], params: Mapping[str, str]) -> list[Fi
     judged_steps = sched.judged_steps()
     pts = [(s, v) for s, v in (m.get(RATIO) or []) if v is not None]
     at_rate = [(s, v) for s, v in pts if judged_steps is None or s in judged_steps]
-    ev: dict[str, float] = {"h08/update_weight_ratio (median, all steps)": statistics.median(v for _, v in pts)}
+    ev: dict[str, float] = {f"{H08_UPDATE_WEIGHT_RATIO} (median, all steps)": statistics.median(v for _, v in pts)}
     if sched.lr:
         ev["learning_rate (peak)"] = sched.peak
         ev["steps at >= half the peak rate"] = float(len(at_rate))
@@ -95,13 +108,13 @@ def _update_size(m: Mapping[str, History], params: Mapping[str, str]) -> list[Fi
                      f"with a group whose rewards differ{why}; at least {MIN_UPDATE_STEPS} are needed before the "
                      "learning rate is blamed.", ev)]
     med = statistics.median(fed or [v for _, v in at_rate])
-    ev["h08/update_weight_ratio (median)"] = med
-    kl = values(m.get(key("h08/kl_to_start")))
+    ev[f"{H08_UPDATE_WEIGHT_RATIO} (median)"] = med
+    kl = values(m.get(H08_KL_TO_START))
     # the Trainer's own `grad_norm` is the pre-clip norm (clip_grad_norm_'s return value)
-    pre = values(m.get(key("h08/grad_norm_before_clip"))) or values(m.get(key("grad_norm")))
-    post = values(m.get(key("h08/grad_norm_after_clip")))
+    pre = values(m.get(H08_GRAD_NORM_BEFORE_CLIP)) or values(m.get(TRL_GRAD_NORM))
+    post = values(m.get(H08_GRAD_NORM_AFTER_CLIP))
     if kl:
-        ev["h08/kl_to_start (last)"] = kl[-1]
+        ev[f"{H08_KL_TO_START} (last)"] = kl[-1]
     if pre and post:
         ev["grad clip factor (median before/after)"] = statistics.median(pre) / max(statistics.median(post), 1e-30)
     klw = f"; KL to the starting policy is {kl[-1]:.2g}" if kl else ""
@@ -114,21 +127,21 @@ def _update_size(m: Mapping[str, History], params: Mapping[str, str]) -> list[Fi
                   f"Weights move {med:.2g} of their norm per step at the scheduled learning rate.")
 
 
-@rule(key("h06/lora_b_norm"))
+@rule(H06_LORA_B_NORM)
 def _adapter(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
-    bnorm = values(m.get("h06/lora_b_norm"))
+    bnorm = values(m.get(H06_LORA_B_NORM))
     if len(bnorm) < 2:
         return []
-    return judged("h06", "lora_untrained", max(bnorm) == 0, 3.0, {"h06/lora_b_norm (max)": max(bnorm)},
+    return judged("h06", "lora_untrained", max(bnorm) == 0, 3.0, {f"{H06_LORA_B_NORM} (max)": max(bnorm)},
                   f"LoRA B matrices are still exactly 0 after {len(bnorm)} steps: the adapter never trains.",
                   f"LoRA B matrices have left 0 (norm up to {max(bnorm):.3g}).")
 
 
-@rule(key("h06/base_checksum_drift"))
+@rule(H06_BASE_CHECKSUM_DRIFT)
 def _frozen_base(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
-    drift = max(values(m.get("h06/base_checksum_drift")))
+    drift = max(values(m.get(H06_BASE_CHECKSUM_DRIFT)))
     return judged("h06", "base_drift", drift > CHECKSUM_DRIFT_MAX, 3 + magnitude(drift / CHECKSUM_DRIFT_MAX),
-                  {"h06/base_checksum_drift (max)": drift},
+                  {f"{H06_BASE_CHECKSUM_DRIFT} (max)": drift},
                   f"The frozen base weights changed (relative drift {drift:.3g}); merge/unmerge round trips corrupt "
                   "the base (TRL #6688).", "The frozen base weights are unchanged.")
 
