@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -342,27 +344,109 @@ def test_callback_measures_an_optimizer_step():
     assert logs["h08/grad_norm_before_clip"] == 3.0
 
 
-def test_a_new_instrument_is_one_registered_function_and_its_doctor_rule():
-    """The recipe of docs/architecture.md, done: a function registered as a per-batch instrument
-    reaches observe_batch's metrics, and a rule registered with @doctor.rule reads it back."""
-    from musique_rl.doctor import diagnose as doctor
-    from musique_rl.instruments.batch import BATCH_INSTRUMENTS, Batch
+# The recipe of docs/architecture.md, "A hypothesis", as its worked example writes it: h09 asks whether
+# long completions decide the reward; its yaml, its metric and Hypothesis in the catalogue, its instrument
+# (a registered per-batch function) and its rule.
+H09_YAML = """# @package _global_
+# H09 long completions | priority low
+hypothesis:
+  id: h09
+  title: Long completions
+  priority: low
+  claim: Completions that run long decide the reward.
+  control: env.max_tokens_per_turn=256
+  treatment: env.max_tokens_per_turn=128
+  metric: train/reward_gain
+  direction: increase
+  min_effect: 0.02
+env:
+  max_tokens_per_turn: ${arm:256,128}
+"""
+H09_CATALOGUE = {
+    "# ---- policy change: KL to start, entropy\n": (
+        "# ---- h09: long completions\n"
+        'H09_LONG_SHARE = _m("h09/long_share", "share of episodes", "inputs", "instruments/long_completions.py")\n'),
+    '    Hypothesis("preflight", "signal"),': (
+        '    Hypothesis("h09", "inputs", "completion lengths per episode are not in TRL\'s logs; run `+hypothesis=h09`"),\n'
+        '    Hypothesis("preflight", "signal"),'),
+}
+H09_INSTRUMENT = """from musique_rl.base.catalogue import H09_LONG_SHARE
+from musique_rl.instruments.batch import BATCH_INSTRUMENTS, Batch
 
-    @BATCH_INSTRUMENTS.register("test long completions")
-    def long_completions(b: Batch) -> dict[str, float]:
-        return {"h04/test_long_share": float((b.completion_mask.sum(dim=1) > 4).float().mean())}
 
-    @doctor.rule
-    def _test_rule(m, params):
-        share = [v for _, v in m.get("h04/test_long_share", [])]
-        return [doctor.Finding("h04", "test_long", bool(share) and share[-1] > 0.5, 1.0 if share and share[-1] > 0.5 else 0.0,
-                               "completions are long", {"h04/test_long_share": share[-1] if share else float("nan")})]
+@BATCH_INSTRUMENTS.register("long completions")
+def long_completions(b: Batch) -> dict[str, float]:
+    return {H09_LONG_SHARE: float((b.completion_mask.sum(dim=1) > 4).float().mean())}
+"""
+H09_RULE = """from musique_rl.base.catalogue import H09_LONG_SHARE
+from musique_rl.doctor.findings import judged, rule, values
+from musique_rl.doctor.step import Kind
 
-    try:
-        m = Instruments(num_generations=G, artifact_logger=None).observe_batch(**batch(), step=0)
-        assert m["h04/test_long_share"] == 1.0
-        top = doctor.diagnose_metrics({"h04/test_long_share": [(0, m["h04/test_long_share"])]})[0]
-        assert top["check"] == "test_long" and top["flagged"]
-    finally:
-        BATCH_INSTRUMENTS._items.pop("test long completions")
-        doctor.RULES.remove(_test_rule)
+LONG_MAX = 0.5  # more than half of the episodes long: the length, not the answer, decides
+
+
+@rule(stage="inputs", checks={"long_completions": Kind.SYMPTOM}, reads=(H09_LONG_SHARE,), needs=(H09_LONG_SHARE,),
+      thresholds=("LONG_MAX",))
+def _long_completions(m, params):
+    share = values(m.get(H09_LONG_SHARE))[-1]
+    return judged("h09", "long_completions", share > LONG_MAX, 1.0 + share, {f"{H09_LONG_SHARE} (last)": share},
+                  f"{share:.0%} of the completions run long.", "Completions are short.")
+"""
+
+
+def _h09_copy(root: Path, leave_out: str = "") -> Path:
+    from plugin_recipe import copy_package
+
+    copy_package(root)
+    (root / "conf" / "hypothesis" / "h09.yaml").write_text(H09_YAML)
+    cat = root / "musique_rl" / "base" / "catalogue.py"
+    text = cat.read_text()
+    for anchor, added in H09_CATALOGUE.items():
+        if leave_out == "hypothesis" and "Hypothesis(" in added:
+            continue
+        assert anchor in text, anchor
+        text = text.replace(anchor, added + anchor.lstrip() if anchor.startswith("#") else added, 1)
+    cat.write_text(text)
+    if leave_out != "instrument":
+        (root / "musique_rl" / "instruments" / "long_completions.py").write_text(H09_INSTRUMENT)
+    if leave_out != "rule":
+        (root / "musique_rl" / "doctor" / "stages" / "completion_length.py").write_text(H09_RULE)
+    return root
+
+
+def _run(root: Path, script: str):
+    import os
+    import subprocess
+
+    head = (f"import sys\nsys.path.append({str(Path(__file__).resolve().parent)!r})\nimport musique_rl\n"
+            f"assert musique_rl.__file__.startswith({str(root)!r})\n")
+    return subprocess.run([sys.executable, "-c", head + script], cwd=root, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(root)}, timeout=300)
+
+
+def test_a_new_hypothesis_is_its_yaml_its_instrument_and_its_rule(tmp_path):
+    """Done in a copy of the package: the instrument's metric reaches observe_batch, the doctor's rule
+    reads it back, and the pieces check finds nothing missing; leave any piece out and it says which."""
+    script = f"""
+import torch
+from pathlib import Path
+from contract_pieces import missing_pieces
+from musique_rl.doctor.diagnose import diagnose_metrics
+from musique_rl.instruments import Instruments
+torch.manual_seed(0)
+n = 2 * {G}
+m = Instruments(num_generations={G}, artifact_logger=None).observe_batch(
+    rewards=torch.rand(n), advantages=torch.zeros(n), prompt_mask=torch.ones(n, 5, dtype=torch.long),
+    completion_mask=torch.ones(n, 9, dtype=torch.long), step=0)
+top = diagnose_metrics({{"h09/long_share": [(0, m["h09/long_share"])]}})[0]
+print("measured", m["h09/long_share"], "judged", top["hypothesis"], top["check"], top["stage"], top["flagged"])
+print("missing", missing_pieces(Path("conf")))
+"""
+    out = _run(_h09_copy(tmp_path / "whole"), script)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "measured 1.0 judged h09 long_completions inputs True" in out.stdout and "missing []" in out.stdout, out.stdout
+    check = 'from pathlib import Path\nfrom contract_pieces import missing_pieces\nprint(missing_pieces(Path("conf")))\n'
+    for piece, says in (("hypothesis", "no Hypothesis('h09'"), ("instrument", "which does not log H09_LONG_SHARE"),
+                        ("rule", "no doctor rule reads its metrics")):
+        out = _run(_h09_copy(tmp_path / f"no-{piece}", leave_out=piece), check)
+        assert out.returncode == 0 and says in out.stdout, (piece, out.stdout, out.stderr[-2000:])

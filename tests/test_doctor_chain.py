@@ -9,10 +9,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from musique_rl.doctor.chain import CHECKS, ORDER, STAGES, Kind, reason
+from musique_rl.doctor.chain import reason
 from musique_rl.doctor.diagnose import diagnose_log, diagnose_metrics, format_diagnosis, main, top_flagged
-from musique_rl.doctor.findings import Finding
+from musique_rl.doctor.findings import CHECK_DECLARATIONS, Finding
 from musique_rl.doctor.sources import open_source
+from musique_rl.doctor.step import ORDER, STAGES, Kind
 
 FIX = Path(__file__).resolve().parent / "fixtures" / "doctor"
 
@@ -129,8 +130,9 @@ def test_steps_without_any_group_signal_do_not_count_against_the_learning_rate()
 # ---------------------------------------------------------------- the mechanism
 def test_every_declared_check_sits_in_a_stage_of_the_chain():
     assert [s.name for s in STAGES][:2] == ["inputs", "sampling"] and STAGES[-1].name == "policy"
-    for check, (stage, kind) in CHECKS.items():
-        assert stage in ORDER and isinstance(kind, Kind), check
+    assert len(CHECK_DECLARATIONS) >= 60
+    for check, decl in CHECK_DECLARATIONS.items():
+        assert decl.stage in ORDER and isinstance(decl.kind, Kind), check
     for s in STAGES:
         assert all(ORDER[t] > ORDER[s.name] for t in s.starves), s  # a stage starves only what is downstream
 
@@ -199,9 +201,9 @@ def test_from_writes_one_result_per_input_and_never_over_another(tmp_path, monke
 
 def test_docs_show_the_chain_and_the_worked_example_as_the_code_has_them():
     docs = (Path(__file__).resolve().parents[1] / "docs" / "diagnostics.md").read_text()
-    from musique_rl.doctor.chain import stage_table
+    from musique_rl.doctor.tables import stage_table
 
-    assert stage_table() in docs, "regenerate the chain table in docs/diagnostics.md (command beside it)"
+    assert stage_table() in docs, "regenerate the chain table: python -m musique_rl.doctor.tables --write docs/diagnostics.md"
     assert format_diagnosis(diagnose("qwen7b_tied"), show_ok=False) in docs, "re-run the worked example's command"
 
 

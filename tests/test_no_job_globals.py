@@ -37,6 +37,8 @@ REGISTRIES = {
     "musique_rl.env.tool_formats:TOOL_FORMATS": "tool formats, registered by ToolFormat.__init_subclass__ at import",
     "musique_rl.env.answer_formats:ANSWER_FORMATS": "answer formats, registered by AnswerFormat.__init_subclass__ at import",
     "musique_rl.doctor.findings:RULES": "the doctor's rules, appended by the @rule decorator at import",
+    "musique_rl.base.catalogue:_DECLARED": "the metric declarations, appended by _m() while the catalogue imports",
+    "musique_rl.doctor.findings:CHECK_DECLARATIONS": "the checks the rules declare, filled by the @rule decorator at import",
 }
 
 # Functions that write os.environ: settings a library reads only from the environment, never a

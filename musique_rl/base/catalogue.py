@@ -108,6 +108,10 @@ UPDATE_RATIO_MIN = 1e-4
 # H06: the parity probe's stale flag is 0 or 1 per probe (1: the sampler matches the base model, not
 # the trainer); any probe at 1 is a sampler serving stale weights. 0.5 splits the two values.
 PARITY_STALE_MAX = 0.5
+# preflight: warn (and the doctor flags learnability) when fewer than this share of groups is forecast
+# to carry signal: below a quarter, three groups in four are dead weight and the per-step gradient
+# rests on a handful of questions.
+MIN_SIGNAL_SHARE = 0.25
 
 
 _DECLARED: list[Metric] = []  # in declaration order

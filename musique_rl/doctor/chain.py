@@ -3,8 +3,9 @@
     inputs -> sampling -> environment -> reward -> signal -> loss -> gradient -> update -> policy
     (and the policy change feeds the next step's sampling)
 
-Each finding belongs to a stage (``CHECKS`` below, else its hypothesis's stage). A flagged finding
-is one of:
+Each finding belongs to the stage its rule declares (``@rule(stage=...)``, doctor/findings.py; a
+hypothesis no instrument measured: the hypothesis's stage, base/catalogue.py). A flagged finding is
+one of:
 
 - a **cause**: nothing upstream explains it. Causes are ranked first, strongest evidence first
   (tier 3 proofs before tier 2 fingerprints before tier 1 symptoms), then the most upstream stage,
@@ -13,7 +14,7 @@ is one of:
   ``explained_by``; the cause's ``consequences`` name it), ranked after every cause, said so in its
   verdict. Explanation is declared data, not a rule per case:
 
-  * a *starving* failure (``STARVING``: nothing flows past it, e.g. every group tied -> every
+  * a *starving* failure (declared ``@rule(starving=...)``: nothing flows past it, e.g. every group tied -> every
     advantage 0) explains every *starved* finding (``Kind.STARVED``: a quantity that is 0 because
     its input is: zero gradient, no update, LoRA B still 0, no policy change) in the stages its own
     stage ``starves``;
@@ -34,115 +35,31 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from musique_rl.doctor.findings import Finding
-from musique_rl.doctor.step import BY_NAME, ORDER, STAGES, Kind
-
-# check -> (stage, kind). Checks not listed take their hypothesis's stage (HYPOTHESIS_STAGE) and
-# kind DEFECT (a new rule is a cause until declared otherwise).
-CHECKS: dict[str, tuple[str, Kind]] = {
-    # inputs
-    "budgets_binding": ("inputs", Kind.SYMPTOM),
-    "question_left_context": ("inputs", Kind.DEFECT),
-    "completions_truncated": ("inputs", Kind.SYMPTOM),
-    # sampling
-    "sampling_settings_differ": ("sampling", Kind.DEFECT),
-    "trainer_sampler_mismatch_at_start": ("sampling", Kind.DEFECT),
-    "sampler_serves_base": ("sampling", Kind.DEFECT),
-    "gap_grows": ("sampling", Kind.SYMPTOM),
-    "sync": ("sampling", Kind.DEFECT),
-    "sampler_trainer_differ_at_start": ("sampling", Kind.DEFECT),
-    "sampler_trainer_drift": ("sampling", Kind.SYMPTOM),
-    "sampling_not_diverse": ("sampling", Kind.DEFECT),
-    # environment
-    "tool_results_altered": ("environment", Kind.DEFECT),
-    "tool_failures": ("environment", Kind.SYMPTOM),
-    "void_turns": ("environment", Kind.SYMPTOM),
-    # reward
-    "reward_errors": ("reward", Kind.DEFECT),
-    "reward_audit": ("reward", Kind.DEFECT),
-    "answer_reward_blind": ("reward", Kind.DEFECT),
-    "reward_signal": ("reward", Kind.DEFECT),
-    "components_disagree": ("reward", Kind.DEFECT),
-    "scorers_disagree_on_overlap": ("reward", Kind.DEFECT),
-    "components_without_signal": ("reward", Kind.SYMPTOM),
-    "reward_function_constant": ("reward", Kind.SYMPTOM),
-    "reward_rises_component_falls": ("reward", Kind.SYMPTOM),
-    # signal
-    "std_amplification": ("signal", Kind.DEFECT),
-    "advantages_not_from_groups": ("signal", Kind.DEFECT),
-    "no_signal": ("signal", Kind.SYMPTOM),
-    "learnability": ("signal", Kind.SYMPTOM),
-    "zero_variance_groups": ("signal", Kind.SYMPTOM),
-    # loss
-    "env_tokens_in_loss": ("loss", Kind.DEFECT),
-    "context_hidden_from_trainer": ("loss", Kind.DEFECT),
-    "sampled_tokens_untrained": ("loss", Kind.DEFECT),
-    "kl_on_env_tokens": ("loss", Kind.DEFECT),
-    "kl_mask_differs": ("loss", Kind.DEFECT),
-    "kl_sign": ("loss", Kind.DEFECT),
-    "kl": ("loss", Kind.DEFECT),
-    "kl_at_start": ("loss", Kind.DEFECT),
-    "kl_negative": ("loss", Kind.DEFECT),
-    "importance_weights_vanish": ("loss", Kind.SYMPTOM),
-    "importance_weights_clipped": ("loss", Kind.SYMPTOM),
-    "importance_sampling_masks_sequences": ("loss", Kind.SYMPTOM),
-    # loss, read where the loss consumes its inputs (instruments/loss_inputs.py; rules in stages/)
-    "advantages_not_paired_in_loss": ("loss", Kind.DEFECT),
-    "loss_trains_env_tokens": ("loss", Kind.DEFECT),
-    "loss_leaves_sampled_tokens_out": ("loss", Kind.DEFECT),
-    "loss_normaliser_off": ("loss", Kind.SYMPTOM),  # a wrong mask changes the count the loss divides by
-    "kl_penalty_not_applied": ("loss", Kind.DEFECT),
-    "kl_penalty_without_beta": ("loss", Kind.DEFECT),
-    "kl_beta_not_as_configured": ("loss", Kind.DEFECT),
-    "kl_on_env_tokens_in_loss": ("loss", Kind.DEFECT),
-    # gradient
-    "gradient_zero": ("gradient", Kind.STARVED),
-    "gradient_not_finite": ("gradient", Kind.SYMPTOM),
-    "gradient_spikes": ("gradient", Kind.SYMPTOM),
-    # update
-    "updates_too_small": ("update", Kind.STARVED),
-    "lora_untrained": ("update", Kind.STARVED),
-    "step_changed_nothing": ("update", Kind.DEFECT),
-    "step_larger_than_adam": ("update", Kind.DEFECT),
-    "learning_rate_zero": ("update", Kind.DEFECT),
-    "base_drift": ("update", Kind.DEFECT),
-    # policy change
-    "policy_still": ("policy", Kind.STARVED),
-    "policy_barely_moves": ("update", Kind.SYMPTOM),
-    "entropy_collapse": ("policy", Kind.SYMPTOM),
-    "spread_falls_first": ("policy", Kind.SYMPTOM),
-    "kl_runaway": ("policy", Kind.SYMPTOM),
-    "flat_reward_cause_not_found": ("policy", Kind.STARVED),
-    "too_short_to_judge": ("policy", Kind.STARVED),
-}
-HYPOTHESIS_STAGE = {"h01": "signal", "h02": "loss", "h03": "loss", "h04": "inputs", "h05": "reward",
-                    "h06": "sampling", "h07": "environment", "h08": "update", "preflight": "signal",
-                    "unexplained": "policy"}
-# Checks whose flagged finding means nothing flows past their stage (see Stage.starves). A rule may
-# say so for one finding only (Finding.starves), e.g. budgets that bind on every episode.
-STARVING = frozenset({"no_signal", "importance_weights_vanish", "learning_rate_zero", "gradient_zero",
-                      "updates_too_small", "lora_untrained", "step_changed_nothing"})
-
-
-def stage_sentence(check: str) -> str:
-    """" Stage: <stage>." for a verdict: the point-of-use checks say where in the step they read."""
-    return f" Stage: {CHECKS[check][0]}."
+from musique_rl.base.catalogue import HYPOTHESIS
+from musique_rl.doctor.findings import CHECK_DECLARATIONS, Finding
+from musique_rl.doctor.step import BY_NAME, ORDER, Kind
 
 
 def stage_of(f: Finding) -> str:
+    """The stage a finding sits in: its rule's declaration (stamped when the rule ran; else its
+    check's), or for a hypothesis no instrument measured, the hypothesis's own (base/catalogue.py)."""
     if f.stage:
         return f.stage
-    if f.check in CHECKS:
-        return CHECKS[f.check][0]
-    return HYPOTHESIS_STAGE.get(f.hypothesis, "policy")
+    decl = CHECK_DECLARATIONS.get(f.check)
+    return decl.stage if decl is not None else HYPOTHESIS[f.hypothesis].stage
 
 
 def kind_of(f: Finding) -> Kind:
-    return CHECKS.get(f.check, ("", Kind.DEFECT))[1]
+    decl = CHECK_DECLARATIONS.get(f.check)
+    return decl.kind if decl is not None else Kind.DEFECT
 
 
 def starving(f: Finding) -> bool:
-    return f.starves if f.starves is not None else f.check in STARVING
+    """A rule may say so for one finding only (Finding.starves), e.g. budgets that bind on every episode."""
+    if f.starves is not None:
+        return f.starves
+    decl = CHECK_DECLARATIONS.get(f.check)
+    return decl is not None and decl.starving
 
 
 def explains(a: Finding, b: Finding) -> bool:
@@ -217,16 +134,3 @@ def reason(findings: Sequence[Finding]) -> tuple[list[Finding], dict[int, Role]]
     order = {"note": 0, "withdrawn": 1, "ok": 2, "no_data": 3}
     rest.sort(key=lambda f: (order[roles[id(f)].role], ORDER[stage_of(f)], f.hypothesis))
     return causes + consequences + rest, roles
-
-
-def stage_table() -> str:
-    """The chain as docs/diagnostics.md shows it (tests/test_doctor_chain.py keeps them equal)."""
-    rows = ["| # | stage | holds | starves when it delivers nothing | checks (kind) |", "|---|---|---|---|---|"]
-    for i, s in enumerate(STAGES, start=1):
-        checks = ", ".join(f"`{c}` ({k.value})" for c, (st, k) in CHECKS.items() if st == s.name)
-        starving_here = [c for c in sorted(STARVING) if CHECKS.get(c, ("",))[0] == s.name]
-        starves = ", ".join(s.starves) or "-"
-        if starving_here:
-            starves += " (starving: " + ", ".join(f"`{c}`" for c in starving_here) + ")"
-        rows.append(f"| {i} | {s.name} | {s.holds} | {starves} | {checks} |")
-    return "\n".join(rows)

@@ -35,7 +35,7 @@ from musique_rl.base.catalogue import (
     TRL_KL,
     TRL_LEARNING_RATE,
 )
-from musique_rl.doctor.findings import Finding, History, num, values
+from musique_rl.doctor.findings import Finding, History, helper_reads, num, values
 
 # ---------------------------------------------------------------- gap expectations (and why)
 # A gap is a defect past FLOOR_MULTIPLE x the run's floor: the floor is a mean over ~8 probe
@@ -74,12 +74,14 @@ IN_PROCESS_BACKENDS = ("hf", "paged")
 KL_PER_PEAK_STEP = 0.1
 
 
+@helper_reads(H06_LOGP_GAP_FLOOR)
 def floor_of(m: Mapping[str, History], first: bool = True) -> float | None:
     """The run's measured sampler/trainer floor: at its first probe (first=True) or its latest."""
     f = values(m.get(H06_LOGP_GAP_FLOOR))
     return (f[0] if first else f[-1]) if f else None
 
 
+@helper_reads(H06_LOGP_GAP_FLOOR)
 def gap_threshold(m: Mapping[str, History]) -> tuple[float, str]:
     """(the largest healthy sampler/trainer gap at the first step, the words that say where it comes from)."""
     f = floor_of(m)
@@ -100,6 +102,7 @@ def dtype_of(params: Mapping[str, str]) -> str:
     return ""
 
 
+@helper_reads(H06_LOGP_GAP_FLOOR)
 def late_gap_threshold(m: Mapping[str, History], params: Mapping[str, str]) -> tuple[float, str]:
     """(the largest healthy gap late in the run, why): the start threshold with the latest floor, the
     dtype's healthy late level, and materiality, whichever is largest."""
@@ -141,6 +144,7 @@ class Schedule:
         return f"logged learning rate {lo:.2g}..{hi:.2g} against a peak of {self.peak:.2g}{w}"
 
 
+@helper_reads(H08_LEARNING_RATE, TRL_LEARNING_RATE)
 def schedule(m: Mapping[str, History], params: Mapping[str, str]) -> Schedule:
     lr = {s: v for s, v in (m.get(H08_LEARNING_RATE) or m.get(TRL_LEARNING_RATE) or []) if v is not None}
     warm = int(num(params, "loss.warmup_steps", num(params, "warmup_steps", 0.0)))
@@ -152,6 +156,7 @@ def schedule(m: Mapping[str, History], params: Mapping[str, str]) -> Schedule:
     return Schedule(lr, max(peak, max(lr.values(), default=0.0)), warm)
 
 
+@helper_reads(H06_PARITY_SAMPLER_TRAINER, H06_PARITY_STALE)
 def parity_same_weights(m: Mapping[str, History], params: Mapping[str, str]) -> str | None:
     """The evidence, in words, that the sampler samples with the trainer's own weights; None without it.
 
@@ -188,6 +193,7 @@ def _sync_claim_vs_parity(f: Finding, m: Mapping[str, History], params: Mapping[
             "paths, which grows as the policy sharpens), not a weight sync failure.")
 
 
+@helper_reads(H08_LEARNING_RATE, TRL_LEARNING_RATE)
 def update_budget_before(step: int, m: Mapping[str, History], params: Mapping[str, str]) -> float | None:
     """How many peak-rate optimizer steps the updates before ``step`` are worth: the learning rates of
     steps 1 .. step-1 summed, over the peak. A step not logged takes the rate of the next logged one

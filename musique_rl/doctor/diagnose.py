@@ -42,6 +42,7 @@ from musique_rl.base.catalogue import (  # noqa: F401  (re-exported: the thresho
     AMPLIFICATION_MAX,
     BUDGET_SHARE_MAX,
     CHECKSUM_DRIFT_MAX,
+    HYPOTHESES,
     KL_NEGATIVE_MAX,
     LOGP_GAP_MAX,
     TOOL_FAILURE_MAX,
@@ -50,7 +51,8 @@ from musique_rl.base.catalogue import (  # noqa: F401  (re-exported: the thresho
 
 # Rules registered in their own modules (@rule): imported for their registration. stages: one
 # module per stage of the step (the checks read where the loss consumes its inputs among them).
-from musique_rl.doctor import stages, trl_rules  # noqa: F401  (trl_rules: CANNOT_TELL)
+# (stages first, then reward_power: the rules run in the order they register)
+from musique_rl.doctor import reward_power, stages  # noqa: F401  (imported for their @rule registrations)
 from musique_rl.doctor.chain import reason, stage_of
 from musique_rl.doctor.context import FLOOR_MULTIPLE, GAP_ABS_MIN, gap_threshold, withdraw  # noqa: F401
 from musique_rl.doctor.findings import RULES, Finding, History, rule  # noqa: F401
@@ -62,11 +64,9 @@ from musique_rl.doctor.report import (  # noqa: F401  (the doctor's public API s
     top_flagged,
     triage_table,
 )
-from musique_rl.doctor.reward_power import NEXT_SWEEPS, flat_finding  # noqa: F401
+from musique_rl.doctor.reward_power import NEXT_SWEEPS  # noqa: F401
 from musique_rl.doctor.stages.loss import IS_WEIGHT_KEY  # noqa: F401
 from musique_rl.doctor.trend import FLAT_MIN_POINTS, FLAT_P, reward_trend  # noqa: F401
-
-HYPOTHESES = ("h01", "h02", "h03", "h04", "h05", "h06", "h07", "h08")
 
 
 def _consequence_words(f: Finding, cause: Finding, via: Finding) -> str:
@@ -75,24 +75,29 @@ def _consequence_words(f: Finding, cause: Finding, via: Finding) -> str:
             f"separate cause: fix that first. {f.verdict}")
 
 
-def diagnose_metrics(metrics: Mapping[str, History], params: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
+def diagnose_metrics(metrics: Mapping[str, History], params: Mapping[str, str] | None = None,
+                     strict: bool = False) -> list[dict[str, Any]]:
     """Ranked diagnosis from metric histories {key: [(step, value), ...]} and the run's params.
 
     Each entry: hypothesis, check, flagged, severity, verdict, evidence, rank (the contract of
     diagnosis.json), and stage, role (cause / consequence / note / withdrawn / ok / no_data),
     explained_by + cause_rank (a consequence's root cause), consequences (a cause's), reason (why a
-    claim was withdrawn)."""
+    claim was withdrawn). ``strict``: a rule that reads a metric by name it did not declare
+    (``@rule(reads=...)``) raises (the tests run every stored history so)."""
     params = params or {}
     findings: list[Finding] = []
-    for check in RULES:
-        findings.extend(check(metrics, params))
+    for r in RULES:
+        if not r.last:
+            findings.extend(r(metrics, params, strict=strict))
     withdraw(findings, metrics, params)
-    findings.extend(flat_finding(findings, metrics, params))
+    for r in RULES:
+        if r.last:  # the rules over the others' findings (the flat reward), after the withdrawals
+            findings.extend(r(metrics, params, findings, strict=strict))
     seen = {f.hypothesis for f in findings}
     for h in HYPOTHESES:
-        if h not in seen:
-            findings.append(Finding(h, "no_data", False, 0.0, "No data for this hypothesis in this log: "
-                                    + trl_rules.CANNOT_TELL.get(h, "no instrument measured it") + "."))
+        if h.unmeasured and h.id not in seen:
+            findings.append(Finding(h.id, "no_data", False, 0.0, "No data for this hypothesis in this log: "
+                                    + h.unmeasured + "."))
     ordered, roles = reason(findings)
     rank_of = {id(f): r for r, f in enumerate(ordered, start=1)}
     out = []

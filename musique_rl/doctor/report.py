@@ -34,7 +34,7 @@ def stage_health(diagnosis: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]
     sits here), "consequence" (unhealthy, explained upstream), "healthy" (its checks ran and passed;
     notes and withdrawn claims included), or "not observed" (no check of it had data: a foreign log
     shows fewer stages). ``checks``: the checks behind the verdict."""
-    from musique_rl.doctor.chain import STAGES
+    from musique_rl.doctor.step import STAGES
 
     out = []
     for s in STAGES:

@@ -10,7 +10,8 @@ import math
 import statistics
 from collections.abc import Mapping
 
-from musique_rl.doctor.findings import History
+from musique_rl.base.catalogue import TRL_REWARD
+from musique_rl.doctor.findings import History, helper_reads
 
 # The reward "rises" when the least-squares slope over the run is positive at one-sided p < FLAT_P
 # (scipy.stats.linregress); below FLAT_MIN_POINTS logged steps nothing is said.
@@ -21,10 +22,11 @@ FLAT_MIN_POINTS = 8
 Z_ALPHA, Z_POWER = 1.6449, 0.8416
 
 
+@helper_reads(TRL_REWARD)
 def reward_trend(m: Mapping[str, History]) -> dict[str, float] | None:
     """Least-squares slope of the logged reward over steps, its one-sided p (slope > 0), the fitted
     gain over the run and its standard error, and the detectable gain (80% power at FLAT_P)."""
-    pts = [(s, v) for s, v in (m.get("reward") or []) if v is not None and not math.isnan(v)]
+    pts = [(s, v) for s, v in (m.get(TRL_REWARD) or []) if v is not None and not math.isnan(v)]
     if len(pts) < FLAT_MIN_POINTS:
         return None
     from scipy.stats import linregress

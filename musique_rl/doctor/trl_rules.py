@@ -8,14 +8,13 @@ a principled threshold, tier 1 a symptom with other causes. Our own runs log TRL
 each such rule stands down where our instrument for the same defect is in the log (``_ours``,
 ``OURS``), so one defect is reported once, by the better measurement.
 
-Where TRL's log cannot decide, the finding (or ``CANNOT_TELL``, used for hypotheses with no data)
-says which musique_rl sweep or instrument would.
+Where TRL's log cannot decide, the finding (or, for a hypothesis with no data, its ``unmeasured``
+words in base/catalogue.py) says which musique_rl sweep or instrument would.
 """
 
 from __future__ import annotations
 
 import math
-import re
 import statistics
 from collections.abc import Mapping
 
@@ -29,8 +28,10 @@ from musique_rl.base.catalogue import (
     H06_LOGP_GAP_MEAN,
     H08_UPDATE_WEIGHT_RATIO,
     PREFLIGHT_SIGNAL_SHARE_FORECAST,
+    TRL_COMPLETIONS_CLIPPED_RATIO,
+    TRL_REWARDS,
 )
-from musique_rl.doctor.findings import History, values
+from musique_rl.doctor.findings import History, helper_reads, values
 
 # ---------------------------------------------------------------- thresholds shared by several stages (and why)
 # Share of completions cut at max_completion_length. A truncated completion usually has no answer,
@@ -43,10 +44,6 @@ TREND_P = 0.05
 TREND_MIN_POINTS = 8
 
 
-# TRL's metrics these rules read (the MLflow reader of our runs fetches only the histories rules use)
-TRL_KEYS = ("frac_reward_zero_std", "learning_rate", "kl", "reward", "reward_std")
-TRL_PREFIXES = ("rewards/", "completions/", "sampling/")
-
 # Our instruments for the same defects: a TRL-name rule stands down when one of these was logged.
 OURS = {
     "zero_variance": (H01_SIGNAL_GROUP_SHARE, PREFLIGHT_SIGNAL_SHARE_FORECAST),
@@ -54,33 +51,14 @@ OURS = {
     "logp_diff": (H06_LOGP_GAP_MEAN,),
     "lr": (H08_UPDATE_WEIGHT_RATIO,),
     "kl": (H03_KL_MODEL_MEAN, H03_KL_NEGATIVE_SHARE),
-    "reward_funcs": (H05_REWARD_ERRORS, H05_COMPONENT_MEAN.of(component="answer_em"), H05_COMPONENT_MEAN.of(component="answer_f1")),
-}
-
-# What decides a hypothesis a log has no data for: the doctor's words for "no data" on a TRL log.
-CANNOT_TELL = {
-    "h01": "advantage scaling is not in TRL's logs (only reward_std); run `+hypothesis=h01` (amplification "
-           "instrument) or make sweep SWEEP=h01",
-    "h02": "env tokens in the loss and the trainer's view of the context cannot be seen in TRL's logs; run "
-           "`+hypothesis=h02` or the token ledger (diagnostics.enabled=true)",
-    "h03": "KL is logged only with beta > 0, and never per token kind; run `+hypothesis=h03`",
-    "h04": "token budgets: only completions/clipped_ratio is logged (prompt truncation and dropped tool results "
-           "are not); run `+hypothesis=h04`",
-    "h05": "whether a reward matches its completion (a shuffled or misaligned reward) cannot be seen in TRL's "
-           "logs; run the reward audit (`+hypothesis=h05`)",
-    "h06": "sampler/trainer agreement is logged by TRL only with vLLM and IS correction "
-           "(sampling/sampling_logp_difference); a temperature or top-p that differs between generation_kwargs "
-           "and the loss is invisible without it; run `+hypothesis=h06` (parity probe, sampling-settings fit)",
-    "h07": "tool failures: TRL logs tools/failure_frequency only for its own tool calling; run `+hypothesis=h07`",
-    "h08": "update size is not in TRL's logs (grad_norm is, before clipping); run `+hypothesis=h08` "
-           "(update/weight ratio, KL to start)",
+    "reward_funcs": (H05_REWARD_ERRORS, H05_COMPONENT_MEAN.of(component="answer_em"),
+                     H05_COMPONENT_MEAN.of(component="answer_f1")),
 }
 
 
 def _ours(m: Mapping[str, History], what: str) -> bool:
+    """Whether one of our instruments for ``what`` was logged (a rule calling it reads ``OURS[what]``)."""
     return any(values(m.get(k)) for k in OURS[what])
-
-
 
 
 def _trend(h: History | None) -> tuple[float, float] | None:
@@ -96,19 +74,21 @@ def _trend(h: History | None) -> tuple[float, float] | None:
 
 def reward_funcs(m: Mapping[str, History]) -> list[str]:
     """Names of the reward functions TRL logged (``rewards/<f>/mean``)."""
-    return sorted({k[len("rewards/"):-len("/mean")] for k in m if re.fullmatch(r"rewards/[^/]+/mean", k)})
+    return sorted({s["func"] for k in m if (s := TRL_REWARDS.segments(k)) is not None and s["stat"] == "mean"})
 
 
+@helper_reads(TRL_REWARDS)
 def constant_funcs(m: Mapping[str, History]) -> dict[str, float]:
     """Reward functions whose std over the batch is exactly 0 at every logged step: {name: mean}."""
     out = {}
     for f in reward_funcs(m):
-        std = values(m.get(f"rewards/{f}/std"))
+        std = values(m.get(TRL_REWARDS.of(func=f, stat="std")))
         if len(std) >= CONSTANT_MIN_STEPS and max(abs(s) for s in std) == 0:
-            out[f] = statistics.fmean(values(m.get(f"rewards/{f}/mean")))
+            out[f] = statistics.fmean(values(m.get(TRL_REWARDS.of(func=f, stat="mean"))))
     return out
 
 
+@helper_reads(TRL_COMPLETIONS_CLIPPED_RATIO)
 def clipped_share(m: Mapping[str, History]) -> float | None:
-    c = values(m.get("completions/clipped_ratio"))
+    c = values(m.get(TRL_COMPLETIONS_CLIPPED_RATIO))
     return statistics.fmean(c) if c else None

@@ -13,6 +13,7 @@ import logging
 import torch
 
 from musique_rl.base.catalogue import (
+    MIN_SIGNAL_SHARE,  # shared with the doctor's learnability rule
     PREFLIGHT_PASS_AT_G,
     PREFLIGHT_PASS_RATE_MEAN,
     PREFLIGHT_QUESTIONS,
@@ -23,9 +24,6 @@ from musique_rl.base.catalogue import (
 
 log = logging.getLogger(__name__)
 
-# Warn when fewer than this share of groups is forecast to carry signal: below a quarter, three
-# groups in four are dead weight and the per-step gradient rests on a handful of questions.
-MIN_SIGNAL_SHARE = 0.25
 
 
 @torch.no_grad()

@@ -16,6 +16,7 @@ from musique_rl.base.catalogue import (
     TOOL_FAILURE_MAX,
 )
 from musique_rl.doctor.findings import Finding, History, judged, magnitude, rule, values
+from musique_rl.doctor.step import Kind
 
 # H04: share of tool results that differ from their source. Any difference is a defect (a tool
 # result is a copy of its document); 5% tolerates one odd result per 20 audited (a decode that does
@@ -31,7 +32,8 @@ TOOL_ALTERED_MAX = 0.05
 VOID_EPISODE_MAX = 0.25
 
 
-@rule(H07_VOID_EPISODE_SHARE)
+@rule(stage="environment", checks={"void_turns": Kind.SYMPTOM}, reads=(H07_VOID_EPISODE_SHARE, H07_VOID_TURN_SHARE),
+      needs=(H07_VOID_EPISODE_SHARE,), thresholds=("VOID_EPISODE_MAX",))
 def _void_turns(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
     void = values(m.get(H07_VOID_EPISODE_SHARE))
     q = max(1, len(void) // 4)
@@ -45,7 +47,9 @@ def _void_turns(m: Mapping[str, History], params: Mapping[str, str]) -> list[Fin
                   f"Void turns: {last:.0%} of episodes in the last quarter.")
 
 
-@rule(H04_TOOL_RESULTS_ALTERED_SHARE)
+@rule(stage="environment", checks={"tool_results_altered": Kind.DEFECT},
+      reads=(H04_TOOL_RESULTS_ALTERED_SHARE, H04_TOOL_RESULTS_ALTERED), needs=(H04_TOOL_RESULTS_ALTERED_SHARE,),
+      thresholds=("TOOL_ALTERED_MAX",))
 def _tool_results_altered(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
     a = statistics.fmean(values(m.get(H04_TOOL_RESULTS_ALTERED_SHARE)))
     ev = {f"{H04_TOOL_RESULTS_ALTERED_SHARE} (mean)": a,
@@ -57,7 +61,9 @@ def _tool_results_altered(m: Mapping[str, History], params: Mapping[str, str]) -
                   f"Tool results match their source documents ({a:.0%} differ).")
 
 
-@rule(H07_TOOL_FAILURE_RATE)
+@rule(stage="environment", checks={"tool_failures": Kind.SYMPTOM},
+      reads=(H07_TOOL_FAILURE_RATE, H07_TOOL_CALLS_MEAN, H07_TURNS_MEAN), needs=(H07_TOOL_FAILURE_RATE,),
+      thresholds=("TOOL_FAILURE_MAX",))
 def _tool_failures(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
     fail = values(m.get(H07_TOOL_FAILURE_RATE))
     ev = {f"{H07_TOOL_FAILURE_RATE} (mean)": statistics.fmean(fail),

@@ -11,8 +11,9 @@ import math
 import statistics
 from collections.abc import Mapping
 
-from musique_rl.base.catalogue import H01_ZERO_STD_SHARE
+from musique_rl.base.catalogue import H01_ZERO_STD_SHARE, TRL_FRAC_REWARD_ZERO_STD, TRL_GRAD_NORM
 from musique_rl.doctor.findings import Finding, History, judged, magnitude, note, rule
+from musique_rl.doctor.step import Kind
 
 # Gradient-norm spikes: TRL's `grad_norm` (pre-clip). A step more than 10x the median of the
 # steps before it is one batch dominating the update (a ratio blow-up, a reward outlier, an
@@ -35,10 +36,15 @@ GRAD_ZERO_SHARE = 0.5
 TIED_EXPLAINS_SHARE = 0.9
 
 
-@rule("grad_norm")
+@rule(stage="gradient", checks={"gradient_not_finite": Kind.SYMPTOM, "gradient_zero": Kind.STARVED,
+                            "gradient_spikes": Kind.SYMPTOM},
+      starving=("gradient_zero",), reads=(TRL_GRAD_NORM, TRL_FRAC_REWARD_ZERO_STD, H01_ZERO_STD_SHARE),
+      needs=(TRL_GRAD_NORM,),
+      thresholds=("GRAD_SPIKE_FACTOR", "GRAD_SPIKE_HISTORY", "GRAD_SPIKE_MIN_STEPS", "GRAD_BASELINE_MIN_SHARE",
+                  "GRAD_ZERO_SHARE", "TIED_EXPLAINS_SHARE"))
 def _grad_norm(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
     out: list[Finding] = []
-    bad = [s for s, v in (m.get("grad_norm") or []) if v is not None and not math.isfinite(v)]
+    bad = [s for s, v in (m.get(TRL_GRAD_NORM) or []) if v is not None and not math.isfinite(v)]
     if bad:
         # A note, not a finding: a run that logs finite values after it survived the step (a skipped
         # overflow step, a scaler that backed off); one that does not shows it in every metric after.
@@ -47,7 +53,7 @@ def _grad_norm(m: Mapping[str, History], params: Mapping[str, str]) -> list[Find
                         "those steps either were skipped or wrote non-finite values into the weights; look at the "
                         "loss and KL around them.", {"non-finite grad_norm steps": float(len(bad)),
                                                      "first non-finite step": float(bad[0])}))
-    pts = [(s, v) for s, v in (m.get("grad_norm") or []) if v is not None and math.isfinite(v)]
+    pts = [(s, v) for s, v in (m.get(TRL_GRAD_NORM) or []) if v is not None and math.isfinite(v)]
     if len(pts) < GRAD_SPIKE_HISTORY + 1:
         return out
     norms = [v for _, v in pts]
@@ -57,7 +63,7 @@ def _grad_norm(m: Mapping[str, History], params: Mapping[str, str]) -> list[Find
         # On a step where every group tied (TRL's frac_reward_zero_std, or our h01/zero_std_share, = 1)
         # every advantage is 0, so a zero gradient there is the ties' consequence, not a broken graph:
         # ranked below the tied-groups finding (and its own cause), saying so.
-        tied = {s for key in ("frac_reward_zero_std", H01_ZERO_STD_SHARE)
+        tied = {s for key in (TRL_FRAC_REWARD_ZERO_STD, H01_ZERO_STD_SHARE)
                 for s, v in (m.get(key) or []) if v is not None and v >= 1 - 1e-9}
         explained = sum(s in tied for s in zero_steps) / len(zero_steps)
         ev = {"grad_norm zero share": zero, "zero-gradient steps with every group tied (share)": explained}

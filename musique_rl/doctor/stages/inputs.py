@@ -12,18 +12,25 @@ from musique_rl.base.catalogue import (
     H04_NO_ANSWER_SHARE,
     H04_PROMPT_AT_CAP_SHARE,
     H04_QUESTION_LEFT_CONTEXT_SHARE,
+    TRL_COMPLETIONS,
+    TRL_COMPLETIONS_CLIPPED_RATIO,
 )
 from musique_rl.doctor.findings import Finding, History, judged, magnitude, num, rule, values
-from musique_rl.doctor.trl_rules import CLIPPED_MAX, _ours, clipped_share
+from musique_rl.doctor.step import Kind
+from musique_rl.doctor.trl_rules import CLIPPED_MAX, OURS, _ours, clipped_share
 
 BUDGETS = (H04_BUDGET_CAP_SHARE, H04_DROPPED_TOOL_RESULTS_SHARE, H04_QUESTION_LEFT_CONTEXT_SHARE, H04_PROMPT_AT_CAP_SHARE,
            H04_NO_ANSWER_SHARE)
 # Budgets binding on (nearly) every episode starve everything downstream: no episode ends with an
 # answer, so every reward is the budget's. 0.95: one episode in 20 may still finish.
 BUDGET_STARVES = 0.95
+# TRL's completion lengths (completions/{stat})
+MEAN_LENGTH = TRL_COMPLETIONS.of(stat="mean_length")
+MEAN_TERMINATED_LENGTH = TRL_COMPLETIONS.of(stat="mean_terminated_length")
 
 
-@rule(*BUDGETS)
+@rule(stage="inputs", checks={"question_left_context": Kind.DEFECT, "budgets_binding": Kind.SYMPTOM},
+      reads=BUDGETS, needs=BUDGETS, thresholds=("BUDGET_SHARE_MAX", "BUDGET_STARVES"))
 def _budgets(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
     means = {k: statistics.fmean(values(m.get(k))) for k in BUDGETS if values(m.get(k))}
     ev = {f"{k} (mean)": v for k, v in means.items()}
@@ -49,18 +56,20 @@ def _budgets(m: Mapping[str, History], params: Mapping[str, str]) -> list[Findin
 
 
 # ---------------------------------------------------------------- over TRL's own metric names (trl_rules.OURS)
-@rule("completions/clipped_ratio")
+@rule(stage="inputs", checks={"completions_truncated": Kind.SYMPTOM},
+      reads=(TRL_COMPLETIONS_CLIPPED_RATIO, MEAN_LENGTH, MEAN_TERMINATED_LENGTH, *OURS["truncation"]),
+      needs=(TRL_COMPLETIONS_CLIPPED_RATIO,), thresholds=("CLIPPED_MAX",))
 def _truncation(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
     if _ours(m, "truncation"):
         return []
     c = clipped_share(m) or 0.0
-    ev = {"completions/clipped_ratio (mean)": c}
-    mean_len = values(m.get("completions/mean_length"))
-    term = values(m.get("completions/mean_terminated_length"))
+    ev = {f"{TRL_COMPLETIONS_CLIPPED_RATIO} (mean)": c}
+    mean_len = values(m.get(MEAN_LENGTH))
+    term = values(m.get(MEAN_TERMINATED_LENGTH))
     if mean_len:
-        ev["completions/mean_length (mean)"] = statistics.fmean(mean_len)
+        ev[f"{MEAN_LENGTH} (mean)"] = statistics.fmean(mean_len)
     if term:
-        ev["completions/mean_terminated_length (mean)"] = statistics.fmean(term)
+        ev[f"{MEAN_TERMINATED_LENGTH} (mean)"] = statistics.fmean(term)
     budget = num(params, "max_completion_length", 0.0)
     if budget:
         ev["max_completion_length (param)"] = budget

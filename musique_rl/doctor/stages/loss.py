@@ -34,10 +34,21 @@ from musique_rl.base.catalogue import (
     H06_LOGP_GAP_MEAN,
     KL_NEGATIVE_MAX,
     TRL_IMPORTANCE_SAMPLING_RATIO,
+    TRL_KL,
 )
-from musique_rl.doctor.chain import stage_sentence
-from musique_rl.doctor.context import gap_threshold
-from musique_rl.doctor.findings import Finding, History, judged, magnitude, mean_of, num, rule, values
+from musique_rl.doctor.context import KL_PER_PEAK_STEP, gap_threshold, update_budget_before
+from musique_rl.doctor.findings import (
+    Finding,
+    History,
+    judged,
+    magnitude,
+    mean_of,
+    num,
+    rule,
+    stage_sentence,
+    values,
+)
+from musique_rl.doctor.step import Kind
 
 # H02: sampled assistant tokens left out of the loss; beyond a fifth, the loss ignores what was sampled
 ASSISTANT_UNTRAINED_MAX = 0.2
@@ -47,6 +58,12 @@ ASSISTANT_UNTRAINED_MAX = 0.2
 # vanishes whatever the learning rate (docs/failure_modes.md defect 5).
 IS_WEIGHT_MIN = 0.1
 IS_WEIGHT_KEY = TRL_IMPORTANCE_SAMPLING_RATIO.of(stat="mean")
+# TRL's importance-sampling weights' extremes over a step's sequences
+IS_WEIGHT_MAX = TRL_IMPORTANCE_SAMPLING_RATIO.of(stat="max")
+IS_WEIGHT_MIN_KEY = TRL_IMPORTANCE_SAMPLING_RATIO.of(stat="min")
+# H06: a median of 20% of a step's sequences given weight 0 by TRL's correction (why 20%: the docstring
+# of _h06_importance_sampling_masks below)
+IS_MASKED_SEQ_MAX = 0.2
 
 
 # ---------------------------------------------------------------- tier-3 invariant (a proof, not a symptom)
@@ -60,9 +77,10 @@ IS_WEIGHT_KEY = TRL_IMPORTANCE_SAMPLING_RATIO.of(stat="mean")
 KL_AT_START_MAX = 1e-3
 
 
-@rule("kl", H03_KL_MODEL_MEAN)
+@rule(stage="loss", checks={"kl_at_start": Kind.DEFECT}, reads=(TRL_KL, H03_KL_MODEL_MEAN, *update_budget_before.reads),
+      needs=(TRL_KL, H03_KL_MODEL_MEAN), thresholds=("KL_AT_START_MAX",))
 def _kl_at_start(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
-    key = "kl" if values(m.get("kl")) else H03_KL_MODEL_MEAN
+    key = TRL_KL if values(m.get(TRL_KL)) else H03_KL_MODEL_MEAN
     first_step, first = next((s, v) for s, v in m[key] if v is not None)
     if num(params, "loss.beta", 1.0) == 0:
         return []
@@ -70,8 +88,6 @@ def _kl_at_start(m: Mapping[str, History], params: Mapping[str, str]) -> list[Fi
     when = "Before the first update"
     if first_step > 1:
         # a first row after updates: context.py withdraws the claim unless those updates cannot account for it
-        from musique_rl.doctor.context import KL_PER_PEAK_STEP, update_budget_before
-
         budget = update_budget_before(first_step, m, params)
         ev["first logged step"] = float(first_step)
         if budget is not None:
@@ -85,7 +101,12 @@ def _kl_at_start(m: Mapping[str, History], params: Mapping[str, str]) -> list[Fi
                   f"KL to the reference starts at {first:.2g}.")
 
 
-@rule(H02_ENV_TOKENS_WITH_LOSS, H02_ATTENTION_COVERAGE, H02_ASSISTANT_TOKENS_WITHOUT_LOSS_SHARE)
+@rule(stage="loss", checks={"env_tokens_in_loss": Kind.DEFECT, "context_hidden_from_trainer": Kind.DEFECT,
+                        "sampled_tokens_untrained": Kind.DEFECT},
+      reads=(H02_ENV_TOKENS_WITH_LOSS, H02_ATTENTION_COVERAGE, H02_ASSISTANT_TOKENS_WITHOUT_LOSS_SHARE,
+             H02_LOSS_SHARE_KIND, H06_LOGP_GAP_MEAN, *gap_threshold.reads),
+      needs=(H02_ENV_TOKENS_WITH_LOSS, H02_ATTENTION_COVERAGE, H02_ASSISTANT_TOKENS_WITHOUT_LOSS_SHARE),
+      thresholds=("ASSISTANT_UNTRAINED_MAX",))
 def _loss_mask(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
     out: list[Finding] = []
     env = values(m.get(H02_ENV_TOKENS_WITH_LOSS))
@@ -121,7 +142,10 @@ def _loss_mask(m: Mapping[str, History], params: Mapping[str, str]) -> list[Find
     return out
 
 
-@rule(H03_KL_ENV_TOKENS, H03_KL_NEGATIVE_SHARE)
+@rule(stage="loss", checks={"kl_on_env_tokens": Kind.DEFECT, "kl_mask_differs": Kind.DEFECT, "kl_sign": Kind.DEFECT,
+                        "kl": Kind.DEFECT},
+      reads=(H03_KL_ENV_TOKENS, H03_KL_NEGATIVE_SHARE, H02_KL_MASK_EQUALS_LOSS_MASK, H03_KL_MODEL_MEAN),
+      needs=(H03_KL_ENV_TOKENS, H03_KL_NEGATIVE_SHARE), thresholds=("KL_NEGATIVE_MAX",))
 def _kl(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
     out: list[Finding] = []
     env = values(m.get(H03_KL_ENV_TOKENS))
@@ -153,7 +177,8 @@ def _kl(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
 
 
 
-@rule(IS_WEIGHT_KEY)
+@rule(stage="loss", checks={"importance_weights_vanish": Kind.SYMPTOM}, starving=("importance_weights_vanish",),
+      reads=(IS_WEIGHT_KEY,), needs=(IS_WEIGHT_KEY,), thresholds=("IS_WEIGHT_MIN",))
 def _importance_weights(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
     w = statistics.median(values(m.get(IS_WEIGHT_KEY)))
     return judged("h06", "importance_weights_vanish", w < IS_WEIGHT_MIN, 2 + magnitude(IS_WEIGHT_MIN / max(w, 1e-30)),
@@ -164,7 +189,9 @@ def _importance_weights(m: Mapping[str, History], params: Mapping[str, str]) -> 
                   f"Importance-sampling weights near 1 (median {w:.2g}).")
 
 
-@rule(H06_IS_MASKED_SEQ_SHARE)
+@rule(stage="loss", checks={"importance_sampling_masks_sequences": Kind.SYMPTOM},
+      reads=(H06_IS_MASKED_SEQ_SHARE, H06_IS_MASKED_TOKEN_SHARE, H06_IS_ESS), needs=(H06_IS_MASKED_SEQ_SHARE,),
+      thresholds=("IS_MASKED_SEQ_MAX",))
 def _h06_importance_sampling_masks(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
     """TRL's importance-sampling correction giving whole sequences zero weight (h06/is_* from
     core/importance.py). Threshold: a median of 20% of a step's sequences masked. Why 20%: with
@@ -173,7 +200,7 @@ def _h06_importance_sampling_masks(m: Mapping[str, History], params: Mapping[str
     the correction, not a rare off-policy sample, deciding which episodes train: the long ones drop
     out and the reward can stay flat while every other instrument looks sane. token_truncate, the
     vLLM default (train.importance_sampling=auto), masks none."""
-    limit = 0.2
+    limit = IS_MASKED_SEQ_MAX
     masked = statistics.median(values(m.get(H06_IS_MASKED_SEQ_SHARE)))
     ev = {f"{H06_IS_MASKED_SEQ_SHARE} (median)": masked}
     for k in (H06_IS_MASKED_TOKEN_SHARE, H06_IS_ESS):
@@ -198,21 +225,22 @@ IS_AT_CAP_SHARE = 0.5
 IS_MIN_VANISH = 1e-3
 
 
-@rule("sampling/importance_sampling_ratio/max", "sampling/importance_sampling_ratio/min")
+@rule(stage="loss", checks={"importance_weights_clipped": Kind.SYMPTOM}, reads=(IS_WEIGHT_MAX, IS_WEIGHT_MIN_KEY),
+      needs=(IS_WEIGHT_MAX, IS_WEIGHT_MIN_KEY), thresholds=("IS_CAP_DEFAULT", "IS_AT_CAP_SHARE", "IS_MIN_VANISH"))
 def _is_clipped(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
     """The mean weight vanishing is the doctor's h06 rule (importance_weights_vanish); this reads the
     tails: weights at TRL's cap on most steps, or some sequences weighted ~0."""
     cap = num(params, "vllm_importance_sampling_cap", IS_CAP_DEFAULT)
-    hi = values(m.get("sampling/importance_sampling_ratio/max"))
-    lo = values(m.get("sampling/importance_sampling_ratio/min"))
+    hi = values(m.get(IS_WEIGHT_MAX))
+    lo = values(m.get(IS_WEIGHT_MIN_KEY))
     at_cap = sum(v >= cap * (1 - 1e-6) for v in hi) / len(hi) if hi else 0.0
     vanish = sum(v < IS_MIN_VANISH for v in lo) / len(lo) if lo else 0.0
     ev = {"importance_sampling_ratio/max at cap (share of steps)": at_cap,
           "importance_sampling_ratio/min < 1e-3 (share of steps)": vanish, "cap": cap}
     if hi:
-        ev["sampling/importance_sampling_ratio/max (median)"] = statistics.median(hi)
+        ev[f"{IS_WEIGHT_MAX} (median)"] = statistics.median(hi)
     if lo:
-        ev["sampling/importance_sampling_ratio/min (median)"] = statistics.median(lo)
+        ev[f"{IS_WEIGHT_MIN_KEY} (median)"] = statistics.median(lo)
     bad = at_cap > IS_AT_CAP_SHARE or vanish > IS_AT_CAP_SHARE
     worst = max(at_cap, vanish)
     return judged("h06", "importance_weights_clipped", bad, 1 + magnitude(worst / IS_AT_CAP_SHARE * 10), ev,
@@ -239,7 +267,11 @@ NORMALISER_BAND = (0.95, 1.05)
 BETA_BAND = (0.9, 1.1)
 
 
-@rule(H01_LOSS_ADV_MISALIGNED_SHARE, H01_LOSS_ROWS_UNMATCHED_SHARE, H01_LOSS_ADV_FROM_INPUTS)
+@rule(stage="loss", checks={"advantages_not_paired_in_loss": Kind.DEFECT},
+      reads=(H01_LOSS_ADV_MISALIGNED_SHARE, H01_LOSS_ROWS_UNMATCHED_SHARE, H01_LOSS_ADV_FROM_INPUTS,
+             H01_LOSS_ADV_PAIRING_ERROR),
+      needs=(H01_LOSS_ADV_MISALIGNED_SHARE, H01_LOSS_ROWS_UNMATCHED_SHARE, H01_LOSS_ADV_FROM_INPUTS),
+      thresholds=("MISALIGNED_MAX", "UNMATCHED_MAX"))
 def _advantages_paired(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
     mis = mean_of(m, H01_LOSS_ADV_MISALIGNED_SHARE) or 0.0
     err = max(values(m.get(H01_LOSS_ADV_PAIRING_ERROR)), default=0.0)
@@ -264,7 +296,11 @@ def _advantages_paired(m: Mapping[str, History], params: Mapping[str, str]) -> l
                   "Every row the loss trains carries its own episode's advantage." + stage_sentence(check))
 
 
-@rule(H02_LOSS_TOOL_TOKEN_SHARE, H02_LOSS_ASSISTANT_LEFT_OUT_SHARE, H02_LOSS_NORMALISER_RATIO)
+@rule(stage="loss", checks={"loss_trains_env_tokens": Kind.DEFECT, "loss_leaves_sampled_tokens_out": Kind.DEFECT,
+                        "loss_normaliser_off": Kind.SYMPTOM},  # a wrong mask changes the count the loss divides by
+      reads=(H02_LOSS_TOOL_TOKEN_SHARE, H02_LOSS_ASSISTANT_LEFT_OUT_SHARE, H02_LOSS_NORMALISER_RATIO),
+      needs=(H02_LOSS_TOOL_TOKEN_SHARE, H02_LOSS_ASSISTANT_LEFT_OUT_SHARE, H02_LOSS_NORMALISER_RATIO),
+      thresholds=("LEFT_OUT_MAX", "NORMALISER_BAND"))
 def _loss_mask_and_normaliser(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
     out: list[Finding] = []
     tool = max(values(m.get(H02_LOSS_TOOL_TOKEN_SHARE)), default=None)
@@ -303,8 +339,12 @@ def _loss_mask_and_normaliser(m: Mapping[str, History], params: Mapping[str, str
     return out
 
 
-@rule(H03_KL_TERM_ZERO_WITH_BETA, H03_KL_TERM_WITHOUT_BETA, H03_KL_BETA_APPLIED_RATIO,
-      H03_LOSS_KL_ENV_TOKEN_SHARE)
+@rule(stage="loss", checks={"kl_penalty_not_applied": Kind.DEFECT, "kl_penalty_without_beta": Kind.DEFECT,
+                        "kl_beta_not_as_configured": Kind.DEFECT, "kl_on_env_tokens_in_loss": Kind.DEFECT},
+      reads=(H03_KL_TERM_ZERO_WITH_BETA, H03_KL_TERM_WITHOUT_BETA, H03_KL_BETA_APPLIED_RATIO, H03_LOSS_KL_ENV_TOKEN_SHARE,
+             H03_LOSS_KL_MOVED),
+      needs=(H03_KL_TERM_ZERO_WITH_BETA, H03_KL_TERM_WITHOUT_BETA, H03_KL_BETA_APPLIED_RATIO, H03_LOSS_KL_ENV_TOKEN_SHARE),
+      thresholds=("BETA_BAND",))
 def _kl_acts(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
     out: list[Finding] = []
     zero = max(values(m.get(H03_KL_TERM_ZERO_WITH_BETA)), default=0.0)

@@ -9,14 +9,17 @@ from musique_rl.base.catalogue import (
     H01_REWARD_STD_MEAN,
     H08_GRAD_NORM_BEFORE_CLIP,
     H08_KL_TO_START,
+    TRL_ENTROPY,
     TRL_GRAD_NORM,
     TRL_KL,
     TRL_LEARNING_RATE,
+    TRL_REWARD,
 )
 from musique_rl.doctor.context import schedule
 from musique_rl.doctor.findings import (
     Finding,
     History,
+    helper_reads,
     judged,
     magnitude,
     num,
@@ -24,7 +27,9 @@ from musique_rl.doctor.findings import (
     values,
 )
 from musique_rl.doctor.stages.signal import tied_steps
-from musique_rl.doctor.trl_rules import _ours
+from musique_rl.doctor.step import Kind
+from musique_rl.doctor.trend import reward_trend
+from musique_rl.doctor.trl_rules import OURS, _ours
 
 # The policy has not moved when its KL to the start stays at most 1e-6 nats/token on every probe
 # taken at the scheduled learning rate: a healthy step moves it ~1e-4..1e-3 per step (the tiny
@@ -71,9 +76,10 @@ def _quarters(xs: list[float]) -> tuple[float, float]:
 
 
 
-@rule("entropy")
+@rule(stage="policy", checks={"entropy_collapse": Kind.SYMPTOM}, reads=(TRL_ENTROPY,), needs=(TRL_ENTROPY,),
+      thresholds=("ENTROPY_COLLAPSE_RATIO", "MIN_POINTS"))
 def _entropy_collapse(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
-    ent = values(m.get("entropy"))
+    ent = values(m.get(TRL_ENTROPY))
     if len(ent) < MIN_POINTS:
         return []
     first, last = _quarters(ent)
@@ -87,16 +93,16 @@ def _entropy_collapse(m: Mapping[str, History], params: Mapping[str, str]) -> li
                   f"Entropy holds ({first:.3g} -> {last:.3g} nats/token).")
 
 
-@rule(H01_REWARD_STD_MEAN)
+@rule(stage="policy", checks={"spread_falls_first": Kind.SYMPTOM},
+      reads=(H01_REWARD_STD_MEAN, TRL_REWARD, *reward_trend.reads), needs=(H01_REWARD_STD_MEAN,),
+      thresholds=("SPREAD_FALL_RATIO", "MIN_POINTS"))
 def _spread_falls(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
     spread = values(m.get(H01_REWARD_STD_MEAN))
-    reward = values(m.get("reward"))
+    reward = values(m.get(TRL_REWARD))
     if len(spread) < MIN_POINTS or len(reward) < MIN_POINTS:
         return []
     s0, s1 = _quarters(spread)
     r0, r1 = _quarters(reward)
-    from musique_rl.doctor.trend import reward_trend
-
     t = reward_trend(m)
     rising = t is not None and t["p_rise"] < 0.05
     ev = {f"{H01_REWARD_STD_MEAN} (first quarter)": s0, f"{H01_REWARD_STD_MEAN} (last quarter)": s1,
@@ -110,11 +116,13 @@ def _spread_falls(m: Mapping[str, History], params: Mapping[str, str]) -> list[F
                   f"Within-group reward spread {s0:.3g} -> {s1:.3g}.")
 
 
-@rule(H08_KL_TO_START)
+@rule(stage="policy", checks={"policy_still": Kind.STARVED}, reads=(H08_KL_TO_START, *schedule.reads),
+      needs=(H08_KL_TO_START,), thresholds=("KL_STILL_MAX",))
 def _kl_to_start(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
     return _still(m, params, H08_KL_TO_START)
 
 
+@helper_reads(TRL_KL, TRL_GRAD_NORM, TRL_LEARNING_RATE)
 def trl_kl_measured(m: Mapping[str, History], params: Mapping[str, str]) -> bool:
     """Whether TRL's `kl` measures anything: TRL computes it only with beta != 0, and some versions
     log 0.0 without computing it. Exactly 0 on every step while the gradient and the learning rate
@@ -131,12 +139,13 @@ def trl_kl_measured(m: Mapping[str, History], params: Mapping[str, str]) -> bool
     return not moved_by_optimizer
 
 
-@rule(TRL_KL)
+@rule(stage="policy", checks={"policy_still": Kind.STARVED},
+      reads=(H08_KL_TO_START, *trl_kl_measured.reads, *schedule.reads), needs=(TRL_KL,), thresholds=("KL_STILL_MAX",))
 def _trl_kl(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
     """TRL's `kl` is the KL to the reference, which is the starting policy unless the run says otherwise."""
     if m.get(H08_KL_TO_START) or not trl_kl_measured(m, params):
         return []
-    return _still(m, params, "kl")
+    return _still(m, params, TRL_KL)
 
 
 # A flat run whose policy has moved less than this from its start (KL, nats/token, the largest logged
@@ -152,6 +161,7 @@ KL_MOVED_MIN = 0.01
 TIED_SHARE_MAX = 0.5
 
 
+@helper_reads(H08_KL_TO_START, *trl_kl_measured.reads)
 def kl_history(m: Mapping[str, History], params: Mapping[str, str]) -> tuple[str, list[tuple[int, float]]] | None:
     """(name, history) of the run's KL to its start: ours (h08/kl_to_start), else TRL's `kl` when
     it was measured (beta > 0 and not 0 on every step: TRL logs 0 when it computes no KL)."""
@@ -160,10 +170,11 @@ def kl_history(m: Mapping[str, History], params: Mapping[str, str]) -> tuple[str
         return H08_KL_TO_START, ours
     trl = [(s, v) for s, v in (m.get(TRL_KL) or []) if v is not None]
     if trl and trl_kl_measured(m, params):
-        return "kl", trl
+        return TRL_KL, trl
     return None
 
 
+@helper_reads(*kl_history.reads, *tied_steps.reads, *schedule.reads, TRL_GRAD_NORM, H08_GRAD_NORM_BEFORE_CLIP)
 def barely_moves(m: Mapping[str, History], params: Mapping[str, str], steps: float) -> Finding | None:
     """On a flat run with nothing flagged: the update stage's finding when the groups carry signal,
     the gradient is there, and yet the policy hardly left its start (``KL_MOVED_MIN``); None when
@@ -207,18 +218,37 @@ KL_GROWTH = 10.0
 KL_NEGATIVE_TOL = -1e-6
 
 
-@rule("kl")
+def _kl_quarters(kl: list[float]) -> tuple[float, float, dict[str, float]]:
+    q = max(1, len(kl) // 4)
+    early, late = statistics.fmean(kl[:q]), statistics.fmean(kl[-q:])
+    return early, late, {f"{TRL_KL} (first quarter mean)": early, f"{TRL_KL} (last quarter mean)": late,
+                         f"{TRL_KL} (min)": min(kl)}
+
+
+@rule(stage="loss", checks={"kl_negative": Kind.DEFECT}, reads=(TRL_KL, *OURS["kl"]), needs=(TRL_KL,),
+      thresholds=("KL_NEGATIVE_TOL",))
+def _kl_negative(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
+    """A sign error of the KL term, read from TRL's `kl` (a loss-stage defect; here beside the runaway
+    rule that reads the same history, which it pre-empts)."""
+    if _ours(m, "kl"):
+        return []
+    kl = values(m.get(TRL_KL))
+    if min(kl) >= KL_NEGATIVE_TOL:
+        return []
+    return [Finding("h03", "kl_negative", True, 3 + magnitude(1 + abs(min(kl)) / abs(KL_NEGATIVE_TOL)),
+                    f"TRL's KL estimate is negative ({min(kl):.3g}); its k3 estimator cannot be below 0 for any "
+                    "token, so the KL term's sign or its inputs are wrong.", _kl_quarters(kl)[2])]
+
+
+@rule(stage="policy", checks={"kl_runaway": Kind.SYMPTOM}, reads=(TRL_KL, *OURS["kl"]), needs=(TRL_KL,),
+      thresholds=("KL_RUNAWAY", "KL_GROWTH", "KL_NEGATIVE_TOL"))
 def _kl_runaway(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
     if _ours(m, "kl"):
         return []
-    kl = values(m.get("kl"))
-    q = max(1, len(kl) // 4)
-    early, late = statistics.fmean(kl[:q]), statistics.fmean(kl[-q:])
-    ev = {"kl (first quarter mean)": early, "kl (last quarter mean)": late, "kl (min)": min(kl)}
+    kl = values(m.get(TRL_KL))
     if min(kl) < KL_NEGATIVE_TOL:
-        return [Finding("h03", "kl_negative", True, 3 + magnitude(1 + abs(min(kl)) / abs(KL_NEGATIVE_TOL)),
-                        f"TRL's KL estimate is negative ({min(kl):.3g}); its k3 estimator cannot be below 0 for any "
-                        "token, so the KL term's sign or its inputs are wrong.", ev)]
+        return []  # a sign error (_kl_negative), not a runaway
+    early, late, ev = _kl_quarters(kl)
     runaway = late > KL_RUNAWAY and late > KL_GROWTH * max(early, 1e-12)
     return judged("h03", "kl_runaway", runaway, 2 + magnitude(late / KL_RUNAWAY), ev,
                   f"KL to the reference runs away: {early:.3g} -> {late:.3g} nats/token. The policy has left its "

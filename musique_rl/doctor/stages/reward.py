@@ -19,12 +19,25 @@ from musique_rl.base.catalogue import (
     H05_REWARD_ERRORS,
     H05_SCORER_OVERLAP_CHECKED,
     H05_SCORER_OVERLAP_DISAGREEMENT_SHARE,
+    TRL_REWARD,
+    TRL_REWARDS,
     Metric,
 )
-from musique_rl.doctor.chain import stage_sentence
-from musique_rl.doctor.findings import Finding, History, judged, magnitude, mean_of, num, rule, values
+from musique_rl.doctor.findings import (
+    Finding,
+    History,
+    judged,
+    magnitude,
+    mean_of,
+    num,
+    rule,
+    stage_sentence,
+    values,
+)
+from musique_rl.doctor.step import Kind
 from musique_rl.doctor.trl_rules import (
     CLIPPED_MAX,
+    OURS,
     TREND_P,
     _ours,
     _trend,
@@ -59,7 +72,10 @@ def components_logged(m: Mapping[str, History], metric: Metric) -> list[str]:
     return sorted({s["component"] for k in m if (s := metric.segments(k)) is not None})
 
 
-@rule(H05_COMPONENT_DISAGREEMENT_SHARE, H05_COMPONENT_CONSTANT_GROUP_SHARE.of(component="answer_em"))
+@rule(stage="reward", checks={"components_disagree": Kind.DEFECT, "components_without_signal": Kind.SYMPTOM},
+      reads=(H05_COMPONENT_DISAGREEMENT_SHARE, H05_COMPONENT_CONSTANT_GROUP_SHARE),
+      needs=(H05_COMPONENT_DISAGREEMENT_SHARE, H05_COMPONENT_CONSTANT_GROUP_SHARE.of(component="answer_em")),
+      thresholds=("COMPONENT_DISAGREEMENT_MAX",))
 def _reward_components(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
     out: list[Finding] = []
     dis = values(m.get(H05_COMPONENT_DISAGREEMENT_SHARE))
@@ -82,7 +98,12 @@ def _reward_components(m: Mapping[str, History], params: Mapping[str, str]) -> l
     return out
 
 
-@rule
+@rule(stage="reward", checks={"reward_errors": Kind.DEFECT, "reward_audit": Kind.DEFECT, "answer_reward_blind": Kind.DEFECT,
+                          "reward_signal": Kind.DEFECT},
+      reads=(H05_REWARD_ERRORS, H05_REWARD_AUDIT_MISMATCH_SHARE, H05_REWARD_AUDIT_ABS_DIFF_MAX, H05_REWARD_AUDIT_MISMATCH,
+             H05_REWARD_AUDIT_CHECKED, H04_NO_ANSWER_SHARE, H05_COMPONENT_CONSTANT_GROUP_SHARE, H05_COMPONENT_MEAN,
+             H05_COMPONENT_CORR_TOTAL),
+      thresholds=("REWARD_AUDIT_MAX", "CONSTANT_SHARE", "ANSWER_PRESENT_MIN", "DEAD_MEAN"))
 def _h05(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
     out: list[Finding] = []
     errs = values(m.get(H05_REWARD_ERRORS))
@@ -151,7 +172,8 @@ TASK_REWARD_NAME = re.compile(r"correct|accura|answer|outcome|task|exact|\bem\b|
 FORMAT_REWARD_NAME = re.compile(r"format|xml|tag|length|len_|strict|soft|count|style|think")
 
 
-@rule
+@rule(stage="reward", checks={"reward_function_constant": Kind.SYMPTOM},
+      reads=(*constant_funcs.reads, *clipped_share.reads, *OURS["reward_funcs"]), thresholds=("CLIPPED_MAX",))
 def _constant_reward_func(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
     funcs = reward_funcs(m)
     if not funcs or _ours(m, "reward_funcs"):
@@ -189,7 +211,7 @@ def _constant_reward_func(m: Mapping[str, History], params: Mapping[str, str]) -
             out.append(Finding("h05", "reward_function_constant", False, 0.0,
                                f"Reward function `{f}` is {mean:.3g} for every completion (saturated): it carries "
                                "no signal, harmless unless it was meant to be the correctness reward.", ev))
-    varying = [f for f in funcs if f not in const and values(m.get(f"rewards/{f}/std"))]
+    varying = [f for f in funcs if f not in const and values(m.get(TRL_REWARDS.of(func=f, stat="std")))]
     if varying and not any(f.flagged for f in out):
         out.append(Finding("h05", "reward_function_constant", False, 0.0,
                            f"Reward functions that vary: {', '.join(varying)}. Whether each reward belongs to its "
@@ -198,15 +220,16 @@ def _constant_reward_func(m: Mapping[str, History], params: Mapping[str, str]) -
     return out
 
 
-@rule("reward")
+@rule(stage="reward", checks={"reward_rises_component_falls": Kind.SYMPTOM}, reads=(TRL_REWARD, TRL_REWARDS),
+      needs=(TRL_REWARD,), thresholds=("TREND_P", "COMPONENT_FALL_MATERIAL"))
 def _reward_vs_component(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
     funcs = reward_funcs(m)
-    total = _trend(m.get("reward"))
+    total = _trend(m.get(TRL_REWARD))
     if len(funcs) < 2 or total is None or total[1] >= TREND_P:
         return []
     falling = {}
     for f in funcs:
-        t = _trend(m.get(f"rewards/{f}/mean"))
+        t = _trend(m.get(TRL_REWARDS.of(func=f, stat="mean")))
         # one-sided p for a fall, and a fall worth a trade: at least COMPONENT_FALL_MATERIAL of what
         # the total gained (a long run makes a 0.002 drift "significant" without costing anything)
         if t is not None and 1 - t[1] < TREND_P and -t[0] >= COMPONENT_FALL_MATERIAL * total[0]:
@@ -228,7 +251,9 @@ def _reward_vs_component(m: Mapping[str, History], params: Mapping[str, str]) ->
 OVERLAP_DISAGREEMENT_MAX = 0.01
 
 
-@rule(H05_SCORER_OVERLAP_DISAGREEMENT_SHARE)
+@rule(stage="reward", checks={"scorers_disagree_on_overlap": Kind.DEFECT},
+      reads=(H05_SCORER_OVERLAP_DISAGREEMENT_SHARE, H05_SCORER_OVERLAP_CHECKED), needs=(H05_SCORER_OVERLAP_DISAGREEMENT_SHARE,),
+      thresholds=("OVERLAP_DISAGREEMENT_MAX",))
 def _scorers_agree(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
     share = mean_of(m, H05_SCORER_OVERLAP_DISAGREEMENT_SHARE) or 0.0
     checked = sum(values(m.get(H05_SCORER_OVERLAP_CHECKED)))

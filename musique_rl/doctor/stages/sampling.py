@@ -24,11 +24,12 @@ from musique_rl.base.catalogue import (
     H06_PARITY_STALE,
     H06_PARITY_TRAINER_BASE,
     PARITY_STALE_MAX,
+    TRL_SAMPLING_LOGP_DIFFERENCE,
 )
-from musique_rl.doctor.chain import stage_sentence
 from musique_rl.doctor.context import gap_threshold, late_gap_threshold
-from musique_rl.doctor.findings import Finding, History, judged, magnitude, rule, values
-from musique_rl.doctor.trl_rules import TREND_MIN_POINTS, _ours
+from musique_rl.doctor.findings import Finding, History, judged, magnitude, rule, stage_sentence, values
+from musique_rl.doctor.step import Kind
+from musique_rl.doctor.trl_rules import OURS, TREND_MIN_POINTS, _ours
 
 # H06 vs H02: the sampling-settings fit (sync.sampling_fit) "explains" a step-0 gap when the best
 # setting brings it below the gap threshold and to at most a fifth of the trainer's own gap: a change
@@ -42,7 +43,10 @@ PARITY = (H06_PARITY_SAMPLER_TRAINER, H06_PARITY_SAMPLER_BASE, H06_PARITY_TRAINE
 FITTED_SETTINGS = {"temperature_factor": H06_FIT_TEMPERATURE_FACTOR, "top_p": H06_FIT_TOP_P, "top_k": H06_FIT_TOP_K}
 
 
-@rule(GAP)
+@rule(stage="sampling", checks={"sampling_settings_differ": Kind.DEFECT, "trainer_sampler_mismatch_at_start": Kind.DEFECT},
+      reads=(GAP, COVERAGE, FLOOR, H06_FIT_GAP_TRAINER, H06_FIT_GAP_BEST, H06_LOGP_GAP_SIDE_TOOL,
+             *FITTED_SETTINGS.values(), *gap_threshold.reads),
+      needs=(GAP,), thresholds=("FIT_EXPLAINS_RATIO",))
 def _agreement_at_start(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
     """Before any update the sampler and the trainer hold the same weights: any gap past the run's
     floor is a different computation (settings, context), not drift."""
@@ -93,7 +97,9 @@ def _agreement_at_start(m: Mapping[str, History], params: Mapping[str, str]) -> 
                     f"{thr:.2g}: {why}).", ev)]
 
 
-@rule(H06_PARITY_STALE, GAP)
+@rule(stage="sampling", checks={"sampler_serves_base": Kind.DEFECT, "gap_grows": Kind.SYMPTOM, "sync": Kind.DEFECT},
+      reads=(H06_PARITY_STALE, GAP, *PARITY, *gap_threshold.reads, *late_gap_threshold.reads),
+      needs=(H06_PARITY_STALE, GAP), thresholds=("PARITY_STALE_MAX",))
 def _weight_sync(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
     out: list[Finding] = []
     stale = values(m.get(H06_PARITY_STALE))
@@ -131,20 +137,23 @@ def _weight_sync(m: Mapping[str, History], params: Mapping[str, str]) -> list[Fi
 # none), 0.09 is the level no healthy bf16 stack reaches; growth is judged against the run's start.
 LOGP_DIFF_MAX = 0.09
 LOGP_DIFF_GROWTH = 3.0  # last quarter above 3x the first steps' level: the sampler drifts from the trainer
+SAMPLER_DIFF = TRL_SAMPLING_LOGP_DIFFERENCE.of(stat="mean")
+SAMPLER_DIFF_TOP = TRL_SAMPLING_LOGP_DIFFERENCE.of(stat="max")
 
 
-@rule("sampling/sampling_logp_difference/mean")
+@rule(stage="sampling", checks={"sampler_trainer_differ_at_start": Kind.DEFECT, "sampler_trainer_drift": Kind.SYMPTOM},
+      reads=(SAMPLER_DIFF, SAMPLER_DIFF_TOP, *OURS["logp_diff"]), needs=(SAMPLER_DIFF,),
+      thresholds=("LOGP_DIFF_MAX", "LOGP_DIFF_GROWTH", "TREND_MIN_POINTS"))
 def _logp_diff(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
     if _ours(m, "logp_diff"):
         return []
-    vals = values(m.get("sampling/sampling_logp_difference/mean"))
+    vals = values(m.get(SAMPLER_DIFF))
     first = statistics.fmean(vals[: max(1, min(3, len(vals) // 4))])
     tail = statistics.fmean(vals[-max(1, len(vals) // 4):])
-    ev = {"sampling/sampling_logp_difference/mean (first steps)": first,
-          "sampling/sampling_logp_difference/mean (last quarter)": tail}
-    mx = values(m.get("sampling/sampling_logp_difference/max"))
+    ev = {f"{SAMPLER_DIFF} (first steps)": first, f"{SAMPLER_DIFF} (last quarter)": tail}
+    mx = values(m.get(SAMPLER_DIFF_TOP))
     if mx:
-        ev["sampling/sampling_logp_difference/max (median)"] = statistics.median(mx)
+        ev[f"{SAMPLER_DIFF_TOP} (median)"] = statistics.median(mx)
     if first > LOGP_DIFF_MAX:
         return [Finding("h06", "sampler_trainer_differ_at_start", True, 2 + magnitude(first / LOGP_DIFF_MAX),
                         f"From the first steps the sampler's and the trainer's log-probs differ by {first:.3g} "
@@ -182,7 +191,9 @@ def poisson_tail(k: int, mean: float) -> float:
     return max(0.0, 1.0 - below)
 
 
-@rule(H06_IDENTICAL_GROUP_EXPECTED_SHARE)
+@rule(stage="sampling", checks={"sampling_not_diverse": Kind.DEFECT},
+      reads=(H06_IDENTICAL_GROUP_SHARE, H06_IDENTICAL_GROUP_EXPECTED_SHARE), needs=(H06_IDENTICAL_GROUP_EXPECTED_SHARE,),
+      thresholds=("IDENTICAL_P_MAX", "IDENTICAL_MIN"))
 def _sampling_diverse(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
     """Identical groups over the run vs the count the sampler's own log-probs predict (Poisson)."""
     seen = dict(m.get(H06_IDENTICAL_GROUP_SHARE) or [])

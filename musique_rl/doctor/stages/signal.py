@@ -15,13 +15,15 @@ from musique_rl.base.catalogue import (
     H01_NEAR_ZERO_STD_SHARE,
     H01_SIGNAL_GROUP_SHARE,
     H01_ZERO_STD_SHARE,
+    MIN_SIGNAL_SHARE,
     PREFLIGHT_PASS_RATE_MEAN,
     PREFLIGHT_SIGNAL_SHARE_FORECAST,
     PREFLIGHT_ZERO_VARIANCE_FORECAST,
     TRL_FRAC_REWARD_ZERO_STD,
 )
-from musique_rl.doctor.findings import Finding, History, judged, magnitude, note, rule, values
-from musique_rl.doctor.trl_rules import CLIPPED_MAX, _ours, clipped_share, constant_funcs, reward_funcs
+from musique_rl.doctor.findings import Finding, History, helper_reads, judged, magnitude, note, rule, values
+from musique_rl.doctor.step import Kind
+from musique_rl.doctor.trl_rules import CLIPPED_MAX, OURS, _ours, clipped_share, constant_funcs, reward_funcs
 
 # No signal: a step on which every group tied (h01/zero_std_share = 1, TRL's frac_reward_zero_std = 1)
 # has every advantage exactly 0, so its gradient and update are 0 by construction. On at least 90%
@@ -32,6 +34,7 @@ NO_SIGNAL_STEP_SHARE = 0.9
 TIED = 1 - 1e-9
 
 
+@helper_reads(H01_ZERO_STD_SHARE, TRL_FRAC_REWARD_ZERO_STD)
 def tied_steps(m: Mapping[str, History]) -> tuple[list[int], int, str] | None:
     """(steps on which every group tied, steps logged, the metric read) or None without one."""
     for k in (H01_ZERO_STD_SHARE, TRL_FRAC_REWARD_ZERO_STD):
@@ -53,7 +56,10 @@ ADV_GROUP_SUM_MAX = 1e-3
 ADV_SIGN_MISMATCH_MAX = 0.01
 
 
-@rule(H01_ADV_GROUP_SUM_REL_MAX, H01_ADV_SIGN_MISMATCH_SHARE)
+@rule(stage="signal", checks={"advantages_not_from_groups": Kind.DEFECT},
+      reads=(H01_ADV_GROUP_SUM_REL_MAX, H01_ADV_SIGN_MISMATCH_SHARE),
+      needs=(H01_ADV_GROUP_SUM_REL_MAX, H01_ADV_SIGN_MISMATCH_SHARE),
+      thresholds=("ADV_GROUP_SUM_MAX", "ADV_SIGN_MISMATCH_MAX"))
 def _advantages_from_groups(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
     sums = values(m.get(H01_ADV_GROUP_SUM_REL_MAX))
     signs = values(m.get(H01_ADV_SIGN_MISMATCH_SHARE))
@@ -75,7 +81,9 @@ def starved_of_signal(got: tuple[list[int], int, str] | None) -> bool:
     return got is not None and got[1] >= 2 and len(got[0]) / got[1] >= NO_SIGNAL_STEP_SHARE
 
 
-@rule(H01_ZERO_STD_SHARE)
+@rule(stage="signal", checks={"no_signal": Kind.SYMPTOM}, starving=("no_signal",),
+      reads=(*tied_steps.reads, H01_ADV_ABS_MAX), needs=(H01_ZERO_STD_SHARE,),
+      thresholds=("NO_SIGNAL_STEP_SHARE", "TIED"))
 def _no_signal(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
     got = tied_steps(m)
     if got is None:
@@ -94,7 +102,9 @@ def _no_signal(m: Mapping[str, History], params: Mapping[str, str]) -> list[Find
     return []
 
 
-@rule
+@rule(stage="signal", checks={"std_amplification": Kind.DEFECT},
+      reads=(H01_AMPLIFICATION_MAX, H01_NEAR_ZERO_STD_SHARE, H01_NEAR_TIE_ADV_SHARE, H01_ADV_ABS_MAX),
+      needs=(H01_AMPLIFICATION_MAX, H01_NEAR_ZERO_STD_SHARE), thresholds=("AMPLIFICATION_MAX",))
 def _amplification(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
     amp = values(m.get(H01_AMPLIFICATION_MAX))
     near = values(m.get(H01_NEAR_ZERO_STD_SHARE))
@@ -120,11 +130,12 @@ def _amplification(m: Mapping[str, History], params: Mapping[str, str]) -> list[
 
 
 
-@rule(PREFLIGHT_SIGNAL_SHARE_FORECAST)
+@rule(stage="signal", checks={"learnability": Kind.SYMPTOM},
+      reads=(PREFLIGHT_PASS_RATE_MEAN, PREFLIGHT_ZERO_VARIANCE_FORECAST, PREFLIGHT_SIGNAL_SHARE_FORECAST,
+             H01_SIGNAL_GROUP_SHARE, *tied_steps.reads),
+      needs=(PREFLIGHT_SIGNAL_SHARE_FORECAST,), thresholds=("MIN_SIGNAL_SHARE",))
 def _preflight(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
     sig = values(m.get(PREFLIGHT_SIGNAL_SHARE_FORECAST))
-    from musique_rl.instruments.preflight import MIN_SIGNAL_SHARE
-
     ev = {k: values(m.get(k))[0] for k in (PREFLIGHT_PASS_RATE_MEAN, PREFLIGHT_ZERO_VARIANCE_FORECAST,
                                            PREFLIGHT_SIGNAL_SHARE_FORECAST) if values(m.get(k))}
     s = sig[0]
@@ -162,11 +173,13 @@ ZERO_STD_MAX = 0.5
 ZERO_STD_STARVES = 0.95
 
 
-@rule("frac_reward_zero_std")
+@rule(stage="signal", checks={"zero_variance_groups": Kind.SYMPTOM},
+      reads=(TRL_FRAC_REWARD_ZERO_STD, *OURS["zero_variance"], *constant_funcs.reads, *clipped_share.reads),
+      needs=(TRL_FRAC_REWARD_ZERO_STD,), thresholds=("ZERO_STD_MAX", "ZERO_STD_STARVES", "CLIPPED_MAX"))
 def _zero_variance(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
     if _ours(m, "zero_variance"):
         return []
-    z = values(m.get("frac_reward_zero_std"))
+    z = values(m.get(TRL_FRAC_REWARD_ZERO_STD))
     share = statistics.fmean(z)
     ev = {"frac_reward_zero_std (mean)": share, "frac_reward_zero_std (first)": z[0], "frac_reward_zero_std (last)": z[-1]}
     if share <= ZERO_STD_MAX:

@@ -18,12 +18,14 @@ from musique_rl.base.catalogue import (
     H08_UPDATE_NORM,
     H08_UPDATE_WEIGHT_RATIO,
     TRL_GRAD_NORM,
+    TRL_LEARNING_RATE,
     UPDATE_RATIO_MIN,
 )
 from musique_rl.doctor.context import LR_JUDGED_SHARE, schedule
 from musique_rl.doctor.findings import Finding, History, judged, magnitude, note, num, rule, values
 from musique_rl.doctor.stages.signal import starved_of_signal, tied_steps
-from musique_rl.doctor.trl_rules import _ours
+from musique_rl.doctor.step import Kind
+from musique_rl.doctor.trl_rules import OURS, _ours
 
 # H08: the policy has moved when the KL to its start reaches 1e-4 nats/token (a step of ~1e-3 of the
 # weights' norm moves it by ~1e-4..1e-3 per step on the tiny model); below it after the run's
@@ -47,11 +49,14 @@ MIN_UPDATE_STEPS = 3
 ADAM_STEP_MAX = 10.0
 
 
-@rule(H08_UPDATE_NORM)
+@rule(stage="update", checks={"step_changed_nothing": Kind.DEFECT, "step_larger_than_adam": Kind.DEFECT},
+      starving=("step_changed_nothing",),
+      reads=(H08_UPDATE_NORM, H08_LEARNING_RATE, H08_GRAD_NORM_AFTER_CLIP, TRL_GRAD_NORM, H08_ADAM_STEP_RATIO),
+      needs=(H08_UPDATE_NORM,), thresholds=("ADAM_STEP_MAX",))
 def _updates_apply(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
     upd = dict(m.get(H08_UPDATE_NORM) or [])
     lr = dict(m.get(H08_LEARNING_RATE) or [])
-    grad = dict(m.get(H08_GRAD_NORM_AFTER_CLIP) or m.get("grad_norm") or [])
+    grad = dict(m.get(H08_GRAD_NORM_AFTER_CLIP) or m.get(TRL_GRAD_NORM) or [])
     idle = [s for s, u in upd.items() if u == 0 and lr.get(s, 0) > 0 and grad.get(s, 0) > 0]
     ratio = values(m.get(H08_ADAM_STEP_RATIO))
     big = max(ratio, default=0.0)
@@ -75,7 +80,10 @@ def _updates_apply(m: Mapping[str, History], params: Mapping[str, str]) -> list[
                   f"(step / (lr x sqrt(n)) up to {big:.2g}).")
 
 
-@rule(RATIO)
+@rule(stage="update", checks={"updates_too_small": Kind.STARVED}, starving=("updates_too_small",),
+      reads=(RATIO, H08_KL_TO_START, H08_GRAD_NORM_BEFORE_CLIP, TRL_GRAD_NORM, H08_GRAD_NORM_AFTER_CLIP,
+             *schedule.reads, *tied_steps.reads),
+      needs=(RATIO,), thresholds=("UPDATE_RATIO_MIN", "KL_TO_START_MIN", "MIN_UPDATE_STEPS", "LR_JUDGED_SHARE"))
 def _update_size(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
     """Updates too small to move the policy, judged only at the scheduled learning rate: a step in
     the warm-up (or a decay's tail) is small by schedule, not by defect."""
@@ -127,7 +135,8 @@ def _update_size(m: Mapping[str, History], params: Mapping[str, str]) -> list[Fi
                   f"Weights move {med:.2g} of their norm per step at the scheduled learning rate.")
 
 
-@rule(H06_LORA_B_NORM)
+@rule(stage="update", checks={"lora_untrained": Kind.STARVED}, starving=("lora_untrained",), reads=(H06_LORA_B_NORM,),
+      needs=(H06_LORA_B_NORM,))
 def _adapter(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
     bnorm = values(m.get(H06_LORA_B_NORM))
     if len(bnorm) < 2:
@@ -137,7 +146,8 @@ def _adapter(m: Mapping[str, History], params: Mapping[str, str]) -> list[Findin
                   f"LoRA B matrices have left 0 (norm up to {max(bnorm):.3g}).")
 
 
-@rule(H06_BASE_CHECKSUM_DRIFT)
+@rule(stage="update", checks={"base_drift": Kind.DEFECT}, reads=(H06_BASE_CHECKSUM_DRIFT,),
+      needs=(H06_BASE_CHECKSUM_DRIFT,), thresholds=("CHECKSUM_DRIFT_MAX",))
 def _frozen_base(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
     drift = max(values(m.get(H06_BASE_CHECKSUM_DRIFT)))
     return judged("h06", "base_drift", drift > CHECKSUM_DRIFT_MAX, 3 + magnitude(drift / CHECKSUM_DRIFT_MAX),
@@ -154,11 +164,12 @@ LR_ZERO_REL = 1e-3
 LR_ZERO_SHARE = 0.25
 
 
-@rule("learning_rate")
+@rule(stage="update", checks={"learning_rate_zero": Kind.DEFECT}, starving=("learning_rate_zero",),
+      reads=(TRL_LEARNING_RATE, *OURS["lr"]), needs=(TRL_LEARNING_RATE,), thresholds=("LR_ZERO_REL", "LR_ZERO_SHARE"))
 def _lr_zero(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
     if _ours(m, "lr"):
         return []
-    lr = m.get("learning_rate") or []
+    lr = m.get(TRL_LEARNING_RATE) or []
     vals = values(lr)
     peak = max(vals)
     peak_step = next(s for s, v in lr if v == peak)
