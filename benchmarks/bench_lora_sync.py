@@ -57,8 +57,8 @@ def main() -> int:
     from sync_cycles import lora_model, run_cycles
     from trl.generation.vllm_generation import VLLMGeneration
 
+    from musique_rl.base.catalogue import CHECKSUM_DRIFT_MAX
     from musique_rl.core.weight_sync import ExactLoraSync
-    from musique_rl.doctor.diagnose import CHECKSUM_DRIFT_MAX
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", choices=["tiny", "7b"], default="tiny")

@@ -3,8 +3,8 @@
     python benchmarks/false_alarms.py                                   # the committed fixtures (+ public logs if present)
     python benchmarks/false_alarms.py --public-logs /work/runs/public_logs --record docs/records/false_alarms.md
 
-Two measurements, both through the doctor's public API only (``diagnose_metrics``, ``top_finding``,
-``triage_table`` and the readers in ``diagnostics.sources``), so they judge whichever doctor the
+Two measurements, both through the doctor's public API only (``diagnose_metrics`` and the diagnosis.json
+it writes, ``triage_table`` and the readers in ``doctor.sources``), so they judge whichever doctor the
 checkout holds:
 
 1. **False alarms.** Every healthy history is diagnosed: this project's default job on CPU
@@ -187,9 +187,7 @@ def false_alarms(case: Case, diagnosis: Sequence[Mapping[str, Any]]) -> list[str
 
 def agreement(case: Case, diagnosis: Sequence[Mapping[str, Any]]) -> tuple[str, bool]:
     """(the doctor's top finding in words, whether it agrees with the case's expectation)."""
-    from musique_rl.doctor.diagnose import top_finding
-
-    top = top_finding(diagnosis)
+    top = next((d for d in diagnosis if d["flagged"]), None)
     e = case.expected
     if top is None:
         return "clean", e.verdict == HEALTHY
@@ -201,9 +199,10 @@ def agreement(case: Case, diagnosis: Sequence[Mapping[str, Any]]) -> tuple[str, 
 
 
 def diagnose(case: Case) -> list[dict[str, Any]]:
+    """The case's diagnosis as diagnosis.json holds it (what every consumer of a run reads)."""
     from musique_rl.doctor.diagnose import diagnose_metrics
 
-    return diagnose_metrics(case.histories, case.params)
+    return diagnose_metrics(case.histories, case.params).to_json()
 
 
 def evaluate(cases: Sequence[Case]) -> list[dict[str, Any]]:
@@ -230,7 +229,8 @@ def alarm_rates(rows: Sequence[Mapping[str, Any]]) -> tuple[int, Counter, dict[s
 
 # ---------------------------------------------------------------- report
 def report(rows: Sequence[Mapping[str, Any]], missing: Sequence[str], public_logs: Path | None) -> int:
-    from musique_rl.doctor.diagnose import triage_table
+    from musique_rl.doctor.diagnosis import Diagnosis
+    from musique_rl.doctor.report import triage_table
 
     n, count, where = alarm_rates(rows)
     healthy = [r for r in rows if r["case"].expected.healthy]
@@ -266,7 +266,7 @@ def report(rows: Sequence[Mapping[str, Any]], missing: Sequence[str], public_log
         print(f"  not run (log not in {where_logs}): {', '.join(missing)}")
 
     print("\nThe doctor's own triage table of the foreign logs")
-    print(triage_table([(r["case"].name, r["diagnosis"]) for r in foreign]))
+    print(triage_table([(r["case"].name, Diagnosis.from_json(r["diagnosis"])) for r in foreign]))
     bad = sum(bool(r["false_alarms"]) for r in healthy) + sum(not r["agree"] for r in foreign)
     return 0 if bad == 0 else 1
 

@@ -104,7 +104,9 @@ def snapshot(out: Path, public_logs: Path | None, runs: list[str]) -> int:
     n = 0
     for case, spec, read in cases(public_logs, runs):
         diagnosis = diagnose_log(read(sources))
-        record = {"case": case, "source": spec, "diagnosis": diagnosis, "tags": report.diagnosis_tags(diagnosis),
+        # a typed Diagnosis writes diagnosis.json with to_json(); older doctors returned that list itself
+        as_json = diagnosis.to_json() if hasattr(diagnosis, "to_json") else diagnosis
+        record = {"case": case, "source": spec, "diagnosis": as_json, "tags": report.diagnosis_tags(diagnosis),
                   "report": report.format_diagnosis(diagnosis, verbose_missing=True).splitlines(),
                   "stage_health": report.stage_health(diagnosis)}
         (out / _file_name(case)).write_text(json.dumps(record, indent=2) + "\n")

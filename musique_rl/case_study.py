@@ -261,11 +261,10 @@ def doctor_on(job: Job) -> dict[str, Any]:
             log.warning("doctor on MLflow run %s failed (%s); reading %s/metrics.jsonl", run_id, exc, job.job_dir)
     if diagnosis is None:
         diagnosis = doctor.diagnose_metrics(_history(job.job_dir / rundir.METRICS_LOG), job.params)
-    flagged = [d for d in diagnosis if d["flagged"]]
-    top = flagged[0] if flagged else None
-    return {"arm": job.arm, "seed": job.seed, "source": source, "top": top["hypothesis"] if top else "clean",
-            "top_check": top["check"] if top else "", "top_verdict": top["verdict"] if top else "",
-            "flagged": list(dict.fromkeys(d["hypothesis"] for d in flagged))}
+    top = diagnosis.top
+    return {"arm": job.arm, "seed": job.seed, "source": source, "top": diagnosis.top_hypothesis,
+            "top_check": top.check if top else "", "top_verdict": top.verdict if top else "",
+            "flagged": list(dict.fromkeys(f.hypothesis for f in diagnosis.flagged))}
 
 
 def claims(summaries: dict[str, dict], verdicts: dict[str, dict], doctor: list[dict], seeds: list[int]) -> list[dict]:

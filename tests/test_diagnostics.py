@@ -439,7 +439,7 @@ m = Instruments(num_generations={G}, artifact_logger=None).observe_batch(
     rewards=torch.rand(n), advantages=torch.zeros(n), prompt_mask=torch.ones(n, 5, dtype=torch.long),
     completion_mask=torch.ones(n, 9, dtype=torch.long), step=0)
 top = diagnose_metrics({{"h09/long_share": [(0, m["h09/long_share"])]}})[0]
-print("measured", m["h09/long_share"], "judged", top["hypothesis"], top["check"], top["stage"], top["flagged"])
+print("measured", m["h09/long_share"], "judged", top.hypothesis, top.check, top.stage, top.flagged)
 print("missing", missing_pieces(Path("conf")))
 """
     out = _run(_h09_copy(tmp_path / "whole"), script)

@@ -66,14 +66,59 @@ def _stored_cases():
     return [(name, read(sources)) for name, _, read in cases(logs, [])]
 
 
-def test_every_rule_reads_only_what_it_declares_on_every_stored_history():
-    """Every history the repository holds (the snapshot cases), judged with the declarations enforced:
-    the same diagnosis, and no rule reads a metric it did not declare."""
+SCHEMA = ["hypothesis", "check", "flagged", "severity", "verdict", "evidence", "rank", "stage", "role"]
+EXTRA = {"cause": ["consequences"], "consequence": ["explained_by", "cause_rank"], "withdrawn": ["reason"]}
+
+
+def _schema_problems(entries: list[dict]) -> list[str]:
+    """What in a diagnosis.json breaks its contract (diagnosis.py's docstring), as words."""
+    from musique_rl.doctor.step import ORDER
+
+    bad = []
+    causes = {d["rank"]: d for d in entries if d["role"] == "cause"}
+    for i, d in enumerate(entries, start=1):
+        extra = EXTRA.get(d["role"], [])
+        if list(d) != SCHEMA + extra:
+            bad.append(f"rank {i}: keys {list(d)}")
+        ok = (isinstance(d["hypothesis"], str) and isinstance(d["check"], str) and isinstance(d["flagged"], bool)
+              and isinstance(d["severity"], float) and round(d["severity"], 3) == d["severity"]
+              and isinstance(d["verdict"], str) and d["rank"] == i and d["stage"] in ORDER
+              and all(isinstance(k, str) and (v is None or isinstance(v, float)) for k, v in d["evidence"].items()))
+        if not ok:
+            bad.append(f"rank {i}: a field of the wrong type or value: {d}")
+        if d["role"] == "consequence" and causes.get(d["cause_rank"], {}).get("hypothesis", "") + " " + causes.get(
+                d["cause_rank"], {}).get("check", "") != d["explained_by"]:
+            bad.append(f"rank {i}: explained_by {d['explained_by']} is not the cause ranked {d['cause_rank']}")
+        if d["flagged"] != (d["role"] in ("cause", "consequence")):
+            bad.append(f"rank {i}: flagged {d['flagged']} with role {d['role']}")
+    return bad
+
+
+def test_every_stored_history_is_judged_within_its_declarations_and_diagnosis_json_keeps_its_schema():
+    """Every history the repository holds (the snapshot cases): with the declarations enforced the
+    diagnosis is the same and no rule reads a metric it did not declare; diagnosis.json has the keys,
+    order and types of its contract, and reads back into the same typed Diagnosis and text."""
+    from musique_rl.doctor.diagnosis import Diagnosis
+    from musique_rl.doctor.report import format_diagnosis
+
     seen = 0
     for name, run in _stored_cases():
-        assert diagnose_metrics(run.histories, run.params, strict=True) == diagnose_metrics(run.histories, run.params), name
+        diag = diagnose_metrics(run.histories, run.params)
+        assert diagnose_metrics(run.histories, run.params, strict=True) == diag, name
+        saved = diag.to_json()
+        assert _schema_problems(saved) == [], name
+        back = Diagnosis.from_json(saved)
+        assert back.to_json() == saved and format_diagnosis(back, verbose_missing=True) == format_diagnosis(
+            diag, verbose_missing=True), name
         seen += 1
     assert seen >= 50
+
+
+def test_the_schema_check_finds_a_broken_diagnosis():
+    good = diagnose_metrics({H07_VOID_EPISODE_SHARE: [(1, 0.9), (2, 0.9)]}).to_json()
+    assert _schema_problems(good) == [] and good[0]["role"] == "cause"
+    assert _schema_problems([{**good[0], "role": "ok"}, *good[1:]])  # a flagged finding must be placed as one
+    assert _schema_problems([{k: v for k, v in good[0].items() if k != "consequences"}, *good[1:]])
 
 
 def test_every_rule_reads_only_what_it_declares_on_histories_of_every_declared_metric():
@@ -145,7 +190,7 @@ SCRIPT = f'''
 from musique_rl.doctor.diagnose import diagnose_metrics
 from musique_rl.doctor.tables import rules_table, stage_table
 top = diagnose_metrics({{"{H07_TOOL_CALLS_MEAN}": [(1, 0.0), (2, 0.0)]}})[0]
-print("top", top["hypothesis"], top["check"], top["stage"], top["role"])
+print("top", top.hypothesis, top.check, top.stage, top.role)
 print("tables", "`tool_never_called` (symptom)" in stage_table(), "TOOL_CALLS_MIN = 0.1" in rules_table())
 '''
 

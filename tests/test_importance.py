@@ -92,8 +92,8 @@ def _series(v):
 def test_the_doctor_flags_a_large_masked_share_with_its_threshold():
     flagged = diagnose_metrics({"h06/is_masked_seq_share": _series(0.35), "h06/is_ess": _series(0.26)},
                                {"train.importance_sampling": "sequence_mask"})
-    hit = [f for f in flagged if f["check"] == "importance_sampling_masks_sequences"]
-    assert hit and hit[0]["flagged"] and hit[0]["hypothesis"] == "h06"
-    assert "35%" in hit[0]["verdict"] and "threshold 20%" in hit[0]["verdict"] and "sequence_mask" in hit[0]["verdict"]
+    hit = [f for f in flagged if f.check == "importance_sampling_masks_sequences"]
+    assert hit and hit[0].flagged and hit[0].hypothesis == "h06"
+    assert "35%" in hit[0].verdict and "threshold 20%" in hit[0].verdict and "sequence_mask" in hit[0].verdict
     calm = diagnose_metrics({"h06/is_masked_seq_share": _series(0.05)}, {})
-    assert not [f for f in calm if f["check"] == "importance_sampling_masks_sequences" and f["flagged"]]
+    assert not [f for f in calm if f.check == "importance_sampling_masks_sequences" and f.flagged]

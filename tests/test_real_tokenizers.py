@@ -160,7 +160,7 @@ def test_rollouts_are_token_exact_and_every_tool_result_is_labelled_tool(standin
     assert audit["h05/reward_audit_mismatch"] == 0
     # the doctor, given these metrics for a few steps, raises no h04 alarm
     history = {k: [(s, v) for s in (1, 2, 3)] for k, v in {**integrity, **audit}.items()}
-    flagged = [(f["hypothesis"], f["check"]) for f in diagnose_metrics(history) if f["flagged"]]
+    flagged = [(f.hypothesis, f.check) for f in diagnose_metrics(history) if f.flagged]
     assert ("h04", "tool_results_altered") not in flagged and not any(h == "h05" for h, _ in flagged)
 
     # an altered tool result is still caught on the same tokenizer
@@ -367,7 +367,7 @@ def test_a_healthy_run_on_the_standin_is_diagnosed_without_an_h04_alarm(standins
         for k, v in r.items():
             if isinstance(v, int | float) and k != "step":
                 history.setdefault(k, []).append((r["step"], float(v)))
-    flagged = [(f["hypothesis"], f["check"]) for f in diagnose_metrics(history) if f["flagged"]]
+    flagged = [(f.hypothesis, f.check) for f in diagnose_metrics(history) if f.flagged]
     print(f"{spec.name}: tool results checked {sum(r['h04/tool_results_checked'] for r in rows):.0f}, altered "
           f"{sum(r['h04/tool_results_altered'] for r in rows):.0f}; flagged {flagged}")
     # what this degenerate policy really does (answers 'unknown', some turns cut) may be flagged; what

@@ -33,10 +33,11 @@ says why, in ``reason``), ``ok`` or ``no_data``.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import replace
 
 from musique_rl.base.catalogue import HYPOTHESIS
-from musique_rl.doctor.findings import CHECK_DECLARATIONS, Finding
+from musique_rl.doctor.diagnosis import Diagnosis
+from musique_rl.doctor.findings import CHECK_DECLARATIONS, Finding, Role
 from musique_rl.doctor.step import BY_NAME, ORDER, Kind
 
 
@@ -90,15 +91,15 @@ def _key(f: Finding) -> tuple:
     return (-tier(f), ORDER[stage_of(f)], -f.severity, f.hypothesis)
 
 
-@dataclass
-class Role:
-    role: str  # cause, consequence, note, withdrawn, ok, no_data
-    explained_by: Finding | None = None  # the root cause of a consequence
-    via: Finding | None = None  # the finding that directly explains it (may be the root)
+def _consequence_words(f: Finding, cause: Finding, via: Finding) -> str:
+    through = "" if via is cause else f" (through {via.hypothesis} {via.check})"
+    return (f"A consequence of {cause.hypothesis} {cause.check} ({stage_of(cause)} stage){through}, not a "
+            f"separate cause: fix that first. {f.verdict}")
 
 
-def reason(findings: Sequence[Finding]) -> tuple[list[Finding], dict[int, Role]]:
-    """The findings in diagnosis order and each one's role (keyed by id(finding)).
+def reason(findings: Sequence[Finding]) -> Diagnosis:
+    """The findings placed: in diagnosis order, each with its rank, stage and role, a consequence with
+    its root cause (``explained_by``) and the words that say so.
 
     A flagged finding explained by several upstream ones takes the most upstream as its direct
     explanation; following those links to one that nothing explains gives its root cause."""
@@ -116,21 +117,28 @@ def reason(findings: Sequence[Finding]) -> tuple[list[Finding], dict[int, Role]]
             f = parent[id(f)]
         return f
 
-    roles: dict[int, Role] = {}
     causes = sorted((f for f in flagged if id(f) not in parent), key=_key)
-    for f in causes:
-        roles[id(f)] = Role("cause")
-    consequences: list[Finding] = []
+    consequences: list[tuple[Finding, Finding]] = []  # (finding, its root cause)
     for c in causes:
         mine = sorted((f for f in flagged if id(f) in parent and root(f) is c),
                       key=lambda f: (ORDER[stage_of(f)], -f.severity))
-        for f in mine:
-            roles[id(f)] = Role("consequence", c, parent[id(f)])
-        consequences += mine
+        consequences += [(f, c) for f in mine]
     rest = [f for f in findings if not f.flagged]
+
+    def unflagged_role(f: Finding) -> Role:
+        if f.role in (Role.NOTE, Role.WITHDRAWN):
+            return Role(f.role)
+        return Role.NO_DATA if f.check == "no_data" else Role.OK
+
+    order = {Role.NOTE: 0, Role.WITHDRAWN: 1, Role.OK: 2, Role.NO_DATA: 3}
+    rest.sort(key=lambda f: (order[unflagged_role(f)], ORDER[stage_of(f)], f.hypothesis))
+    placed: dict[int, Finding] = {}
+    rank = iter(range(1, len(findings) + 1))
+    for f in causes:
+        placed[id(f)] = replace(f, stage=stage_of(f), role=Role.CAUSE, rank=next(rank))
+    for f, c in consequences:
+        placed[id(f)] = replace(f, stage=stage_of(f), role=Role.CONSEQUENCE, rank=next(rank),
+                                explained_by=placed[id(c)], verdict=_consequence_words(f, c, parent[id(f)]))
     for f in rest:
-        roles[id(f)] = Role(f.role if f.role in ("note", "withdrawn") else
-                            ("no_data" if f.check == "no_data" else "ok"))
-    order = {"note": 0, "withdrawn": 1, "ok": 2, "no_data": 3}
-    rest.sort(key=lambda f: (order[roles[id(f)].role], ORDER[stage_of(f)], f.hypothesis))
-    return causes + consequences + rest, roles
+        placed[id(f)] = replace(f, stage=stage_of(f), role=unflagged_role(f), rank=next(rank))
+    return Diagnosis(tuple(placed[id(f)] for f in [*causes, *(f for f, _ in consequences), *rest]))

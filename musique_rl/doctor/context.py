@@ -35,7 +35,7 @@ from musique_rl.base.catalogue import (
     TRL_KL,
     TRL_LEARNING_RATE,
 )
-from musique_rl.doctor.findings import Finding, History, helper_reads, num, values
+from musique_rl.doctor.findings import Finding, History, Role, helper_reads, num, values
 
 # ---------------------------------------------------------------- gap expectations (and why)
 # A gap is a defect past FLOOR_MULTIPLE x the run's floor: the floor is a mean over ~8 probe
@@ -248,6 +248,6 @@ def withdraw(findings: list[Finding], m: Mapping[str, History], params: Mapping[
         for why in (fn(f, m, params) for fn in CONTRADICTIONS.get(f.check, ())):
             if why:
                 findings[i] = Finding(f.hypothesis, f.check, False, 0.0, f"Withdrawn: {f.verdict}", f.evidence,
-                                      stage=f.stage, role="withdrawn", reason=why[0].upper() + why[1:])
+                                      stage=f.stage, role=Role.WITHDRAWN, reason=why[0].upper() + why[1:])
                 break
 

@@ -28,7 +28,8 @@ import math
 import re
 import statistics
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from enum import StrEnum
 from typing import Any
 
 from musique_rl.base.catalogue import Metric, lookup
@@ -37,21 +38,40 @@ from musique_rl.doctor.step import ORDER, Kind
 History = Sequence[tuple[int, float]]  # (step, value), sorted by step
 
 
-@dataclass
+class Role(StrEnum):
+    """A finding's place in a diagnosis (doctor/chain.py)."""
+
+    CAUSE = "cause"  # flagged, nothing upstream explains it: act on these, rank 1 first
+    CONSEQUENCE = "consequence"  # flagged, explained by an upstream cause (``explained_by``)
+    NOTE = "note"  # not flagged: a rule's remark, or an alarm that fires on healthy runs
+    WITHDRAWN = "withdrawn"  # a claim another stage's evidence refutes (``reason``)
+    OK = "ok"  # the check ran and passed
+    NO_DATA = "no_data"  # no instrument measured the hypothesis in this log
+
+
+@dataclass(frozen=True)
 class Finding:
+    """One conclusion of the doctor. A rule emits it (hypothesis, check, flagged, severity, verdict,
+    evidence; ``role`` NOTE for a remark); the rule's declaration gives it its ``stage``; the chain
+    places it: ``rank``, ``role``, and a consequence's ``explained_by`` (its root cause) and verdict."""
+
     hypothesis: str  # h01..h08, "preflight", or "unexplained" (flat reward, cause not found)
     check: str  # short machine name of the rule
     flagged: bool
-    severity: float  # 0 when not flagged
+    severity: float  # tier + magnitude; 0 when not flagged
     verdict: str  # words a researcher understands
-    evidence: dict[str, float] = field(default_factory=dict)
-    # Set by the chain (doctor/chain.py) unless a rule says so: the stage of the GRPO step the
-    # finding is about; "note" / "withdrawn" for an unflagged remark or a claim another stage's
-    # evidence contradicts (with the reason); whether this one finding starves its downstream stages.
-    stage: str = ""
-    role: str = ""
-    reason: str = ""
-    starves: bool | None = None
+    evidence: dict[str, float | None] = field(default_factory=dict)
+    stage: str = ""  # the stage of the GRPO step (the rule's declaration)
+    role: Role | None = None  # None until the chain places it (a rule may say NOTE, a withdrawal WITHDRAWN)
+    reason: str = ""  # why a claim was withdrawn
+    starves: bool | None = None  # this one finding starves its downstream stages (None: as its check declares)
+    rank: int = 0  # its place in the diagnosis, 1 = act on this (0: not placed yet)
+    explained_by: Finding | None = None  # a consequence's root cause (placed in the same diagnosis)
+
+    @property
+    def name(self) -> str:
+        """``<hypothesis> <check>``: how a diagnosis names a finding (``explained_by``, ``consequences``)."""
+        return f"{self.hypothesis} {self.check}"
 
 
 def values(h: History | None) -> list[float]:
@@ -91,7 +111,7 @@ def num(params: Mapping[str, str], key: str, default: float = 0.0) -> float:
 def note(hyp: str, check: str, verdict: str, evidence: dict[str, float] | None = None) -> Finding:
     """An unflagged remark worth reading (role "note"): a symptom that also occurs on healthy runs,
     or a check that the run's context says cannot be judged yet (e.g. during the warm-up)."""
-    return Finding(hyp, check, False, 0.0, verdict, dict(evidence or {}), role="note")
+    return Finding(hyp, check, False, 0.0, verdict, dict(evidence or {}), role=Role.NOTE)
 
 
 def judged(hyp: str, check: str, flagged: bool, severity: float, evidence: dict[str, float],
@@ -152,8 +172,7 @@ class Rule:
             if f.check not in self.checks:
                 raise RuleError(f"rule {self.name} emitted check {f.check!r}, which its @rule(checks=...) does not "
                                 f"declare (declared: {', '.join(self.checks)})")
-            f.stage = f.stage or self.stage
-        return out
+        return [replace(f, stage=f.stage or self.stage) for f in out]
 
 
 class DeclaredReads(Mapping[str, History]):
