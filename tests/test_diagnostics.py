@@ -10,6 +10,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from musique_rl.core.instrumentation import LossPass, ScoredBatch
+from musique_rl.env.episode import EpisodeSummary, StopReason
 from musique_rl.instruments import Instruments, Source
 from musique_rl.instruments.advantages import advantage_stats
 from musique_rl.instruments.episodes import episode_shape
@@ -117,12 +119,11 @@ def test_kl_on_tool_tokens_and_flipped_sign():
     assert "h03/kl_negative_share" not in start and start["h03/kl_model_mean"] == 0.0
 
 
-def _episode(stop, answer=True, dropped=0, in_ctx=True, calls=2, errors=0):
+def _episode(stop, answer=True, dropped=0, in_ctx=True, calls=2, errors=0) -> EpisodeSummary:
     last = "<think>x</think><cite>1</cite><answer>Paris</answer>" if answer else "<tool_call>{}</tool_call>"
-    return {"id": "2hop__1", "stop_reason": stop, "num_turns": 3, "tool_calls": calls, "tool_errors": errors,
-            "dropped_tool_results": dropped, "question_in_context": in_ctx,
-            "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "<answer>first</answer>"},
-                         {"role": "tool", "content": "doc"}, {"role": "assistant", "content": last}]}
+    messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "<answer>first</answer>"},
+                {"role": "tool", "content": "doc"}, {"role": "assistant", "content": last}]
+    return EpisodeSummary("2hop__1", messages, StopReason(stop), 3, calls, errors, dropped, in_ctx)
 
 
 def test_truncation_counts_caps_drops_and_missing_answers():
@@ -259,7 +260,7 @@ def test_instruments_observe_batch_covers_every_prefix_and_logs_a_view():
     ins = Instruments(num_generations=G, trajectory_views=2, artifact_logger=lambda t, f: pages.__setitem__(f, t),
                       max_prompt_tokens=5, max_completion_tokens=100)
     b = batch()
-    m = ins.observe_batch(**b, step=0)
+    m = ins.observe_batch(ScoredBatch(**b, step=0))
     prefixes = {k.split("/")[0] for k in m}
     assert {"h01", "h02", "h04", "h05", "h07", "preflight"} <= prefixes
     assert all(isinstance(v, float) and not math.isnan(v) for v in m.values())
@@ -270,16 +271,16 @@ def test_instruments_observe_batch_covers_every_prefix_and_logs_a_view():
     probe = ins.probe_inputs()
     assert probe["input_ids"].shape == (8, 14) and probe["logits_to_keep"] == 9
     assert probe["mask"].sum() == 8 * 5  # assistant tokens only
-    ins.observe_batch(**batch(seed=1), step=1)
+    ins.observe_batch(ScoredBatch(**batch(seed=1), step=1))
     assert torch.equal(ins.probe_inputs()["input_ids"], probe["input_ids"])
     assert "trajectories/step_000001.html" not in pages  # views on the probe cadence (every 10)
-    assert "preflight/pass_rate_mean" not in ins.observe_batch(**batch(seed=2), step=2)  # once only
+    assert "preflight/pass_rate_mean" not in ins.observe_batch(ScoredBatch(**batch(seed=2), step=2))  # once only
 
 
 def test_instruments_parity_probe_with_scorers():
     ins = Instruments(num_generations=G, artifact_logger=None)
     assert ins.parity_probe(trainer=model_scorer(TinyLM())) == {}  # nothing observed yet
-    ins.observe_batch(**batch(), step=0)
+    ins.observe_batch(ScoredBatch(**batch(), step=0))
     torch.manual_seed(0)
     start, moved = TinyLM(), TinyLM()
     out = ins.parity_probe(trainer=model_scorer(moved), sampler=model_scorer(start), base=model_scorer(start))
@@ -294,17 +295,17 @@ def test_instruments_observe_loss_gap_kl_and_mask():
     loss_mask = b["completion_mask"] * b["tool_mask"]
     trainer_lp = b["sampling_logps"] + 0.05 * (b["token_sources"] == A)  # off by 0.05 nats on sampled tokens
     k3 = torch.rand_like(trainer_lp)
-    m = ins.observe_loss(per_token_logps=trainer_lp, loss_mask=loss_mask, sampling_logps=b["sampling_logps"],
-                         token_sources=b["token_sources"], per_token_kl=k3, kl_mask=b["completion_mask"],
-                         kl_penalty=0.04 * k3)
+    m = ins.observe_loss(LossPass(per_token_logps=trainer_lp, loss_mask=loss_mask, sampling_logps=b["sampling_logps"],
+                                  token_sources=b["token_sources"], per_token_kl=k3, kl_mask=b["completion_mask"],
+                                  kl_penalty=0.04 * k3))
     assert m["h06/logp_gap_mean"] == pytest.approx(0.05, rel=1e-4)
     assert m["h02/kl_mask_equals_loss_mask"] == 0.0 and m["h03/kl_env_tokens"] > 0
 
 
 def test_instruments_disabled_costs_nothing():
     ins = Instruments(num_generations=G, enabled=False)
-    assert ins.observe_batch(**batch()) == {}
-    assert ins.observe_loss(per_token_logps=torch.zeros(1, 1), loss_mask=torch.ones(1, 1)) == {}
+    assert ins.observe_batch(ScoredBatch(**batch())) == {}
+    assert ins.observe_loss(LossPass(per_token_logps=torch.zeros(1, 1), loss_mask=torch.ones(1, 1))) == {}
     assert ins.observe_update(update_norm=1.0, weight_norm=1.0) == {}
     assert not ins.should_probe(0)
 
@@ -435,9 +436,10 @@ from musique_rl.doctor.diagnose import diagnose_metrics
 from musique_rl.instruments import Instruments
 torch.manual_seed(0)
 n = 2 * {G}
-m = Instruments(num_generations={G}, artifact_logger=None).observe_batch(
+from musique_rl.core.instrumentation import ScoredBatch
+m = Instruments(num_generations={G}, artifact_logger=None).observe_batch(ScoredBatch(
     rewards=torch.rand(n), advantages=torch.zeros(n), prompt_mask=torch.ones(n, 5, dtype=torch.long),
-    completion_mask=torch.ones(n, 9, dtype=torch.long), step=0)
+    completion_mask=torch.ones(n, 9, dtype=torch.long), step=0))
 top = diagnose_metrics({{"h09/long_share": [(0, m["h09/long_share"])]}})[0]
 print("measured", m["h09/long_share"], "judged", top.hypothesis, top.check, top.stage, top.flagged)
 print("missing", missing_pieces(Path("conf")))

@@ -9,6 +9,7 @@ import torch
 
 from musique_rl.doctor.diagnose import diagnose_metrics
 from musique_rl.env import rewards, tools
+from musique_rl.env.episode import EpisodeSummary
 from musique_rl.instruments.audit import RewardAudit, environment_integrity
 from musique_rl.instruments.ledger import Source
 from musique_rl.instruments.sync import logp_gap, sampling_fit
@@ -44,7 +45,7 @@ def _episode(record, answer: str, doc_text: str | None = None):
     ids = tok.encode(call) + [1] + [5] + tok.encode(tool) + [5] + tok.encode(final) + [1]
     src = ([Source.ASSISTANT] * (len(call) + 1) + [Source.TEMPLATE] + [Source.TOOL] * len(tool) + [Source.TEMPLATE]
            + [Source.ASSISTANT] * (len(final) + 1))
-    return {"id": record["id"], "messages": msgs}, ids, [int(s) for s in src]
+    return EpisodeSummary(record["id"], msgs), ids, [int(s) for s in src]
 
 
 def _batch(record, answers):
@@ -63,7 +64,7 @@ def test_reward_audit_matches_honest_rewards_and_catches_shifted_ones(toy_record
     by_id = {toy_record["id"]: toy_record}
     answers = [toy_record["answer"], "wrong", toy_record["answer"], "nope"]
     eps, ids, srcs = _batch(toy_record, answers)
-    honest = torch.tensor([rewards.total(rewards.score_episode(toy_record, e["messages"]), rewards.n_hops(toy_record),
+    honest = torch.tensor([rewards.total(rewards.score_episode(toy_record, e.messages), rewards.n_hops(toy_record),
                                          reward_cfg) for e in eps])
     audit = RewardAudit(OmegaConf.create(OmegaConf.to_container(reward_cfg)), by_id, CharTokenizer(), audit_size=4)
     ok = audit(honest, eps, ids, srcs)

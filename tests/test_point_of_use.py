@@ -255,6 +255,7 @@ def test_overlapping_scorers_disagree_when_one_reads_another_turn(toy_record):
     """An episode that cites every document it was shown: citation recall >= retrieval recall. A
     citation scorer that reads the first turn (a tool call, no citation) breaks it."""
     from musique_rl.doctor.stages.reward import _scorers_agree
+    from musique_rl.env.episode import EpisodeSummary
     from musique_rl.instruments.batch import Batch
     from musique_rl.instruments.scorer_overlap import citation_retrieval_overlap
 
@@ -270,7 +271,7 @@ def test_overlapping_scorers_disagree_when_one_reads_another_turn(toy_record):
     def share(components):
         batch = Batch(num_generations=2, near_zero_std=0.05, rewards=torch.zeros(2), advantages=torch.zeros(2),
                       prompt_mask=torch.ones(2, 1), completion_mask=torch.ones(2, 1), loss_mask=torch.ones(2, 1),
-                      episodes=[{"messages": msgs}] * 2,
+                      episodes=[EpisodeSummary(toy_record["id"], msgs)] * 2,
                       reward_components={k: [v, v] for k, v in components.items()})
         return citation_retrieval_overlap(batch)
 

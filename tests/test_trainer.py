@@ -87,12 +87,12 @@ def test_advantages_equal_trls_own_on_a_real_batch(tiny_cfg, warm_tiny, tmp_path
     torch.manual_seed(0)
     tr = _trainer(_cfg(tiny_cfg, {"train.num_generations": 8, "train.prompts_per_step": 4}), copy.deepcopy(model), tok, tmp_path)
     out = _batch(tr)
-    ours = trainer_mod.group_advantages(tr._last_rewards, 8, "group", 1e-4)
+    ours = trainer_mod.group_advantages(tr.last_batch.rewards, 8, "group", 1e-4)
     assert torch.allclose(out["advantages"], ours, atol=1e-6)
     tr._adv_epsilon = 0.5
     torch.manual_seed(0)
     out = _batch(tr)
-    assert torch.allclose(out["advantages"], trainer_mod.group_advantages(tr._last_rewards, 8, "group", 0.5))
+    assert torch.allclose(out["advantages"], trainer_mod.group_advantages(tr.last_batch.rewards, 8, "group", 0.5))
 
 
 # ---------------------------------------------------------------- parity and masks

@@ -37,6 +37,7 @@ from musique_rl.base.catalogue import (
 from musique_rl.core.rollout import rendered_tool_content, turn_text
 from musique_rl.env import answer_formats, rewards, tools
 from musique_rl.env.config import RewardConfig
+from musique_rl.env.episode import EpisodeSummary
 from musique_rl.instruments.ledger import Source
 
 # |audited - used| above which the reward the trainer used is not the reward of the sample's text.
@@ -73,12 +74,12 @@ class RewardAudit:
         # decoded by the rollout's own rule (a final eos dropped, any other stop id kept)
         return [turn_text(self.tokenizer, run) for run in _runs(ids, sources, int(Source.ASSISTANT))]
 
-    def rescore(self, episode: Mapping[str, Any], ids: Sequence[int], sources: Sequence[int]) -> float:
+    def rescore(self, episode: EpisodeSummary, ids: Sequence[int], sources: Sequence[int]) -> float:
         """The reward of this sample's text: episode's prompt and tool messages, assistant turns from ids."""
-        record = self.records_by_id[episode["id"]]
+        record = self.records_by_id[episode.id]
         turns = iter(self._assistant_texts(ids, sources))
         rebuilt = []  # the episode's messages with every assistant turn re-decoded from the trained ids
-        for m in episode.get("messages") or []:
+        for m in episode.messages:
             if m.get("role") == "assistant":  # read in the answer format the episode was written in
                 rebuilt.append(answer_formats.of_message(m).message(next(turns, "")))
             else:
@@ -86,7 +87,7 @@ class RewardAudit:
         comps = rewards.score_episode(record, rebuilt, "last")
         return rewards.total(comps, rewards.n_hops(record), self.spec)
 
-    def __call__(self, rewards_used: torch.Tensor, episodes: Sequence[Mapping[str, Any]],
+    def __call__(self, rewards_used: torch.Tensor, episodes: Sequence[EpisodeSummary],
                  completion_ids: torch.Tensor, token_sources: torch.Tensor) -> dict[str, float]:
         n = min(len(episodes), rewards_used.shape[0], completion_ids.shape[0])
         if not self.enabled or n == 0:
@@ -132,7 +133,7 @@ def document_matches_source(doc_id: str, title: str, text: str, record: Mapping[
     return False
 
 
-def environment_integrity(episodes: Sequence[Mapping[str, Any]], records_by_id: Mapping[str, dict],
+def environment_integrity(episodes: Sequence[EpisodeSummary], records_by_id: Mapping[str, dict],
                           tokenizer: Any = None, completion_ids: torch.Tensor | None = None,
                           token_sources: torch.Tensor | None = None) -> dict[str, float]:
     """h04/tool_results_checked, h04/tool_results_altered (+ _share): tool results that differ from source.
@@ -147,8 +148,8 @@ def environment_integrity(episodes: Sequence[Mapping[str, Any]], records_by_id: 
     checked = altered = 0
     rendered: dict[str, str] = {}  # content -> its rendering, once per call
     for i, ep in enumerate(episodes):
-        record = records_by_id.get(ep.get("id"))
-        tool_msgs = [m for m in ep.get("messages") or [] if m.get("role") == "tool"]
+        record = records_by_id.get(ep.id)
+        tool_msgs = [m for m in ep.messages if m.get("role") == "tool"]
         if record is None or not tool_msgs:
             continue
         decoded: list[str] | None = None

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from musique_rl.env.episode import EpisodeSummary
 from musique_rl.env.registry import Registry
 
 BATCH_INSTRUMENTS = Registry("diagnostics batch instrument")
@@ -31,7 +32,7 @@ class Batch:
     completion_mask: torch.Tensor
     loss_mask: torch.Tensor
     token_sources: torch.Tensor | None = None
-    episodes: Sequence[dict[str, Any]] = ()
+    episodes: Sequence[EpisodeSummary] = ()
     reward_components: Mapping[str, Sequence[float] | torch.Tensor] | None = None
     reward_errors: int = 0
     sampling_logps: torch.Tensor | None = None

@@ -30,10 +30,10 @@ def citation_retrieval_overlap(b: Batch) -> dict[str, float]:
     for i, ep in enumerate(b.episodes):
         if i >= len(cite_r):
             break
-        shown = set(shown_document_ids(ep.get("messages")))
+        shown = set(shown_document_ids(ep.messages))
         if not shown:
             continue
-        cited = set(parse_citations(extract_tag(assistant_turn(ep.get("messages"), "last"), "cite"), shown))
+        cited = set(parse_citations(extract_tag(assistant_turn(ep.messages, "last"), "cite"), shown))
         if cited != shown:
             continue
         c, r = float(cite_r[i]), float(retr_r[i])

@@ -1,14 +1,17 @@
 """`Instruments`: the one object the trainer calls; it returns flat metric dicts (h01..h08, preflight).
 
-Contract (docs/architecture.md, "Instruments contract"). The GRPOTrainer subclass holds
-`self.instruments = Instruments.from_config(cfg, tokenizer=...)` and calls, each returning
-`{metric_name: float}` to merge into TRL's `self._metrics[mode]` (so the numbers reach MLflow with
-TRL's own at the same step):
+Contract (docs/architecture.md, "Instruments contract"): ``Instruments`` is the core's
+``Instrumentation`` Protocol (core/instrumentation.py), called with its typed records. The GRPOTrainer
+subclass holds `self.instruments = Instruments.from_config(cfg, tokenizer=...)` and calls, each
+returning `{metric_name: float}` to merge into TRL's `self._metrics[mode]` (so the numbers reach
+MLflow with TRL's own at the same step):
 
-1. `observe_batch(...)` once per generation batch, after rewards and advantages exist
-   (end of `_generate_and_score_completions`).
-2. `observe_loss(...)` inside `_compute_loss`, once per micro-batch.
-3. `observe_update(...)` once per optimizer step; `diagnostics.callback.InstrumentsCallback`
+1. `after_scoring(ScoredBatch, RolloutReference | None)` once per generation batch, after rewards and
+   advantages exist (end of `_generate_and_score_completions`): `observe_batch` and, in training,
+   `remember_rollout`.
+2. `observe_loss(LossPass)` inside `_compute_loss`, once per micro-batch; `arm_loss`,
+   `watch_loss_logps` and `read_loss(probe, LossLayout)` around it (the point-of-use checks).
+3. `observe_update(...)` once per optimizer step; `instruments.trainer_callback.InstrumentsCallback`
    does this for you (TrainerCallback hooks around `optimizer.step()`).
 4. `parity_probe(...)` right after each weight sync into the sampler, when `should_probe(step)`.
 
@@ -20,12 +23,13 @@ first few is optional: a missing input only removes the metrics that need it.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
 from musique_rl.base.catalogue import H06_BASE_CHECKSUM_DRIFT, H06_LORA_B_NORM
+from musique_rl.core.instrumentation import LossLayout, LossPass, RolloutReference, ScoredBatch
 from musique_rl.env.config import RewardConfig
 from musique_rl.instruments import preflight
 from musique_rl.instruments.batch import Batch, batch_instruments
@@ -139,72 +143,50 @@ class Instruments:
         return self.enabled and step % self.parity_probe_every == 0
 
     # ------------------------------------------------------------------ 1. after scoring
-    @torch.no_grad()
-    def observe_batch(
-        self,
-        *,
-        rewards: torch.Tensor,
-        advantages: torch.Tensor,
-        prompt_mask: torch.Tensor,
-        completion_mask: torch.Tensor,
-        tool_mask: torch.Tensor | None = None,
-        token_sources: torch.Tensor | None = None,
-        episodes: Sequence[Mapping[str, Any]] | None = None,
-        reward_components: Mapping[str, Sequence[float] | torch.Tensor] | None = None,
-        reward_errors: int = 0,
-        prompt_ids: torch.Tensor | None = None,
-        completion_ids: torch.Tensor | None = None,
-        sampling_logps: torch.Tensor | None = None,
-        trainer_logps: torch.Tensor | None = None,
-        step: int | None = None,
-    ) -> dict[str, float]:
-        """Metrics of one generation batch (N completions = groups x G, groups contiguous).
+    def after_scoring(self, batch: ScoredBatch, reference: RolloutReference | None = None) -> dict[str, float]:
+        """The metrics of one scored batch (``observe_batch``); in training, ``reference`` (the rollout,
+        every process's rewards) is remembered for the point-of-use checks of the loss's inputs
+        (``remember_rollout``), whose sampling-diversity metrics join them."""
+        out = self.observe_batch(batch)
+        if reference is not None:
+            out.update(self.remember_rollout(reference))
+        return out
 
-        rewards: (N,) total reward per completion as the advantages were computed from it (NaN = unscorable).
-        advantages: (N,) the advantages the loss will use (TRL: output["advantages"]).
-        prompt_mask: (N, P) 1 on real prompt tokens (TRL: output["prompt_mask"]).
-        completion_mask: (N, C) 1 on real completion tokens, env tokens included (output["completion_mask"]).
-        tool_mask: (N, C) TRL's env_mask/tool_mask, 1 = token enters the loss; None = all of completion_mask.
-        token_sources: (N, C) `ledger.Source` code of every completion token, from the rollout
-          (ASSISTANT / TOOL / TEMPLATE, PAD on padding). Independent of masking: it says where a token
-          came from, the masks say what is trained.
-        episodes: N Episode dicts (docs/architecture.md): stop_reason, num_turns, tool_calls,
-          tool_errors, dropped_tool_results, question_in_context, messages.
-        reward_components: component name -> (N,) values (rewards.RewardFunction.components).
-        reward_errors: exceptions raised inside reward functions for this batch.
-        prompt_ids, completion_ids: (N, P), (N, C) token ids: the parity-probe set and trajectory view.
-        sampling_logps: (N, C) sampler log-probs of the completion tokens (TRL: sampling_per_token_logps).
-        trainer_logps: (N, C) trainer log-probs at generation time (TRL: old_per_token_logps), if computed.
-        step: optimizer step (trainer.state.global_step); default = batches seen so far.
-        """
+    @torch.no_grad()
+    def observe_batch(self, batch: ScoredBatch) -> dict[str, float]:
+        """Metrics of one generation batch (N completions = groups x G, groups contiguous; the fields:
+        core/instrumentation.py ``ScoredBatch``)."""
         if not self.enabled:
             return {}
-        step = self.batches_seen if step is None else step
+        step = self.batches_seen if batch.step is None else batch.step
         self.batches_seen += 1
         rewards, advantages, prompt_mask, completion_mask, tool_mask, token_sources = map(
-            _cpu, (rewards, advantages, prompt_mask, completion_mask, tool_mask, token_sources))
+            _cpu, (batch.rewards, batch.advantages, batch.prompt_mask, batch.completion_mask, batch.tool_mask,
+                   batch.token_sources))
         prompt_ids, completion_ids, sampling_logps, trainer_logps = map(
-            _cpu, (prompt_ids, completion_ids, sampling_logps, trainer_logps))
+            _cpu, (batch.prompt_ids, batch.completion_ids, batch.sampling_logps, batch.trainer_logps))
+        episodes = list(batch.episodes)
+        reward_components = batch.reward_components
         loss_mask = completion_mask if tool_mask is None else completion_mask * tool_mask
-        batch = Batch(
+        b = Batch(
             num_generations=self.num_generations, near_zero_std=self.near_zero_std, rewards=rewards,
             advantages=advantages, prompt_mask=prompt_mask, completion_mask=completion_mask, loss_mask=loss_mask,
-            token_sources=token_sources, episodes=list(episodes or ()), reward_components=reward_components,
-            reward_errors=reward_errors, sampling_logps=sampling_logps, trainer_logps=trainer_logps,
+            token_sources=token_sources, episodes=episodes, reward_components=reward_components,
+            reward_errors=batch.reward_errors, sampling_logps=sampling_logps, trainer_logps=trainer_logps,
             max_prompt_tokens=self.max_prompt_tokens, max_completion_tokens=self.max_completion_tokens,
         )
         out: dict[str, float] = {}
         for instrument in batch_instruments():  # every registered per-batch instrument (batch.py)
-            out.update(instrument(batch))
+            out.update(instrument(b))
         # The independent paths (audit.py): they re-read the records and re-run the reward code, so
         # they hold state (the records, a seeded sample) and are called here, not registered.
         if episodes and self.records_by_id is not None:
             from musique_rl.instruments.audit import environment_integrity
 
-            out.update(environment_integrity(list(batch.episodes), self.records_by_id, self.tokenizer, completion_ids,
+            out.update(environment_integrity(episodes, self.records_by_id, self.tokenizer, completion_ids,
                                              token_sources))
         if episodes and self.reward_audit is not None and completion_ids is not None and token_sources is not None:
-            out.update(self.reward_audit(rewards, list(batch.episodes), completion_ids, token_sources))
+            out.update(self.reward_audit(rewards, episodes, completion_ids, token_sources))
         if self.preflight is None and reward_components and "answer_em" in reward_components:
             # The first batch comes from the initial policy: its groups are the pre-flight sample.
             passed = torch.as_tensor(reward_components["answer_em"], dtype=torch.float64).nan_to_num(0.0) >= 1.0
@@ -223,39 +205,15 @@ class Instruments:
 
     # ------------------------------------------------------------------ 2. inside the loss
     @torch.no_grad()
-    def observe_loss(
-        self,
-        *,
-        per_token_logps: torch.Tensor,
-        loss_mask: torch.Tensor,
-        sampling_logps: torch.Tensor | None = None,
-        token_sources: torch.Tensor | None = None,
-        per_token_kl: torch.Tensor | None = None,
-        kl_mask: torch.Tensor | None = None,
-        kl_penalty: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        prompt_mask: torch.Tensor | None = None,
-        completion_mask: torch.Tensor | None = None,
-    ) -> dict[str, float]:
-        """Metrics of one loss micro-batch (T = completion length of the micro-batch).
-
-        per_token_logps: (N, T) the trainer's log-probs of the completion tokens in this forward pass.
-        loss_mask: (N, T) the mask the policy loss used (TRL: completion_mask * tool_mask).
-        sampling_logps: (N, T) the sampler's log-probs of the same tokens (inputs["sampling_per_token_logps"]).
-        token_sources: (N, T) `ledger.Source` codes (carry them in the generation batch dict so TRL's
-          shuffle/split keeps them aligned).
-        per_token_kl: (N, T) KL estimate per token before beta (TRL: k3); None when beta == 0.
-        kl_mask: (N, T) the mask the KL term was multiplied by; None = loss_mask.
-        kl_penalty: (N, T) the term actually added to the per-token loss (beta * kl, sign included).
-        attention_mask: (N, P + T) the attention mask given to the forward pass; with prompt_mask
-          (N, P) and completion_mask (N, T) it shows whether the trainer saw the whole context.
-        """
+    def observe_loss(self, loss: LossPass) -> dict[str, float]:
+        """Metrics of one loss micro-batch (the fields: core/instrumentation.py ``LossPass``)."""
         if not self.enabled:
             return {}
         per_token_logps, loss_mask, sampling_logps, token_sources = map(
-            _cpu, (per_token_logps, loss_mask, sampling_logps, token_sources))
-        per_token_kl, kl_mask, kl_penalty = map(_cpu, (per_token_kl, kl_mask, kl_penalty))
-        attention_mask, prompt_mask, completion_mask = map(_cpu, (attention_mask, prompt_mask, completion_mask))
+            _cpu, (loss.per_token_logps, loss.loss_mask, loss.sampling_logps, loss.token_sources))
+        per_token_kl, kl_mask, kl_penalty = map(_cpu, (loss.per_token_kl, loss.kl_mask, loss.kl_penalty))
+        attention_mask, prompt_mask, completion_mask = map(
+            _cpu, (loss.attention_mask, loss.prompt_mask, loss.completion_mask))
         out: dict[str, float] = {}
         if sampling_logps is not None:
             out.update(logp_gap(sampling_logps, per_token_logps, loss_mask, token_sources))
@@ -268,10 +226,15 @@ class Instruments:
         return out
 
     # ------------------------------------------------------------------ 2b. at the loss's point of use
-    def remember_rollout(self, **rollout: Any) -> dict[str, float]:
+    def remember_rollout(self, reference: RolloutReference) -> dict[str, float]:
         """After scoring: the rollout's episodes as the reference of the point-of-use checks
         (`loss_inputs.LossInputCheck.remember`); returns the sampling-diversity metrics."""
-        return self.loss_check.remember(**rollout) if self.loss_check is not None else {}
+        if self.loss_check is None:
+            return {}
+        return self.loss_check.remember(
+            rewards=reference.rewards, local=reference.local, prompt_ids=reference.prompt_ids,
+            completion_ids=reference.completion_ids, token_sources=reference.token_sources,
+            gather_sum=reference.gather_sum, sampling_logps=reference.sampling_logps)
 
     def arm_loss(self, inputs: dict) -> Any:
         """Before TRL's loss: the loss inputs with their advantages and reference log-probs made
@@ -283,9 +246,14 @@ class Instruments:
         if probe is not None:
             self.loss_check.watch(probe, logps)
 
-    def read_loss(self, probe: Any, **context: Any) -> dict[str, float]:
+    def read_loss(self, probe: Any, layout: LossLayout) -> dict[str, float]:
         """After the micro-batch's backward: what the loss multiplied (`LossInputCheck.read`)."""
-        return self.loss_check.read(probe, **context) if probe is not None and self.loss_check is not None else {}
+        if probe is None or self.loss_check is None:
+            return {}
+        return self.loss_check.read(
+            probe, accumulation=layout.accumulation, num_processes=layout.num_processes,
+            steps_per_generation=layout.steps_per_generation, max_completion_length=layout.max_completion_length,
+            is_ratio=layout.is_ratio, expect_full_mask=layout.expect_full_mask)
 
     # ------------------------------------------------------------------ 3. around optimizer.step()
     def observe_update(

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from musique_rl.env.episode import EpisodeSummary
 from musique_rl.instruments.ledger import Source
 
 _COLOURS = {
@@ -48,7 +49,7 @@ def render(
     advantages: torch.Tensor,
     rewards: torch.Tensor | None = None,
     sampling_logps: torch.Tensor | None = None,
-    episodes: Sequence[dict[str, Any]] | None = None,
+    episodes: Sequence[EpisodeSummary] | None = None,
     indices: Sequence[int] = (0,),
     tokenizer: Any = None,
     title: str = "trajectories",
@@ -70,7 +71,7 @@ def render(
             head += f", reward {float(rewards[i]):.3f}"
         if episodes is not None and i < len(episodes):
             e = episodes[i]
-            head += f", id {e.get('id', '?')}, stop {e.get('stop_reason', '?')}, turns {e.get('num_turns', '?')}"
+            head += f", id {e.id}, stop {e.stop_reason}, turns {e.num_turns}"
         p_ids = prompt_ids[i][prompt_mask[i].bool()].tolist()
         keep = completion_mask[i].bool()
         c_ids = completion_ids[i][keep].tolist()

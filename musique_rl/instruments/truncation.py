@@ -27,10 +27,9 @@ from musique_rl.base.catalogue import (
     H04_QUESTION_LEFT_CONTEXT_SHARE,
     H04_STOP_REASON_SHARE,
 )
+from musique_rl.env.episode import EpisodeSummary, StopReason
 from musique_rl.instruments.batch import BATCH_INSTRUMENTS, Batch
 
-STOP_REASONS = ("answer", "max_turns", "turn_budget", "episode_budget", "no_tool_call")
-BUDGET_STOPS = ("turn_budget", "episode_budget")  # token caps, as opposed to the turn cap
 _ANSWER = re.compile(r"<answer>\s*[^<\s]", re.IGNORECASE)  # non-empty answer
 
 
@@ -42,21 +41,21 @@ def has_answer(messages: Sequence[dict[str, Any]]) -> bool:
     return False
 
 
-def episode_truncation(episodes: Sequence[dict[str, Any]]) -> dict[str, float]:
+def episode_truncation(episodes: Sequence[EpisodeSummary]) -> dict[str, float]:
     """Shares over episodes: each stop reason, budget caps, dropped tool results, no answer, lost question."""
     n = len(episodes)
     if n == 0:
         return {}
     out: dict[str, float] = {}
-    reasons = [str(e.get("stop_reason", "")) for e in episodes]
-    for r in STOP_REASONS:
-        out[H04_STOP_REASON_SHARE.of(reason=r)] = sum(x == r for x in reasons) / n
-    out[H04_BUDGET_CAP_SHARE] = sum(x in BUDGET_STOPS for x in reasons) / n
-    dropped = [int(e.get("dropped_tool_results", 0) or 0) for e in episodes]
+    reasons = [e.stop_reason for e in episodes]
+    for r in StopReason:
+        out[H04_STOP_REASON_SHARE.of(reason=r)] = sum(x is r for x in reasons) / n
+    out[H04_BUDGET_CAP_SHARE] = sum(x is not None and x.budget for x in reasons) / n
+    dropped = [e.dropped_tool_results for e in episodes]
     out[H04_DROPPED_TOOL_RESULTS_MEAN] = sum(dropped) / n
     out[H04_DROPPED_TOOL_RESULTS_SHARE] = sum(d > 0 for d in dropped) / n
-    out[H04_NO_ANSWER_SHARE] = sum(not has_answer(e.get("messages") or []) for e in episodes) / n
-    out[H04_QUESTION_LEFT_CONTEXT_SHARE] = sum(not e.get("question_in_context", True) for e in episodes) / n
+    out[H04_NO_ANSWER_SHARE] = sum(not has_answer(e.messages) for e in episodes) / n
+    out[H04_QUESTION_LEFT_CONTEXT_SHARE] = sum(not e.question_in_context for e in episodes) / n
     return out
 
 
@@ -90,4 +89,4 @@ def batch_lengths(b: Batch) -> dict[str, float]:
 
 @BATCH_INSTRUMENTS.register("h04 truncation")
 def batch_truncation(b: Batch) -> dict[str, float]:
-    return episode_truncation([dict(e) for e in b.episodes]) if b.episodes else {}
+    return episode_truncation(b.episodes) if b.episodes else {}
