@@ -8,6 +8,11 @@ Only keys the code reads live here; ``???`` (MISSING) marks values an option fil
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
+import types
+import typing
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -195,6 +200,53 @@ def validate(cfg: DictConfig) -> None:
     problems = Config.problems(cfg)
     if problems:
         raise ConfigValueError("config values that cannot work:\n  " + "\n  ".join(problems))
+
+
+def _fields(cls: type) -> dict[str, Any]:
+    """{field name: its type} of a config dataclass, Optional unwrapped."""
+    out = {}
+    for name, hint in typing.get_type_hints(cls).items():
+        if name in {f.name for f in dataclasses.fields(cls)}:
+            args = [a for a in typing.get_args(hint) if a is not type(None)]
+            out[name] = args[0] if typing.get_origin(hint) in (typing.Union, types.UnionType) and len(args) == 1 else hint
+    return out
+
+
+def unknown_keys(argv: Sequence[str]) -> list[str]:
+    """``key: no such key ... (did you mean X?)`` for each command-line override that sets a key the
+    schema does not have, read from the schema's types alone: no composition, no model, nothing of
+    torch, so a typo fails at once (``python -m musique_rl env.top_nn=3``). Overrides that add
+    (``+``), delete (``~``) or choose a config group's option are left to Hydra, which checks them
+    as it composes; so is anything it cannot parse."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import OverrideType
+
+    candidates = [a for a in argv if "=" in a and not a.startswith("-")]
+    try:
+        overrides = OverridesParser.create().parse_overrides(candidates)
+    except Exception:  # Hydra's own words for a malformed override are better than a guess
+        return []
+    groups = {p.name for p in CONF_DIR.iterdir() if p.is_dir()}
+    out = []
+    for o in overrides:
+        key = o.key_or_group
+        if o.type is not OverrideType.CHANGE or key.startswith("hydra") or "/" in key or o.package:
+            continue
+        node: Any = Config
+        for depth, part in enumerate(parts := key.split(".")):
+            fields = _fields(node)
+            if part not in fields:
+                if depth == 0 and part in groups:
+                    break  # a config group the schema does not hold (+hypothesis, +case): Hydra's to check
+                where = ".".join(parts[:depth]) or "the config"
+                near = difflib.get_close_matches(part, list(fields), n=1, cutoff=0.6)
+                hint = f" (did you mean {near[0]}?)" if near else f" (its keys: {', '.join(sorted(fields))})"
+                out.append(f"{key}: {where} has no key {part!r}{hint}")
+                break
+            node = fields[part]
+            if not (isinstance(node, type) and dataclasses.is_dataclass(node)):
+                break  # a value, a list or a mapping (reward.weights.<component>): Hydra checks the rest
+    return out
 
 
 def _arm(control: Any, treatment: Any, *, _root_: Any) -> Any:

@@ -12,7 +12,8 @@ import torch
 
 from musique_rl.core.instrumentation import LossPass, ScoredBatch
 from musique_rl.env.episode import EpisodeSummary, StopReason
-from musique_rl.instruments import Instruments, Source
+from musique_rl.instruments.ledger import Source
+from musique_rl.instruments.suite import Instruments
 from musique_rl.instruments.advantages import advantage_stats
 from musique_rl.instruments.episodes import episode_shape
 from musique_rl.instruments.kl import kl_stats
@@ -433,7 +434,7 @@ import torch
 from pathlib import Path
 from contract_pieces import missing_pieces
 from musique_rl.doctor.diagnose import diagnose_metrics
-from musique_rl.instruments import Instruments
+from musique_rl.instruments.suite import Instruments
 torch.manual_seed(0)
 n = 2 * {G}
 from musique_rl.core.instrumentation import ScoredBatch

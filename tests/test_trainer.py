@@ -129,7 +129,7 @@ def test_step0_trainer_logprobs_equal_the_samplers(tiny_cfg, warm_tiny, tmp_path
 def test_blind_context_fault_breaks_parity(tiny_cfg, warm_tiny, tmp_path):
     """The planted fault (attention mask = loss mask) makes the trainer score tokens without the
     prompt and tool results: the step-0 parity check that catches it must see a large gap."""
-    from musique_rl.instruments import Instruments
+    from musique_rl.instruments.suite import Instruments
 
     model, tok = warm_tiny
     cfg = _cfg(tiny_cfg, {"fault": "blind_context"})

@@ -22,6 +22,7 @@ A retriever answers ``retrieve(query, record, top_n) -> [{id, title, text}]`` (b
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -54,17 +55,18 @@ def cache_dir() -> Path:
 _TOKEN_RE = re.compile(r"(?u)\b\w\w+\b")
 
 
+@functools.cache
 def _stopwords() -> frozenset[str]:
+    # loaded on first use, not at import: composing a config registers the retrievers, and
+    # importing bm25s (numpy, scipy: ~0.5 s) would make every config error wait for it
     from bm25s.stopwords import STOPWORDS_EN
 
     return frozenset(STOPWORDS_EN)
 
 
-_STOP = _stopwords()
-
-
 def tokenize(text: str) -> list[str]:
-    return [t for t in _TOKEN_RE.findall(text.lower()) if t not in _STOP]
+    stop = _stopwords()
+    return [t for t in _TOKEN_RE.findall(text.lower()) if t not in stop]
 
 
 def _doc_text(doc: dict) -> str:

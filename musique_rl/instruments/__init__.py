@@ -19,10 +19,6 @@
     config           the ``diagnostics`` config group the instruments read
 
 Every metric an instrument logs is a ``Metric`` declared in musique_rl/base/catalogue.py; the
-doctor (musique_rl/doctor/) judges the histories they leave in ``metrics.jsonl``.
+doctor (musique_rl/doctor/) judges the histories they leave in ``metrics.jsonl``. The package imports
+nothing itself: composing a config reads ``config`` alone, and must not wait for torch.
 """
-
-from musique_rl.instruments.ledger import Source
-from musique_rl.instruments.suite import Instruments
-
-__all__ = ["Instruments", "Source"]

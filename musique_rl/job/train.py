@@ -275,7 +275,7 @@ def train(cfg: DictConfig | Config, tracker: Tracker | None = None, run_dir: str
 
     instruments = None
     if cfg.diagnostics.enabled:
-        from musique_rl.instruments import Instruments
+        from musique_rl.instruments.suite import Instruments
 
         views = tracker.log_text if tracker is not None else None  # the HTML token view, into the run
         instruments = Instruments.from_config(cfg, tokenizer=tokenizer, artifact_logger=views, records_by_id=by_id)
