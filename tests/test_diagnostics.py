@@ -12,14 +12,13 @@ import torch
 
 from musique_rl.core.instrumentation import LossPass, ScoredBatch
 from musique_rl.env.episode import EpisodeSummary, StopReason
-from musique_rl.instruments.ledger import Source
-from musique_rl.instruments.suite import Instruments
 from musique_rl.instruments.advantages import advantage_stats
 from musique_rl.instruments.episodes import episode_shape
 from musique_rl.instruments.kl import kl_stats
-from musique_rl.instruments.ledger import attention_coverage, sources_tensor, token_ledger
+from musique_rl.instruments.ledger import Source, attention_coverage, sources_tensor, token_ledger
 from musique_rl.instruments.preflight import learnability, warning
 from musique_rl.instruments.reward_signal import reward_component_stats
+from musique_rl.instruments.suite import Instruments
 from musique_rl.instruments.sync import BaseChecksum, lora_b_norm, model_scorer, parity
 from musique_rl.instruments.truncation import episode_truncation, has_answer
 from musique_rl.instruments.updates import UpdateMeter
