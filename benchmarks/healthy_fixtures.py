@@ -28,7 +28,7 @@ OUT = ROOT / "tests" / "fixtures" / "healthy_runs"
 def compact(run_dir: Path, out: Path, name: str | None = None) -> Path:
     import yaml
 
-    from musique_rl.env.config import flatten
+    from musique_rl.base.config import flatten
 
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     if not any("train_runtime" in r for r in rows):

@@ -34,7 +34,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # this checkout's musique_rl, not whichever one the venv's editable install points at
 
-from musique_rl.env.registry import Registry  # noqa: E402  (after the path: this checkout's package)
+from musique_rl.base.registry import Registry  # noqa: E402  (after the path: this checkout's package)
 
 TABLE_KEY = "heldout-faults"  # docs/diagnostics.md's generated section
 TABLE_COMMAND = "python benchmarks/heldout_faults.py --table --write docs/diagnostics.md"

@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from musique_rl import rundir
+from musique_rl.base import rundir
 from musique_rl.base.catalogue import H02_ATTENTION_COVERAGE, H06_LOGP_GAP_MEAN
 
 log = logging.getLogger(__name__)

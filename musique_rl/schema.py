@@ -21,7 +21,17 @@ from typing import Any, ClassVar, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from musique_rl import rundir
+from musique_rl.base import rundir
+from musique_rl.base.config import (
+    CONF_DIR,
+    LAUNCHERS_DIR,
+    POSITIVE,
+    SWEEPS_DIR,
+    UNIT_OPEN_CLOSED,
+    ConfigValueError,
+    ReadOnly,
+    at_least,
+)
 from musique_rl.core import config as core_config
 from musique_rl.core.config import (  # noqa: F401  (the groups' types and enums, as schema.<name>)
     Backend,
@@ -39,20 +49,7 @@ from musique_rl.core.config import (  # noqa: F401  (the groups' types and enums
 from musique_rl.core.faults import FAULTS
 from musique_rl.env import config as env_config
 from musique_rl.env.answer_formats import ANSWER_FORMATS
-from musique_rl.env.config import (  # noqa: F401
-    CONF_DIR,
-    LAUNCHERS_DIR,
-    POSITIVE,
-    SWEEPS_DIR,
-    UNIT_OPEN_CLOSED,
-    ArithConfig,
-    ConfigValueError,
-    ReadOnly,
-    RetrievalScope,
-    RewardConfig,
-    SyntheticConfig,
-    at_least,
-)
+from musique_rl.env.config import ArithConfig, RetrievalScope, RewardConfig, SyntheticConfig  # noqa: F401
 from musique_rl.env.policies import POLICIES
 from musique_rl.env.retrieval import RETRIEVERS
 from musique_rl.env.tasks import TASKS
@@ -66,7 +63,7 @@ class Mode(StrEnum):
     eval = "eval"
 
 
-# Plug-ins: their names come from the registry where each is written (musique_rl/env/registry.py).
+# Plug-ins: their names come from the registry where each is written (musique_rl/base/registry.py).
 Policy = POLICIES.choices("Policy", __name__, extra=("model",))  # model = the configured LLM; the rest scripted
 Retriever = RETRIEVERS.choices("Retriever", __name__)  # env.retriever's allowed values: env/retrieval.py
 Fault = FAULTS.choices("Fault", __name__)  # planted defects (docs/failure_modes.md), proving the instruments only
@@ -260,7 +257,7 @@ def _arm(control: Any, treatment: Any, *, _root_: Any) -> Any:
     return treatment if str(arm) == "treatment" else control
 
 
-# CONF_DIR (env/config.py) is where every config lookup starts from (entrypoint, tools, tests): the
+# CONF_DIR (base/config.py) is where every config lookup starts from (entrypoint, tools, tests): the
 # configs are package data, so a wheel installed anywhere finds them. A user's own configs go on
 # top with Hydra's `--config-dir DIR` (searched first), never by editing this tree. Two groups live
 # outside conf/, in the top-level folders a user looks in (sweeps/, launchers/hydra/), and are

@@ -10,9 +10,9 @@ import torch
 from omegaconf import OmegaConf
 from plugin_recipe import assert_printed, run_in_copy
 
+from musique_rl.base.config import flatten
 from musique_rl.core import faults
 from musique_rl.core.faults import FAULTS, Fault
-from musique_rl.env.config import flatten
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -38,9 +38,10 @@ from typing import Any
 
 import numpy as np
 
+from musique_rl.base.config import overlay
 from musique_rl.core import tiny_model
 from musique_rl.core.config import JobConfig
-from musique_rl.env.config import EnvConfig, overlay
+from musique_rl.env.config import EnvConfig
 from musique_rl.env.tasks import gate_of
 
 log = logging.getLogger(__name__)

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from musique_rl import rundir
+from musique_rl.base import rundir
 from musique_rl.doctor.diagnose import diagnose_log, diagnose_run, save_diagnosis, write_diagnosis
 from musique_rl.doctor.report import format_diagnosis, triage_table
 

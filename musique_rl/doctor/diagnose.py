@@ -29,7 +29,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from musique_rl import rundir
+from musique_rl.base import rundir
 from musique_rl.base.catalogue import HYPOTHESES
 
 # Rules register where they are written (@rule): stages first, then reward_power, whose rules judge

@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from musique_rl import rundir
+from musique_rl.base import rundir
+from musique_rl.base.config import flatten
 from musique_rl.doctor.findings import History
-from musique_rl.env.config import flatten
 
 log = logging.getLogger(__name__)
 

@@ -22,11 +22,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from musique_rl.base.registry import Registry
 from musique_rl.env.config import EnvConfig
 from musique_rl.env.episode import EpisodeSummary, StopReason
 from musique_rl.env.parsing import final_text
 from musique_rl.env.prompts import build_messages
-from musique_rl.env.registry import Registry
 from musique_rl.env.tasks import task_for
 from musique_rl.env.tools import parse_tool_calls
 

@@ -35,8 +35,8 @@ from typing import Any
 
 import numpy as np
 
+from musique_rl.base.registry import Registry
 from musique_rl.env.config import EnvConfig
-from musique_rl.env.registry import Registry
 from musique_rl.env.tools import as_document, content_id
 
 log = logging.getLogger(__name__)

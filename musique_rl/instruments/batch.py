@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
+from musique_rl.base.registry import Registry
 from musique_rl.env.episode import EpisodeSummary
-from musique_rl.env.registry import Registry
 
 BATCH_INSTRUMENTS = Registry("diagnostics batch instrument")
 

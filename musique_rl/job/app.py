@@ -147,7 +147,7 @@ def diagnose(cfg: DictConfig, run_dir: Path, tracker: Tracker | None = None) -> 
     """The doctor on the run's own metrics.jsonl, after training, tracking on or off:
     ``<run dir>/diagnosis.json``, and the artifact + ``diagnosis`` tags of the job's MLflow run when
     tracking is on. The flagged findings go to the console. Never fails the job (the training is done)."""
-    from musique_rl import rundir
+    from musique_rl.base import rundir
     from musique_rl.core.models import process_state
 
     # the main process writes metrics.jsonl and so the diagnosis (the other ranks share its run dir)

@@ -4,7 +4,7 @@ TRL's progress callback writes the whole logs dict at every logging step (~4,000
 our instruments), between the progress bar's updates. ``StepLog`` takes its place: it keeps the
 bar and writes one line per logging step (step, reward, reward trend, KL, seconds per step, and
 the instruments out of bounds right now, by name), while every metric goes to ``metrics.jsonl``
-in the run directory (written and read by ``musique_rl.rundir`` only) and to MLflow through the
+in the run directory (written and read by ``musique_rl.base.rundir`` only) and to MLflow through the
 tracking callback. ``train.console=full`` restores TRL's dict on the console.
 """
 
@@ -18,7 +18,7 @@ from typing import Any
 
 from transformers.trainer_callback import ProgressCallback
 
-from musique_rl import rundir
+from musique_rl.base import rundir
 from musique_rl.base.catalogue import H06_LOGP_GAP_FLOOR, HYPOTHESIS
 from musique_rl.doctor.bounds import out_of_bounds
 

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
     from musique_rl.schema import Config
 
-from musique_rl import rundir
+from musique_rl.base import rundir
 from musique_rl.env.config import RewardConfig
 from musique_rl.env.data import load_records
 from musique_rl.env.rewards import (

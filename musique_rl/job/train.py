@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from musique_rl import rundir
+from musique_rl.base import rundir
 from musique_rl.core import step_time
 from musique_rl.job.result import JobResult
 
@@ -55,7 +55,7 @@ def run_directory(run_dir: str | Path | None = None) -> Path:
         if HydraConfig.initialized():
             path = Path(HydraConfig.get().runtime.output_dir)
         else:
-            from musique_rl.rundir import default_run_dir
+            from musique_rl.base.rundir import default_run_dir
 
             path = default_run_dir()
     path.mkdir(parents=True, exist_ok=True)

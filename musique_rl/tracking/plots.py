@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from musique_rl import rundir
+from musique_rl.base import rundir
 from musique_rl.base.catalogue import H01_NEAR_ZERO_STD_SHARE, H05_COMPONENT_MEAN, TRL_REWARDS
 
 

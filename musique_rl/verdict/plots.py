@@ -15,7 +15,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from musique_rl import rundir
+from musique_rl.base import rundir
 
 log = logging.getLogger(__name__)
 

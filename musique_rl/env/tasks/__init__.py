@@ -17,8 +17,8 @@ import importlib
 import pkgutil
 from typing import Any, ClassVar
 
+from musique_rl.base.registry import Registry
 from musique_rl.env.config import EnvConfig, WarmStartConfig, warm_start_config
-from musique_rl.env.registry import Registry
 
 TASKS = Registry("env.task")
 DEFAULT_TASK = "musique"  # what a config without env.task runs (the schema's default)
