@@ -31,7 +31,7 @@ def tiny_model():
 
     from musique_rl.core.models import load_model
     from musique_rl.core.tiny_model import cpu_threads_for_tiny
-    from musique_rl.core.warm_start import ensure
+    from musique_rl.core.warm_start_builder import ensure
 
     cpu_threads_for_tiny()
     cfg = job_cfg([*TEST_OVERRIDES, "lora=r8"])

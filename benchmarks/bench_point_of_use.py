@@ -66,7 +66,7 @@ def main() -> None:
     from conftest import TEST_OVERRIDES, job_cfg, with_keys
 
     from musique_rl.core.models import load_model
-    from musique_rl.core.warm_start import ensure
+    from musique_rl.core.warm_start_builder import ensure
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=10)

@@ -123,7 +123,7 @@ LEGACY_RUNS = ("healthy_seed1", "lr_to_zero")
 def dataset():
     from datasets import Dataset
 
-    from musique_rl.env.arith import generate_records
+    from musique_rl.env.arith_records import generate_records
     from musique_rl.env.tasks.arith import SYSTEM_PROMPT as ARITH_SYSTEM_PROMPT
 
     recs = generate_records("train", PROMPTS_PER_STEP * STEPS, seed=0)

@@ -169,7 +169,7 @@ def test_the_layers_are_packages_and_hold_what_they_say():
     for name in ("base", "env", "core", "instruments", "doctor"):
         assert (PKG / name / "__init__.py").is_file()
     assert {"musique_rl.env.retrieval", "musique_rl.env.rewards", "musique_rl.env.policies"} <= set(MODULES)
-    assert {"musique_rl.core.trainer", "musique_rl.core.rollout", "musique_rl.core.warm_start"} <= set(MODULES)
+    assert {"musique_rl.core.trainer", "musique_rl.core.rollout", "musique_rl.core.warm_start_builder"} <= set(MODULES)
 
 
 def test_the_model_modules_only_build_and_load():
@@ -183,7 +183,7 @@ def test_the_model_modules_only_build_and_load():
 
 
 def test_the_warm_start_builder_sits_above_rollouts_and_nothing_below_imports_it():
-    assert {"musique_rl.core.rollout", "musique_rl.core.tiny_model"} <= GRAPH["musique_rl.core.warm_start"]
+    assert {"musique_rl.core.rollout", "musique_rl.core.tiny_model"} <= GRAPH["musique_rl.core.warm_start_builder"]
     for m, targets in GRAPH.items():
         if layer(m) == "env" or m in ("musique_rl.core.rollout", "musique_rl.core.generation", "musique_rl.core.models"):
-            assert "musique_rl.core.warm_start" not in targets, m
+            assert "musique_rl.core.warm_start_builder" not in targets, m

@@ -56,7 +56,7 @@ ENV_WRITERS = {
 # Functions that assign attributes of imported library modules: process settings of a library, or
 # its state put back as it was.
 LIBRARY_SETTINGS = {
-    "musique_rl.core.warm_start:deterministic": "torch's fill_uninitialized_memory off while the warm start "
+    "musique_rl.core.warm_start_builder:deterministic": "torch's fill_uninitialized_memory off while the warm start "
                                                 "builds deterministically (a speed setting, not data)",
     "musique_rl.env.retrieval:import_pyserini_searcher": "jnius_config.add_options wrapped while pyserini starts "
                                                          "the JVM, restored in its finally",

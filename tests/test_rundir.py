@@ -11,7 +11,7 @@ import pytest
 
 from musique_rl.base import rundir
 from musique_rl.doctor import sources
-from musique_rl.tracking.plots import save_reward_curves
+from musique_rl.tracking.reward_curves import save_reward_curves
 from musique_rl.verdict.load import read_metrics as verdict_summary
 from musique_rl.verdict.plots import reward_history
 from musique_rl.verdict.sweep import VerdictError

@@ -1,5 +1,5 @@
 """The embedded CPU model (``model=tiny``): a locally built tokenizer, a small Qwen2, and where its
-warm start lives. This module builds and loads; ``musique_rl/core/warm_start.py`` trains the warm start.
+warm start lives. This module builds and loads; ``musique_rl/core/warm_start_builder.py`` trains the warm start.
 
 Nothing is downloaded:
   1. a byte-level BPE tokenizer (HF ``tokenizers``) trained on rendered warm-start conversations,

@@ -39,7 +39,7 @@ class SyntheticConfig(ReadOnly):
 
 @dataclass
 class ArithConfig(ReadOnly):
-    """The control task's generator (musique_rl/env/arith.py; env=arith)."""
+    """The control task's generator (musique_rl/env/arith_records.py; env=arith)."""
 
     num_train: int = 2000
     num_eval: int = 200

@@ -7,7 +7,7 @@ slicing (``bdsaglam/musique,answerable,train[:256]``). Each part is one of
   optionally followed by ``,name,split[slice]`` to slice it (the name is ignored);
 - ``<generator>,<name>,<split>``: a task's embedded generator (``Task.generator``,
   musique_rl/env/tasks/): ``synthetic`` (musique_rl/env/synthetic.py, ``env.synthetic`` sizes) or
-  ``arith`` (musique_rl/env/arith.py, ``env.arith`` settings; records without paragraphs, valid
+  ``arith`` (musique_rl/env/arith_records.py, ``env.arith`` settings; records without paragraphs, valid
   under ``env.task=arith``); split ``train`` gives ``num_train`` records, any other ``num_eval``.
 All parts are concatenated, validated, filtered (env.answerable_only, env.hops, env.noise_rate,
 env.max_paragraphs) and shuffled with the seed. ``load_records`` is the entry point.

@@ -99,7 +99,7 @@ def _work(cfg: DictConfig, tracker: Tracker | None, run_dir: Path) -> JobResult:
 
 def _plot(run_dir: Path, tracker: Tracker) -> None:
     """The reward curves, an artifact of the run; may not fail the job (the training is done)."""
-    from musique_rl.tracking.plots import save_reward_curves
+    from musique_rl.tracking.reward_curves import save_reward_curves
 
     try:
         path = save_reward_curves(run_dir)

@@ -65,7 +65,7 @@ def policy_episodes(cfg: Config, records: list[dict]) -> Iterator[dict]:
     from musique_rl.core.devices import place, shard_and_gather
     from musique_rl.core.models import load_model
     from musique_rl.core.rollout import run_model_episodes
-    from musique_rl.core.warm_start import ensure
+    from musique_rl.core.warm_start_builder import ensure
 
     model, tokenizer = load_model(cfg, warm_start=ensure(cfg))
     model = place(model)

@@ -215,7 +215,7 @@ def train(cfg: DictConfig | Config, tracker: Tracker | None = None, run_dir: str
     from musique_rl.core.generation import trainer_model_source
     from musique_rl.core.models import load_model, process_state
     from musique_rl.core.trainer import build_trainer, last_checkpoint
-    from musique_rl.core.warm_start import ensure, provenance
+    from musique_rl.core.warm_start_builder import ensure, provenance
     from musique_rl.env import data, rewards
     from musique_rl.env.retrieval import build_retriever
     from musique_rl.schema import job_config

@@ -36,7 +36,7 @@ class Task:
     scored_components: ClassVar[tuple[str, ...] | None] = None
     reward_hint: ClassVar[str] = ""
 
-    # The warm start of model=tiny (core/tiny_model.py, core/warm_start.py); its fixed environment
+    # The warm start of model=tiny (core/tiny_model.py, core/warm_start_builder.py); its fixed environment
     # and SFT recipe: ``warm_start()``.
     # Gate shapes: name -> env.* overrides of one episode shape the warm start is measured in.
     gate_shapes: ClassVar[dict[str, dict]] = {}

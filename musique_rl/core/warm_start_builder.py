@@ -324,7 +324,7 @@ def machine_string(cpu: Any, threads: Any, device: Any) -> str:
     return f"{cpu} | {threads} threads | {device}"
 
 
-def _build_into(cfg: JobConfig, root: Path, name: str) -> Path:
+def build_into(cfg: JobConfig, root: Path, name: str) -> Path:
     """Build in a temporary directory renamed into place: a killed build leaves no half model."""
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".building-", dir=root))
@@ -361,7 +361,7 @@ def ensure(cfg: JobConfig) -> Path | None:
         found = tiny_model.locate(cfg, key)
         if found is None:
             print(f"building the tiny warm start tiny-{key} (a few minutes on one core; cached after)", flush=True)
-            found = _build_into(cfg, root, f"tiny-{key}")
+            found = build_into(cfg, root, f"tiny-{key}")
     return found
 
 
