@@ -41,6 +41,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # this checkout's doctor, not the editable install's
+from musique_rl.base import rundir  # noqa: E402  (after the path: this checkout's)
 
 FIXTURES = ROOT / "tests" / "fixtures"
 HEALTHY_RUNS = FIXTURES / "healthy_runs"
@@ -111,7 +112,7 @@ def cpu_cases(root: Path = HEALTHY_RUNS) -> list[Case]:
     """tests/fixtures/healthy_runs/<name>/: healthy by construction (expected.json may allow a note)."""
     exp = _expectations(root / "expected.json")
     out = []
-    for d in sorted(p for p in root.glob("*") if (p / "metrics.jsonl").is_file()):
+    for d in sorted(p for p in root.glob("*") if (p / rundir.METRICS_LOG).is_file()):
         hist, params = read_fixture_run(d)
         kind = "stand-in" if d.name.startswith("standin") else "cpu run"
         out.append(Case(d.name, kind, _rel(d), hist, params,
@@ -139,7 +140,7 @@ def public_cases(logs: Path | None, expected: Path = PUBLIC_EXPECTED) -> tuple[l
     exp = _expectations(expected)
     out, missing = [], []
     for name, e in sorted(exp.items()):
-        f = (logs / name / "trainer_state.json") if logs else None
+        f = (logs / name / rundir.TRAINER_STATE) if logs else None
         if f is None or not f.is_file():
             missing.append(name)
             continue

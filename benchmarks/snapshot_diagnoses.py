@@ -60,10 +60,11 @@ def _doctor() -> tuple[Any, Any, Any]:
 
 def cases(public_logs: Path | None, runs: list[str]) -> Iterator[tuple[str, str, Callable[[Any], Any]]]:
     """(case name, what it reads, reader(sources module) -> RunLog), in a fixed order."""
-    for m in sorted(FIXTURES.rglob("metrics.jsonl")):
+    sources, _, _ = _doctor()  # the file names from the checkout's own readers (RUN_METRICS, TRAINER_STATE)
+    for m in sorted(FIXTURES.rglob(sources.RUN_METRICS)):
         d = m.parent
         yield f"run_dir/{d.relative_to(FIXTURES)}", str(d.relative_to(ROOT)), lambda s, d=d: s.read_run_dir(d)
-    for t in sorted(FIXTURES.rglob("trainer_state.json")):
+    for t in sorted(FIXTURES.rglob(sources.TRAINER_STATE)):
         yield (f"trainer_state/{t.parent.relative_to(FIXTURES)}", str(t.relative_to(ROOT)),
                lambda s, t=t: s.read_trainer_state(t))
     for name in ("history.jsonl", "wandb_export.csv"):
@@ -77,7 +78,7 @@ def cases(public_logs: Path | None, runs: list[str]) -> Iterator[tuple[str, str,
         for t in sorted(public_logs.glob("*/trainer_state.json")):
             yield f"public/{t.parent.name}", f"public_logs/{t.parent.name}", lambda s, t=t: s.read_trainer_state(t)
     for pattern in runs:
-        for m in sorted(glob.glob(str(Path(pattern) / "metrics.jsonl"))):
+        for m in sorted(glob.glob(str(Path(pattern) / sources.RUN_METRICS))):
             d = Path(m).parent
             yield f"runs/{d.parent.name}/{d.name}", str(d), lambda s, d=d: s.read_run_dir(d)
 

@@ -124,9 +124,13 @@ def test_the_run_dir_contract_sits_at_the_bottom():
     assert all(t.startswith("musique_rl.base") for m, targets in GRAPH.items() if layer(m) == "base" for t in targets)
     import re
 
-    literal = re.compile(r"""["'](metrics\.jsonl|metrics\.json|diagnosis\.json|launch\.json|jobs\.json)["']""")
-    spread = sorted(f"{m}: {hit.group(0)}" for m, path in MODULES.items() if m != "musique_rl.base.rundir"
-                    for hit in literal.finditer(path.read_text()))
+    literal = re.compile(r"""["'](metrics\.jsonl|metrics\.json|diagnosis\.json|launch\.json|jobs\.json|verdict\.json"""
+                         r"""|status\.md|trainer_state\.json)["']""")
+    # the package, the launcher plugin and the benchmarks (which read and write run dirs too); the
+    # snapshot script reads its names through the doctor's sources, whichever layout a checkout has
+    others = [*sorted((PKG.parent / "hydra_plugins").rglob("*.py")), *sorted((PKG.parent / "benchmarks").glob("*.py"))]
+    files = {m: path for m, path in MODULES.items() if m != "musique_rl.base.rundir"} | {str(p): p for p in others}
+    spread = sorted(f"{m}: {hit.group(0)}" for m, path in files.items() for hit in literal.finditer(path.read_text()))
     assert not spread, "run-dir file names spelled outside musique_rl/base/rundir.py:\n" + "\n".join(spread)
 
 

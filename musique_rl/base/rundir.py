@@ -46,6 +46,7 @@ SUMMARY = "metrics.json"
 DIAGNOSIS = "diagnosis.json"
 EPISODES = "episodes.jsonl"
 CHECKPOINTS = "checkpoints"
+TRAINER_STATE = "trainer_state.json"  # transformers' log of a checkpoint-<N> (ours under checkpoints/, or a TRL run's)
 PLOTS = "plots"
 IDENTITY = "launch.json"
 LOCK = ".launch.lock"
@@ -55,6 +56,7 @@ OVERRIDES = f"{HYDRA_DIR}/overrides.yaml"
 # ---------------------------------------------------------------- a sweep directory's names
 JOBS = "jobs.json"
 VERDICT = "verdict.json"
+STATUS = "status.md"  # the verdict's row of docs/STATUS.md, beside verdict.json
 OUTPUTS = "outputs"  # where a run outside Hydra (a test, a notebook) puts its run directory
 
 
@@ -165,6 +167,25 @@ def read_summary(run_dir: str | Path | None) -> dict[str, Any] | None:
     if not isinstance(data, dict):
         raise RunFileError(f"{path} is not a JSON object")
     return data
+
+
+def newest_checkpoint_file(directory: str | Path, name: str = TRAINER_STATE) -> Path | None:
+    """``<directory>/checkpoint-<N>/<name>`` of the highest N that holds one (the most steps), or None."""
+    found = [c for c in Path(directory).glob("checkpoint-*") if (c / name).is_file() and c.name.split("-")[-1].isdigit()]
+    return max(found, key=lambda c: int(c.name.split("-")[-1])) / name if found else None
+
+
+def read_trainer_log(path: str | Path) -> dict[str, Any]:
+    """A transformers ``trainer_state.json`` whose ``log_history`` is a list (one entry per logging
+    step); a file that is not one is a ``RunFileError`` naming it."""
+    path = Path(path)
+    try:
+        state = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise RunFileError(f"{path}: not a readable {TRAINER_STATE} ({exc})") from None
+    if not isinstance(state, dict) or not isinstance(state.get("log_history"), list):
+        raise RunFileError(f"{path}: no log_history list (is this a transformers {TRAINER_STATE}?)")
+    return state
 
 
 def write_diagnosis(path: str | Path, diagnosis: Any) -> Path:

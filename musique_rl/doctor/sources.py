@@ -16,7 +16,6 @@ where the source holds them), and ``home``, the directory ``diagnosis.json`` goe
 from __future__ import annotations
 
 import csv
-import json
 import logging
 import math
 import re
@@ -32,7 +31,7 @@ from musique_rl.doctor.findings import History
 log = logging.getLogger(__name__)
 
 RUN_METRICS = rundir.METRICS_LOG  # what every training run of this project writes, one JSON object per logged step
-TRAINER_STATE = "trainer_state.json"
+TRAINER_STATE = rundir.TRAINER_STATE
 # The step of a row, first match wins: the trainer's own step before a logger's row counter
 # (W&B's `_step` counts logged rows, which differs from the trainer's step when eval rows interleave).
 STEP_COLUMNS = ("step", "train/global_step", "global_step", "trainer/global_step", "_step", "Step")
@@ -191,21 +190,19 @@ def find_trainer_state(path: str | Path) -> Path:
         return p
     if (p / TRAINER_STATE).is_file():
         return p / TRAINER_STATE
-    ckpts = [c for c in p.glob("checkpoint-*") if (c / TRAINER_STATE).is_file() and c.name.split("-")[-1].isdigit()]
-    if not ckpts:
+    newest = rundir.newest_checkpoint_file(p, TRAINER_STATE)
+    if newest is None:
         raise SourceError(f"{p}: no {TRAINER_STATE}, and no checkpoint-*/{TRAINER_STATE} under it")
-    return max(ckpts, key=lambda c: int(c.name.split("-")[-1])) / TRAINER_STATE
+    return newest
 
 
 def read_trainer_state(path: str | Path) -> RunLog:
     """A transformers Trainer's ``trainer_state.json``: its ``log_history``, one entry per logging step."""
     f = find_trainer_state(path)
     try:
-        state = json.loads(f.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise SourceError(f"{f}: not a readable {TRAINER_STATE} ({e})") from None
-    if not isinstance(state, dict) or not isinstance(state.get("log_history"), list):
-        raise SourceError(f"{f}: no log_history list (is this a transformers {TRAINER_STATE}?)")
+        state = rundir.read_trainer_log(f)
+    except rundir.RunFileError as e:
+        raise SourceError(str(e)) from None
     rows = [e for e in state["log_history"] if isinstance(e, dict) and "step" in e]
     params = {k: str(state[k]) for k in ("max_steps", "logging_steps", "train_batch_size", "global_step")
               if k in state}
