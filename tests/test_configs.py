@@ -170,13 +170,16 @@ def test_a_rule_for_a_renamed_field_is_an_error_not_a_skip():
 
 def test_bad_values_are_named_by_dotted_key_before_anything_is_built():
     cfg = compose(config_name="train", overrides=["gpu.vllm_gpu_memory_utilization=1.5", "lora.r=0",
-                                                  "env.synthetic.hops=[2,0]", "train.importance_sampling_clip_min=4"])
+                                                  "env.synthetic.hops=[2,0]", "train.importance_sampling_clip_min=4",
+                                                  "env.retriever=lucene", "+reward.weights.answer_emm=1.0"])
     with pytest.raises(schema.ConfigValueError) as err:
         schema.validate(cfg)
     text = str(err.value)
     for problem in ("gpu.vllm_gpu_memory_utilization=1.5: must be in (0, 1]", "lora.r=0: must be >= 1",
-                    "env.synthetic.hops=[2, 0]: must be hop counts, each >= 1",
-                    "train.importance_sampling_clip_min=4.0 >= train.importance_sampling_clip_max=3.0"):
+                    "env.synthetic.hops=[2, 0]: must be hop counts the generator writes, each 2, 3 or 4",
+                    "train.importance_sampling_clip_min=4.0 >= train.importance_sampling_clip_max=3.0",
+                    "env.retriever=lucene searches a corpus-wide index: set env.scope=corpus",
+                    "reward.weights.answer_emm: unknown reward component"):
         assert problem in text
     with pytest.raises(schema.ConfigValueError, match=r"lora.r=0: must be >= 1"):
         job_config(cfg)  # the typed config is never built from it

@@ -33,8 +33,10 @@ def test_the_metrics_of_a_hand_made_batch():
     tok = importance_metrics(gaps, torch.zeros_like(gaps), mask, "token_mask", 0.95, 3.0)
     assert tok["h06/is_masked_token_share"] == pytest.approx(1 / 5)  # exp(-0.1) = 0.905 < 0.95
     assert tok["h06/is_masked_seq_share"] == 0  # no sequence lost every token
-    with pytest.raises(ValueError, match="train.importance_sampling='sequence_clip'"):
-        importance_weights(gaps, gaps, mask, "sequence_clip", None, 3.0)
+    from musique_rl.core.config import ImportanceSampling
+
+    with pytest.raises(ValueError, match="'sequence_clip' is not a valid ImportanceSampling"):
+        ImportanceSampling("sequence_clip")  # the config's type refuses a mode TRL does not have
 
 
 @pytest.mark.parametrize("mode", ["sequence_mask", "token_truncate"])

@@ -110,10 +110,8 @@ def group_advantages(
         std = nanstd(grouped, dim=1).repeat_interleave(num_generations)
     elif scale_rewards == "batch":
         std = nanstd(rewards).expand_as(rewards)
-    elif scale_rewards == "none":
+    else:  # "none" (loss.scale_rewards is a ScaleRewards: group, batch or none; the schema refuses any other)
         std = None
-    else:
-        raise ValueError(f"loss.scale_rewards={scale_rewards!r}: expected group, batch or none")
     if std is not None:
         advantages = advantages / (std + epsilon)
     return torch.nan_to_num(advantages, nan=0.0)
@@ -571,50 +569,8 @@ def batch_layout(t: TrainSettings, world: int) -> tuple[int, int]:
     loss_type dapo (tokens of the whole batch), grpo and dr_grpo (equal micro-batches); bnpo
     normalises per micro-batch by definition (tests/test_trainer.py).
     """
-    P, G = t.prompts_per_step, t.num_generations
-    if P % world:  # each process must hold whole groups: P x G episodes over `world` = P / world groups each
-        raise ValueError(
-            f"train.prompts_per_step x train.num_generations = {P} x {G} = {P * G} episodes per step cannot be split "
-            f"into whole groups over {world} trainer processes (train.prompts_per_step must be a multiple of "
-            f"{world}). Nearest valid: {'; '.join(nearest_batch_settings(t, world))}"
-        )
-    local = P * G // world
-    # At most micro_batch_size episodes per pass: a model config's default (conf/model) may exceed a
-    # small batch, which then runs in one pass.
-    micro = local if t.micro_batch_size is None else min(t.micro_batch_size, local)
-    if micro < 1 or local % micro:
-        raise ValueError(
-            f"train.micro_batch_size={t.micro_batch_size}: must be >= 1 and divide the {local} episodes each of the "
-            f"{world} process(es) trains per step (train.prompts_per_step x train.num_generations / processes). "
-            f"Nearest valid: {'; '.join(nearest_batch_settings(t, world))}"
-        )
-    return micro, local // micro
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def nearest_batch_settings(t: TrainSettings, world: int) -> list[str]:
-    """Settings closest to ``t``'s (the train group's) that ``batch_layout`` accepts on ``world`` processes, as config
-    overrides (what an error proposes): the nearest multiples of ``world`` for
-    ``train.prompts_per_step``, a ``train.micro_batch_size`` that divides each process's episodes,
-    and the process counts that divide the batch as it is."""
-    P, G = t.prompts_per_step, t.num_generations
-    mb = None if t.micro_batch_size is None else t.micro_batch_size
-    out = []
-    below, above = P // world * world, -(-P // world) * world
-    for p in dict.fromkeys(x for x in (P, below, above) if x >= world):
-        local = p * G // world
-        parts = [] if p == P else [f"train.prompts_per_step={p}"]
-        if p % world == 0:
-            if mb is not None and (mb < 1 or local % min(mb, local)):
-                parts.append(f"train.micro_batch_size={max(d for d in _divisors(local) if d <= max(mb, 1))}")
-            if parts:
-                out.append(" ".join(parts) + f" ({p * G // world} episodes per process)")
-    fits = [n for n in _divisors(P) if n <= max(world, 8)]
-    out.append(f"or {' / '.join(map(str, fits))} trainer processes with train.prompts_per_step={P}")
-    return out
+    micro = t.validate(world)  # the runtime fact the schema cannot check: the processes the batch splits over
+    return micro, t.prompts_per_step * t.num_generations // world // micro
 
 
 def vllm_context_length(env: EnvConfig) -> int:

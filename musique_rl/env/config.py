@@ -16,7 +16,16 @@ from typing import Any, ClassVar, Dict, List, Optional
 
 from omegaconf import MISSING, OmegaConf
 
-from musique_rl.base.config import CONF_DIR, HOP_COUNTS, POSITIVE, UNIT, ReadOnly, at_least
+from musique_rl.base.config import (
+    CONF_DIR,
+    HOP_COUNTS,
+    POSITIVE,
+    UNIT,
+    ReadOnly,
+    Rule,
+    at_least,
+    config_value,
+)
 
 
 class RetrievalScope(StrEnum):
@@ -34,7 +43,16 @@ class SyntheticConfig(ReadOnly):
     num_paragraphs: int = 6  # supporting + distractors per record
 
     RULES: ClassVar = {"num_train": at_least(1), "num_eval": at_least(0), "num_paragraphs": at_least(1),
-                       "hops": HOP_COUNTS}
+                       "hops": Rule(lambda hops: bool(hops) and all(int(h) in (2, 3, 4) for h in hops),
+                                    "hop counts the generator writes, each 2, 3 or 4", items=True)}
+
+    @classmethod
+    def relations(cls, node: Any, prefix: str) -> list[str]:
+        hops, paragraphs = config_value(node, "hops"), config_value(node, "num_paragraphs")
+        if hops and paragraphs is not None and paragraphs <= max(int(h) for h in hops):
+            return [f"{prefix}num_paragraphs={paragraphs}: must exceed the largest hop count {max(int(h) for h in hops)} "
+                    "(supporting paragraphs plus at least one distractor)"]
+        return []
 
 
 @dataclass
@@ -46,7 +64,10 @@ class ArithConfig(ReadOnly):
     max_operand: int = 9  # operands 1..max_operand, results 0..2*max_operand (every number one token)
     ops: List[str] = field(default_factory=lambda: ["+", "-"])
 
-    RULES: ClassVar = {"num_train": at_least(1), "num_eval": at_least(0), "max_operand": at_least(1)}
+    RULES: ClassVar = {"num_train": at_least(1), "num_eval": at_least(0),
+                       "max_operand": Rule(lambda v: 1 <= v <= 50, "in 1..50 (every number one token)"),
+                       "ops": Rule(lambda ops: bool(ops) and all(o in ("+", "-") for o in ops), "operations, each '+' or '-'",
+                                   items=True)}
 
 
 @dataclass
@@ -79,6 +100,24 @@ class EnvConfig(ReadOnly):
     RULES: ClassVar = {"hops": HOP_COUNTS, "noise_rate": UNIT, "max_paragraphs": at_least(1), "top_n": at_least(1),
                        "max_turns": at_least(1), "max_prompt_tokens": at_least(1), "max_tokens_per_turn": at_least(1),
                        "max_completion_tokens": at_least(1)}
+    # retrievers that search one corpus-wide index, whatever the question (env/retrieval.py): they need
+    # env.scope=corpus
+    CORPUS_RETRIEVERS: ClassVar = ("lucene",)
+
+    @classmethod
+    def relations(cls, node: Any, prefix: str) -> list[str]:
+        retriever, scope = config_value(node, "retriever"), config_value(node, "scope")
+        if retriever in cls.CORPUS_RETRIEVERS and scope is not None and str(scope) != RetrievalScope.corpus:
+            return [f"{prefix}retriever={retriever} searches a corpus-wide index: set {prefix}scope=corpus "
+                    f"(or use {prefix}retriever=bm25)"]
+        return []
+
+
+# The reward components a weight can name (musique_rl/env/rewards.py scores each; its docstring says
+# each one's range). Here, beside RewardConfig, so a weight of no component fails when the config is
+# checked, before any record is scored.
+REWARD_COMPONENTS = ("answer_em", "answer_f1", "retrieval_recall", "retrieval_precision", "citation_recall",
+                     "citation_precision", "citation_f1", "format")
 
 
 @dataclass
@@ -92,6 +131,13 @@ class RewardConfig(ReadOnly):
     shuffle_within_batch: bool = False  # negative control: permute rewards inside each batch
 
     RULES: ClassVar = {"normalizer": POSITIVE}
+
+    @classmethod
+    def relations(cls, node: Any, prefix: str) -> list[str]:
+        weights = config_value(node, "weights")
+        names = [] if weights is None or not hasattr(weights, "keys") else [str(k) for k in weights.keys()]
+        return [f"{prefix}weights.{k}: unknown reward component; choose from {list(REWARD_COMPONENTS)}"
+                for k in sorted(set(names) - set(REWARD_COMPONENTS))]
 
 
 @dataclass

@@ -225,19 +225,11 @@ def _subsample_paragraphs(rec: dict, env_cfg: EnvConfig, seed: int) -> dict:
     return {**rec, "paragraphs": kept}
 
 
-def _check_env(env_cfg: EnvConfig) -> None:
-    if not 0.0 <= env_cfg.noise_rate <= 1.0:
-        raise ValueError(f"env.noise_rate={env_cfg.noise_rate}: a probability of keeping a distractor, in [0, 1]")
-    if env_cfg.max_paragraphs is not None and env_cfg.max_paragraphs < 1:
-        raise ValueError(f"env.max_paragraphs={env_cfg.max_paragraphs}: must be >= 1 or null")
-
-
 def load_records(spec: str, env_cfg: EnvConfig, seed: int, stats: dict | None = None) -> list[dict]:
     """Load, validate, filter and shuffle the records of ``spec`` (module docstring).
 
     ``stats``, when given, is filled with counts: loaded, invalid, unanswerable, wrong_hops, kept.
     """
-    _check_env(env_cfg)
     raw: list[tuple[dict, str]] = []
     malformed = {"invalid": 0}  # lines of local files that are not JSON (skipped under env.skip_invalid)
     for part in parse_spec(spec):

@@ -245,8 +245,7 @@ class LuceneRetriever(Retriever):
     name = "lucene"
 
     def __init__(self, scope: str, corpus: list[dict] | None = None):
-        if scope != "corpus":
-            raise ValueError("env.retriever=lucene searches a corpus-wide index: set env.scope=corpus (or use env.retriever=bm25)")
+        # scope=corpus is the env group's relation (EnvConfig.CORPUS_RETRIEVERS): refused when the config is checked
         super().__init__(scope, corpus)
         LuceneSearcher = import_pyserini_searcher()
         self.index_dir = build_lucene_index(corpus)
@@ -360,9 +359,7 @@ def build_retriever(env_cfg: EnvConfig, records: list[dict] | None = None, warm:
     """The retriever named by env.retriever over env.scope; ``records`` feed the default corpus
     and, with ``warm``, the precomputed per-question indexes."""
     retriever_class = RETRIEVERS[env_cfg.retriever]  # an unknown name fails here, listing the registered ones
-    scope = env_cfg.scope
-    if scope not in ("question", "corpus"):
-        raise ValueError(f"env.scope={scope!r}: choose 'question' or 'corpus'")
+    scope = env_cfg.scope  # a RetrievalScope: question or corpus
     corpus = load_corpus(env_cfg, records or []) if scope == "corpus" else None
     if corpus is not None and not corpus:
         raise ValueError("env.scope=corpus: the corpus is empty (set env.corpus or load records)")

@@ -31,7 +31,6 @@ from musique_rl.env.rewards import (
     COMPONENTS,
     RewardSpec,
     as_spec,
-    check_weights,
     max_total,
     n_hops,
     score_episode,
@@ -149,7 +148,6 @@ def evaluate(cfg: DictConfig | Config, tracker: Tracker | None = None, run_dir: 
     from musique_rl.schema import job_config
 
     cfg = job_config(cfg)  # the one place an eval job's composed DictConfig becomes its typed, read-only Config
-    check_weights(cfg.reward)
     data_stats: dict = {}
     records = load_records(cfg.env.data, cfg.env, cfg.seed, stats=data_stats)
     records_by_id = {r["id"]: r for r in records}

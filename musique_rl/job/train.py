@@ -224,7 +224,6 @@ def train(cfg: DictConfig | Config, tracker: Tracker | None = None, run_dir: str
 
     cfg = job_config(cfg)  # the one place a training job's composed DictConfig becomes its typed, read-only Config
     t0 = time.time()
-    rewards.check_weights(cfg.reward)
     _quiet_library_deprecations()
     logging.getLogger("bm25s").setLevel(logging.WARNING)  # one DEBUG line per indexed record otherwise
     state = process_state()
