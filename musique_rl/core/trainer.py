@@ -194,7 +194,7 @@ class MusiqueGRPOTrainer(GRPOTrainer):
         adv_epsilon: float,
         fault: Fault,
         engine: Any,
-        instruments: Any = None,
+        instruments: Instrumentation | None = None,
         sampler_model: Any = None,
         base_model: Any = None,
         **trl_kwargs: Any,
@@ -730,7 +730,7 @@ def build_trainer(
     output_dir: str | Path,
     *,
     fault: Fault,
-    instruments: Any = None,
+    instruments: Instrumentation | None = None,
     callbacks: list | None = None,
 ) -> Any:
     """The configured MusiqueGRPOTrainer, its rollout engine and generator bound. ``fault``: the
