@@ -11,6 +11,7 @@ from omegaconf import OmegaConf
 from musique_rl.base.catalogue import LOGP_GAP_MAX
 from musique_rl.doctor.context import GAP_ABS_MIN
 from musique_rl.doctor.diagnose import diagnose_metrics
+from musique_rl.env.episode import EpisodeSummary, StopReason
 from musique_rl.instruments.advantages import advantage_stats
 from musique_rl.instruments.episodes import episode_shape
 from musique_rl.instruments.floor import mismatch_floor
@@ -203,8 +204,8 @@ def test_spread_falling_before_the_mean_and_void_turns_are_alarms():
     assert flagged(diagnose_metrics(with_(falls)), "spread_falls_first")
     learns = {**falls, "reward": series(lambda s: 0.3 + 0.03 * s)}  # spread falls because the policy got it right
     assert not flagged(diagnose_metrics(with_(learns)), "spread_falls_first")
-    eps = [{"num_turns": 1, "tool_calls": 0, "stop_reason": "no_tool_call"}] * 3 + [
-        {"num_turns": 3, "tool_calls": 2, "stop_reason": "answer"}]
+    eps = [EpisodeSummary("q", num_turns=1, tool_calls=0, stop_reason=StopReason.NO_TOOL_CALL)] * 3 + [
+        EpisodeSummary("q", num_turns=3, tool_calls=2, stop_reason=StopReason.ANSWER)]
     shape = episode_shape(eps)
     assert shape["h07/void_episode_share"] == 0.75 and shape["h07/void_turn_share"] == 0.5
     diag = diagnose_metrics(with_({"h07/void_episode_share": series(lambda s: 0.05 + 0.03 * s)}))

@@ -196,7 +196,7 @@ def test_qwen3_episodes_are_token_exact_under_its_own_template_and_score_the_ans
     used = torch.tensor([rewards.total(rewards.score_episode(by_id[e["id"]], e["messages"]),
                                        rewards.n_hops(by_id[e["id"]]), rewards.as_spec(cfg.reward)) for e in dicts])
     audit = RewardAudit(cfg.reward, by_id, tok, audit_size=len(dicts))(
-        used, dicts, completion, sources_tensor([ep.sources for ep in episodes], width))
+        used, [ep.summary() for ep in episodes], completion, sources_tensor([ep.sources for ep in episodes], width))
     assert audit["h05/reward_audit_checked"] == len(dicts) and audit["h05/reward_audit_mismatch"] == 0
 
 

@@ -151,12 +151,13 @@ def test_rollouts_are_token_exact_and_every_tool_result_is_labelled_tool(standin
     sources = sources_tensor([ep.sources for ep in episodes], width)
     by_id = {r["id"]: r for r in records}
     dicts = [ep.as_dict() for ep in episodes]
-    integrity = environment_integrity(dicts, by_id, tok, completion, sources)
+    summaries = [ep.summary() for ep in episodes]  # what the instruments read
+    integrity = environment_integrity(summaries, by_id, tok, completion, sources)
     assert integrity["h04/tool_results_checked"] == n_results and integrity["h04/tool_results_altered"] == 0
     used = torch.tensor([rewards.total(rewards.score_episode(by_id[e["id"]], e["messages"]),
                                        rewards.n_hops(by_id[e["id"]]), rewards.as_spec(cfg.reward)) for e in dicts])
     assert float(used.mean()) > 0.5  # the oracle's answers are right: the tokenizer did not break them
-    audit = RewardAudit(cfg.reward, by_id, tok, audit_size=len(dicts))(used, dicts, completion, sources)
+    audit = RewardAudit(cfg.reward, by_id, tok, audit_size=len(dicts))(used, summaries, completion, sources)
     assert audit["h05/reward_audit_mismatch"] == 0
     # the doctor, given these metrics for a few steps, raises no h04 alarm
     history = {k: [(s, v) for s in (1, 2, 3)] for k, v in {**integrity, **audit}.items()}
@@ -167,7 +168,7 @@ def test_rollouts_are_token_exact_and_every_tool_result_is_labelled_tool(standin
     victim = next(i for i, s in enumerate(episodes[0].sources) if s == "tool")
     altered = completion.clone()
     altered[0, victim + 3] += 1
-    assert environment_integrity(dicts[:1], by_id, tok, altered[:1], sources[:1])["h04/tool_results_altered"] == 1
+    assert environment_integrity(summaries[:1], by_id, tok, altered[:1], sources[:1])["h04/tool_results_altered"] == 1
 
 
 def test_qwen3s_shipped_template_is_refused_with_a_clear_error(standins):

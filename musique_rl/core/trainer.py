@@ -15,8 +15,10 @@ trainer's ``Generator``, musique_rl/core/rollout.py), which returns ``prompt_ids
     advantages with the same formula and our epsilon (``group_advantages``). Pinned to TRL 1.16.0:
     tests/test_trainer.py fails if TRL's formula or version changes.
   - ``_generate_and_score_completions``: also attaches per-token sources (assistant / tool /
-    template) and calls the diagnostics (``instruments.observe_batch``; parity probe after each
-    weight sync).
+    template) and hands the scored batch to the instruments (``instruments.after_scoring``, typed
+    records of core/instrumentation.py; parity probe after each weight sync).
+    TRL calls our hooks inside its own methods, so they hand each other state through two typed
+    objects: the batch's ``BatchContext`` and each scoring pass's ``ScoringPass``.
   - ``_compute_loss``: calls TRL's loss with the KL coefficient and mask the job's fault gives,
     and ``instruments.observe_loss``; arms the point-of-use probe (its advantages and reference
     log-probs as gradient-reading leaves, instruments/loss_inputs.py), which ``training_step``
@@ -406,7 +408,7 @@ class MusiqueGRPOTrainer(GRPOTrainer):
             self.vllm_importance_sampling_clip_max))
 
     def _token_sources(self, batch: BatchContext, width: int) -> torch.Tensor:
-        """(N, width) diagnostics.Source codes of this process's completion tokens (PAD after)."""
+        """(N, width) instruments' Source codes of this process's completion tokens (PAD after)."""
         return self.instruments.token_sources([ep.sources for ep in batch.episodes], width)
 
     def _scored_batch(self, output: dict, batch: BatchContext, rewards: torch.Tensor) -> ScoredBatch:

@@ -28,7 +28,7 @@ from musique_rl.doctor.trl_rules import CLIPPED_MAX, OURS, _ours, clipped_share,
 # No signal: a step on which every group tied (h01/zero_std_share = 1, TRL's frac_reward_zero_std = 1)
 # has every advantage exactly 0, so its gradient and update are 0 by construction. On at least 90%
 # of the logged steps (and at least 2), the run learns nothing whatever its optimizer: a starving
-# failure (chain.STARVING) whose consequences are the zero gradient, the missing update and the
+# failure (declared starving=) whose consequences are the zero gradient, the missing update and the
 # adapter that stays at 0. 1e-9 tolerates float round-off of the share.
 NO_SIGNAL_STEP_SHARE = 0.9
 TIED = 1 - 1e-9
@@ -198,7 +198,7 @@ def _zero_variance(m: Mapping[str, History], params: Mapping[str, str]) -> list[
              "`+hypothesis=h05` (reward audit) to decide.")
     # ranked below its cause when one is flagged (truncation, constant reward)
     sev = (1 if why else 2) + magnitude(share / ZERO_STD_MAX) * (0.5 if why else 1)
-    # (nearly) every group tied on (nearly) every step: nothing reaches the gradient (chain.STARVING)
+    # (nearly) every group tied on (nearly) every step: nothing reaches the gradient (this finding starves: Finding.starves)
     starves = share >= ZERO_STD_STARVES
     return [Finding("preflight", "zero_variance_groups", True, sev,
                     f"{share:.0%} of groups have identical rewards for all their completions (TRL's "
