@@ -29,7 +29,7 @@ OUT = ROOT / "tests" / "fixtures" / "healthy_runs"
 def compact(run_dir: Path, out: Path, name: str | None = None) -> Path:
     import yaml
 
-    from musique_rl.base.config import flatten
+    from musique_rl.base.config_base import flatten
 
     rows = rundir.read_metrics_log(run_dir / rundir.METRICS_LOG)
     if not any("train_runtime" in r for r in rows):

@@ -22,7 +22,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from musique_rl.base import rundir
-from musique_rl.base.config import (
+from musique_rl.base.config_base import (
     CONF_DIR,
     LAUNCHERS_DIR,
     POSITIVE,
@@ -257,7 +257,7 @@ def _arm(control: Any, treatment: Any, *, _root_: Any) -> Any:
     return treatment if str(arm) == "treatment" else control
 
 
-# CONF_DIR (base/config.py) is where every config lookup starts from (entrypoint, tools, tests): the
+# CONF_DIR (base/config_base.py) is where every config lookup starts from (entrypoint, tools, tests): the
 # configs are package data, so a wheel installed anywhere finds them. A user's own configs go on
 # top with Hydra's `--config-dir DIR` (searched first), never by editing this tree. Two groups live
 # outside conf/, in the top-level folders a user looks in (sweeps/, launchers/hydra/), and are

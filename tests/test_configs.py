@@ -118,7 +118,7 @@ def test_a_warm_start_setting_is_typed_by_the_schema_of_its_group():
     """conf/warm_start/<task>.yaml: env.* and model.tiny.* keys merged through their schema, so a
     value takes its field's type (the key hashes what a composed config holds) and a typo fails
     naming the key."""
-    from musique_rl.base.config import overlay
+    from musique_rl.base.config_base import overlay
     from musique_rl.env.config import warm_start_config
 
     cfg = job_config(compose(config_name="train", overrides=[]))
@@ -134,7 +134,7 @@ def test_a_warm_start_setting_is_typed_by_the_schema_of_its_group():
 
 
 def _config_classes() -> list[type]:
-    from musique_rl.base.config import ReadOnly
+    from musique_rl.base.config_base import ReadOnly
 
     out, todo = [], [ReadOnly]
     while todo:
@@ -158,7 +158,7 @@ def test_every_rule_names_a_field_of_its_class():
 
 
 def test_a_rule_for_a_renamed_field_is_an_error_not_a_skip():
-    from musique_rl.base.config import POSITIVE
+    from musique_rl.base.config_base import POSITIVE
 
     @dataclasses.dataclass
     class Renamed(schema.LoraConfig):

@@ -10,7 +10,7 @@ import torch
 from omegaconf import OmegaConf
 from plugin_recipe import assert_printed, run_in_copy
 
-from musique_rl.base.config import flatten
+from musique_rl.base.config_base import flatten
 from musique_rl.core import faults
 from musique_rl.core.faults import FAULTS, Fault
 

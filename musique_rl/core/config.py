@@ -16,7 +16,7 @@ from typing import ClassVar, List, Optional, Protocol
 
 from omegaconf import MISSING
 
-from musique_rl.base.config import PORT, POSITIVE, UNIT_CLOSED_OPEN, UNIT_OPEN_CLOSED, ReadOnly, at_least
+from musique_rl.base.config_base import PORT, POSITIVE, UNIT_CLOSED_OPEN, UNIT_OPEN_CLOSED, ReadOnly, at_least
 from musique_rl.env.config import EnvConfig, RewardConfig
 
 # Enums whose values are their names (StrEnum's functional form gives each name as its value)
@@ -175,7 +175,7 @@ class TrainSettings(ReadOnly):
 
     @classmethod
     def relations(cls, node, prefix: str) -> list[str]:
-        from musique_rl.base.config import config_value
+        from musique_rl.base.config_base import config_value
 
         lo, hi = config_value(node, "importance_sampling_clip_min"), config_value(node, "importance_sampling_clip_max")
         if lo is not None and hi is not None and lo >= hi:

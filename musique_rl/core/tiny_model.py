@@ -33,7 +33,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from musique_rl.base.config import overlay
+from musique_rl.base.config_base import overlay
 from musique_rl.core.config import JobConfig, TinyModelConfig
 from musique_rl.env.config import EnvConfig
 from musique_rl.env.tasks import DEFAULT_TASK, TASKS, Task, task_for

@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from musique_rl.base.config import overlay
+from musique_rl.base.config_base import overlay
 from musique_rl.core import tiny_model
 from musique_rl.core.config import JobConfig
 from musique_rl.env.config import EnvConfig

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from musique_rl.base import rundir
-from musique_rl.base.config import flatten
+from musique_rl.base.config_base import flatten
 from musique_rl.doctor.findings import History
 
 log = logging.getLogger(__name__)

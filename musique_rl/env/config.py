@@ -1,5 +1,5 @@
 """The typed config groups the environment reads: ``env`` and ``reward`` (schema.py composes them
-into the job's config), on the read-only base every group shares (base/config.py).
+into the job's config), on the read-only base every group shares (base/config_base.py).
 
 Why here and not in schema.py: the layers import only downward (tests/test_layers.py), so the
 types that annotate the env's functions live in the env; schema.py (the experiment layer) gathers
@@ -16,7 +16,7 @@ from typing import Any, ClassVar, Dict, List, Optional
 
 from omegaconf import MISSING, OmegaConf
 
-from musique_rl.base.config import (
+from musique_rl.base.config_base import (
     CONF_DIR,
     HOP_COUNTS,
     POSITIVE,

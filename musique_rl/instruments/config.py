@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
-from musique_rl.base.config import ReadOnly, at_least
+from musique_rl.base.config_base import ReadOnly, at_least
 from musique_rl.core.config import JobConfig
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from musique_rl.base.config import flatten
+from musique_rl.base.config_base import flatten
 from musique_rl.tracking.redact import redact_value
 from musique_rl.tracking.store import PARAM_MAX, TAG_MAX, hydra_config, sweep_dir
 

@@ -27,7 +27,7 @@ import importlib
 import pkgutil
 from typing import Any, ClassVar
 
-from musique_rl.base.config import flatten
+from musique_rl.base.config_base import flatten
 from musique_rl.base.registry import Registry
 from musique_rl.core.config import JobConfig
 
