@@ -154,7 +154,7 @@ def _annotation(node) -> bool:
     mutant there changes no behaviour (``from __future__ import annotations``) or fails at import."""
     child, obj = node, node.parent
     while obj is not None:
-        if obj.type == "param" and getattr(obj, "annotation", None) is child:
+        if obj.type == "tfpdef" and obj.children.index(child) == 2:  # name ':' annotation
             return True
         if obj.type == "funcdef" and child.get_previous_sibling() is not None \
                 and getattr(child.get_previous_sibling(), "value", None) == "->":
@@ -287,3 +287,15 @@ def executed(mutant: Mutant, lines: set[int]) -> bool:
 
 def target_files(targets: tuple[Target, ...] = TARGETS) -> dict[str, Path]:
     return {t.module: module_path(t.module) for t in targets}
+
+
+def definitions(module: str) -> set[str]:
+    """Qualified names of every class and function of ``module`` (and "<module>")."""
+    import parso.python.tree as t
+    from cosmic_ray.ast import ast_nodes, get_ast
+
+    out = {"<module>"}
+    for node in ast_nodes(get_ast(module_path(module).read_text(encoding="utf-8"))):
+        if isinstance(node, t.Function | t.Class) and not isinstance(node, t.Lambda):
+            out.add(_qualname(node.name))  # the name's parents: the definition itself and its scopes
+    return out
