@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from mutants import harm, population, score, stages, targets  # noqa: E402
-from mutants.hook import MutantError, Site, mutated_source, source_sha  # noqa: E402
+from mutants.hook import MutantError, Site, mutated_source  # noqa: E402
 
 REWARDS = ROOT / "musique_rl" / "env" / "rewards.py"
 
@@ -117,8 +117,9 @@ def test_the_hook_refuses_a_changed_source_and_a_module_already_imported():
     m = _site("musique_rl.env.rewards:answer_scores:ReplaceComparisonOperator_Eq_NotEq:0")
     with pytest.raises(MutantError, match="changed since the mutant was drawn"):
         mutated_source(m.site, REWARDS.read_text() + "\n# edited\n")
-    import musique_rl.env.rewards  # noqa: F401
     from mutants.hook import install
+
+    import musique_rl.env.rewards  # noqa: F401
 
     with pytest.raises(MutantError, match="already imported"):
         install(m.site)
@@ -228,7 +229,7 @@ def test_harm_classes_on_synthetic_reward_series():
     assert classify({1: _facts([0.5 + 0.03 * k for k in range(20)], after=[0.9] * 8)}) == "harmless"  # better: no harm
     gain_z = -2.5 * sp.sd["gain"]  # between the inside and harmful bars on the held-out gain
     assert classify({1: _facts([0.5 + 0.01 * k for k in range(20)],
-                               after=[0.2 + sp.centre["default"]["gain"] + 0.5 + gain_z - 0.2] * 8)}) == "ambiguous"
+                               after=[0.5 + sp.centre["default"]["gain"] + gain_z] * 8)}) == "ambiguous"
     crashed = harm.classify({1: _facts([], rc=1, error="TypeError: unsupported operand")}, c, "default", sp)
     assert crashed.cls == "crashed" and "TypeError" in crashed.why
     assert classify({1: _facts([float("nan")] * 20)}) == "harmful"  # NaN rewards
@@ -240,12 +241,9 @@ def test_harm_classes_on_synthetic_reward_series():
 def test_the_clean_runs_fall_inside_their_own_spread_and_a_failed_clean_run_stops_the_judging():
     clean = _clean()
     sp = harm.spread(clean)
-    for s, f in clean["default"].items():
-        others = {k: v for k, v in clean["default"].items()}
-        z = (harm.trend(f.rewards) - sp.centre["default"]["trend"]) / sp.sd["trend"]
-        assert z > -harm.INSIDE_Z
-        assert harm.classify({s: _facts(f.rewards[::-1][::-1], f.eval_before, [x + 1e-9 for x in f.eval_after])},
-                             others, "default", sp).cls == "harmless"
+    for s, f in clean["default"].items():  # each clean run, nudged so that it is not bitwise the same: harmless
+        nudged = _facts(f.rewards, f.eval_before, [x + 1e-9 for x in f.eval_after])
+        assert harm.classify({s: nudged}, clean["default"], "default", sp).cls == "harmless"
     with pytest.raises(ValueError, match="clean runs failed"):
         harm.spread({"default": {1: _facts([], rc=1, error="boom")}})
     assert math.isclose(harm.trend([0.0, 1.0, 2.0]), 2.0)

@@ -20,6 +20,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import asdict
 from functools import cache
@@ -113,8 +114,20 @@ def read_facts(run_dir: Path, variant: str, seed: int, rc: int, error: str | Non
     return RunFacts(rc, error, rewards, before, after, seconds)
 
 
+_COMPOSE = threading.Lock()  # Hydra's compose API is process-global: one composition at a time
+
+
 @cache
+def _eval_records_cached(variant: str, seed: int) -> tuple[dict, object]:
+    return _compose_eval_records(variant, seed)
+
+
 def _eval_records(variant: str, seed: int) -> tuple[dict, object]:
+    with _COMPOSE:
+        return _eval_records_cached(variant, seed)
+
+
+def _compose_eval_records(variant: str, seed: int) -> tuple[dict, object]:
     """The held-out records and reward config of a variant's job, from the unmutated code of this
     process (composed with Hydra as the job composes them)."""
     from hydra import compose, initialize_config_dir

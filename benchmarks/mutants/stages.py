@@ -22,6 +22,7 @@ D, P, RT, TL, HM = ("musique_rl.env.data", "musique_rl.env.prompts", "musique_rl
                     "musique_rl.env.tools", "musique_rl.env.tool_formats.hermes")
 PA, RW, GE, RO, TR = ("musique_rl.env.parsing", "musique_rl.env.rewards", "musique_rl.core.generation",
                       "musique_rl.core.rollout", "musique_rl.core.trainer")
+MU = "musique_rl.env.tasks.musique"
 WS, IM, TRL, ADAM = ("musique_rl.core.weight_sync", "musique_rl.core.importance", "trl.trainer.grpo_trainer",
                      "torch.optim.adam")
 
@@ -40,6 +41,7 @@ STAGES: dict[str, tuple[str, str]] = {
     f"{D}:load_records": ("inputs", "the records a job trains and evaluates on"),
     f"{P}:build_messages": ("inputs", "the prompt messages the model is asked with"),
     f"{P}:tool_schemas": ("inputs", "the tool schemas the prompt offers"),
+    f"{MU}": ("inputs", "the MuSiQue task: its records, prompt messages and tool schemas"),
     f"{RO}:ChatTokens.__init__": ("inputs", "the chat template's settings for prompt ids"),
     f"{RO}:ChatTokens._render": ("inputs", "renders the prompt through the chat template"),
     f"{RO}:ChatTokens.prompt_ids": ("inputs", "the prompt's token ids"),
@@ -154,6 +156,14 @@ EXCLUDED: dict[str, str] = {
     f"{GE}:samples_from_vllm": "vLLM only",
     f"{IM}": "an instrument: measures what TRL's importance-sampling correction did, never changes the step "
              "(and runs only with train.importance_sampling on)",
+    f"{MU}:noisy_final_text": "the warm start's SFT data, not the RL step",
+    f"{MU}:noisy_oracle_episode": "the warm start's SFT data, not the RL step",
+    f"{MU}:noisy_oracle_dataset": "the warm start's SFT data, not the RL step",
+    f"{MU}:Musique.oracle": "the scripted oracle (policy=oracle), not the RL step",
+    f"{MU}:Musique.warm_start_dataset": "the warm start, not the RL step",
+    f"{MU}:Musique.gate_records": "the warm start's gate, not the RL step",
+    f"{MU}:Musique.tokenizer_pattern": "the tiny tokenizer's build, not the RL step",
+    f"{MU}:Musique.names_text": "the tiny tokenizer's build, not the RL step",
     f"{PA}:final_text": "writes an answer for scripted policies and the warm start, not the RL step",
     f"{RW}:check_task": "a config check before compute",
     f"{RW}:check_weights": "a config check before compute",

@@ -48,6 +48,7 @@ class Target:
 TARGETS: tuple[Target, ...] = (
     Target("musique_rl.env.data"),
     Target("musique_rl.env.prompts"),
+    Target("musique_rl.env.tasks.musique"),  # the MuSiQue task: its prompt and records (prompts.py delegates here)
     Target("musique_rl.env.retrieval"),
     Target("musique_rl.env.tools"),
     Target("musique_rl.env.tool_formats.hermes"),
