@@ -52,6 +52,23 @@ def test_the_status_file_holds_the_verdict_table_between_its_markers():
     assert "verdicts:start" not in (ROOT / "README.md").read_text(), "verdicts go to docs/STATUS.md, not README.md"
 
 
+# Rows published before the page had a check (measured at +dirty commits, on two machine types, or with
+# h07's failed treatment jobs, and without a budget). The set only shrinks: a listed row that now holds
+# fails the test below until it is removed here, and a row not listed must hold.
+ROWS_BEFORE_THE_CHECK = {"h01", "h02", "h03", "h04", "h05", "h06", "h07", "h08"}
+
+
+def test_every_published_status_row_is_from_one_clean_commit_one_machine_type_and_no_failed_job():
+    from musique_rl.verdict import status_file_problems
+
+    problems = status_file_problems(ROOT / "docs" / "STATUS.md")
+    drifted = {h: p for h, p in problems.items() if h not in ROWS_BEFORE_THE_CHECK}
+    assert not drifted, "rows that `python -m musique_rl.verdict publish` would have refused:\n" + "\n".join(
+        f"{h}: {'; '.join(p)}" for h, p in drifted.items())
+    now_clean = sorted(ROWS_BEFORE_THE_CHECK - set(problems))
+    assert not now_clean, f"{now_clean} now hold: remove them from ROWS_BEFORE_THE_CHECK"
+
+
 def _record_module():
     spec = importlib.util.spec_from_file_location("record", ROOT / "benchmarks" / "record.py")
     module = importlib.util.module_from_spec(spec)
