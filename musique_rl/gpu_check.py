@@ -88,7 +88,7 @@ BENCH_CPU = ["--shape", "tiny", "--batch", "4", "--max-new-tokens", "8", "--repe
 # bench: the training backends; bench_static: transformers' static cache (compiled decode on CUDA),
 # measured for exactness and speed before anything adopts it (benchmarks/bench_generation.py)
 BENCH_ARMS = {"bench": "hf,paged", "bench_static": "hf,hf-static"}
-# Pinned packages a CUDA image typically lacks (/work/shared/docs/GPU-NOTES.md: torch, accelerate,
+# Pinned packages a CUDA image typically lacks (docs/records/gpu_leases.md: torch, accelerate,
 # pytest and the rest are there; mlflow is not needed with tracking.enabled=false), and pytest-xdist
 # so the test step runs in parallel. Versions: the preparing environment's (the pins).
 BUNDLE_PACKAGES = ("trl", "transformers", "peft", "tokenizers", "datasets", "dill", "multiprocess", "hydra-core",
@@ -101,11 +101,11 @@ LIMIT_MB = 64  # what a lent machine takes along: the checkout and every carried
 STANDIN = "qwen2.5-instruct"  # tests/tokenizer_fixtures.py: Qwen2.5-Instruct's tokenizer, template, generation_config
 # One command of a lent machine runs at most CALL_LIMIT_S, the wheels' install included: run.sh measures
 # the install and hands the check what is left less MARGIN_S (the record, the logs' tarball, the copy back).
-CALL_LIMIT_S, MARGIN_S, PIP_S = 600, 25, 15  # PIP_S: the install measured on an H200 (GPU-NOTES: ~15 s)
+CALL_LIMIT_S, MARGIN_S, PIP_S = 600, 25, 15  # PIP_S: the install measured on an H200 (~15 s)
 BUDGET_S = CALL_LIMIT_S - MARGIN_S - PIP_S  # the whole check when run by hand (560 s)
 MIN_STEP_S = 20  # a step is skipped when less than this is left of the budget
-# Wall seconds of each step on one H200 (the lent machine's notes, code of f87b655, one lane beside the
-# other as planned): what --plan schedules with. Where a step's shape differs from the one measured,
+# Wall seconds of each step on one H200 (docs/records/gpu_leases.md, code of f87b655, one lane beside
+# the other as planned): what --plan schedules with. Where a step's shape differs from the one measured,
 # the figure is scaled and the reason says how.
 H200_SECONDS = {
     "bench": (94, "measured: bench_generation.py --shape 7b --batch 64 --max-new-tokens 128 --repeats 2"),
@@ -393,7 +393,7 @@ def cuda_plan(a: argparse.Namespace) -> list[Slot]:
 
 def plan_table(slots: list[Slot], budget_s: float, where: str) -> str:
     lines = [f"gpu_check plan ({where}): budget {budget_s:.0f} s = the {CALL_LIMIT_S} s call limit less pip's install "
-             f"(~{PIP_S} s) and {MARGIN_S} s for the record; step times: H200_SECONDS (one H200, GPU-NOTES)", "",
+             f"(~{PIP_S} s) and {MARGIN_S} s for the record; step times: H200_SECONDS (one H200, docs/records/gpu_leases.md)", "",
              "| step | phase | lane | expected s | start | end | time box | fits | why that figure |",
              "|---|---|---|---|---|---|---|---|---|"]
     for x in slots:
