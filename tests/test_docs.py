@@ -40,7 +40,8 @@ def test_the_readme_fits_on_a_few_screens_and_names_the_commands_users_and_ci_ru
     ci = (ROOT / ".ci" / "run").read_text()
     assert "make test" in ci and "make test" in text, "CI runs the README's test command: keep it in both"
     for command in ("make setup", "make train", "+hypothesis=h01", "make sweep", "musique_rl.diagnostics.doctor --run-dir",
-                    "make gpu-smoke", "musique_rl.gpu_job", "docs/STATUS.md"):
+                    "make gpu-smoke", "musique_rl.gpu_job", "docs/STATUS.md", "make publish", "make setup-gpu",
+                    "musique_rl.data fetch", "MUSIQUE_RL_DATA", "hydra/launcher=slurm", "env=musique"):
         assert command in text, command
 
 
@@ -67,6 +68,47 @@ def test_every_published_status_row_is_from_one_clean_commit_one_machine_type_an
         f"{h}: {'; '.join(p)}" for h, p in drifted.items())
     now_clean = sorted(ROWS_BEFORE_THE_CHECK - set(problems))
     assert not now_clean, f"{now_clean} now hold: remove them from ROWS_BEFORE_THE_CHECK"
+
+
+# A fenced bash block the docs mark `<!-- runnable -->` runs as written, in a fresh shell at the checkout's
+# root (no environment beyond PATH and an empty HOME), and must exit 0; `<!-- runnable: refused ... -->`
+# must exit non-zero with a RequirementError (a machine without vLLM and CUDA: this one, CI's).
+RUNNABLE = re.compile(r"<!-- runnable(:[^>]*)? -->\n```bash\n(.*?)```", re.S)
+
+
+def _runnable_blocks() -> list:
+    blocks = []
+    for page in DOCS:
+        for n, m in enumerate(RUNNABLE.finditer(page.read_text()), 1):
+            blocks.append(pytest.param(m.group(2), bool(m.group(1)) and "refused" in m.group(1),
+                                       id=f"{page.relative_to(ROOT)}#{n}"))
+    return blocks
+
+
+def test_the_docs_mark_runnable_blocks_and_the_pattern_finds_them():
+    ids = [p.id for p in _runnable_blocks()]
+    assert any(i.startswith("README.md") for i in ids) and any(i.startswith("docs/howto/gpu.md") for i in ids), ids
+    text = "<!-- runnable -->\n```bash\nmake x\n```\n<!-- runnable: refused here -->\n```bash\nmake y\n```\n"
+    assert [(m.group(1), m.group(2)) for m in RUNNABLE.finditer(text)] == [(None, "make x\n"), (": refused here", "make y\n")]
+
+
+@pytest.mark.parametrize(("block", "refused"), _runnable_blocks())
+def test_a_runnable_block_runs_as_written_in_a_fresh_shell(block, refused, tmp_path):
+    if not (ROOT / ".venv" / "bin" / "python").exists():
+        pytest.skip("no .venv in this checkout (make setup builds it; CI has one)")
+    if refused:
+        from musique_rl.job.requirements import probe
+
+        if probe().cuda or "vllm" in probe().modules:
+            pytest.skip("a machine with CUDA or vLLM runs the job instead of refusing it")
+    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(tmp_path), "LANG": "C.UTF-8"}
+    proc = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", block], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+    if refused:
+        assert proc.returncode != 0 and "RequirementError: this machine cannot run the job" in proc.stderr, proc.stderr[-3000:]
+        assert "Traceback" not in proc.stderr
+    else:
+        assert proc.returncode == 0, f"exit {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
 
 
 def _record_module():
