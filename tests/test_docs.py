@@ -111,6 +111,29 @@ def test_a_runnable_block_runs_as_written_in_a_fresh_shell(block, refused, tmp_p
         assert proc.returncode == 0, f"exit {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
 
 
+# Data outside this repository is reached through one option (env.data_dir, default $MUSIQUE_RL_DATA:
+# docs/howto/setup.md); no file sends the reader to another repository's folder or notes for it.
+ELSEWHERE = re.compile(r"steering repo|\.\./shared/|/work/shared|GPU-NOTES|FIELD-NOTES", re.I)
+
+
+def test_no_file_sends_the_reader_to_a_repository_outside_this_one():
+    listed = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True)
+    files = ([ROOT / f for f in listed.stdout.splitlines()] if listed.returncode == 0 else
+             [p for p in ROOT.rglob("*") if ".venv" not in p.parts and "multirun" not in p.parts])
+    hits = []
+    for path in files:
+        if path.name == "test_docs.py" or not path.is_file() or path.suffix in (".png", ".safetensors", ".gz"):
+            continue
+        try:
+            text = path.read_text()
+        except (UnicodeDecodeError, OSError):
+            continue
+        hits += [f"{path.relative_to(ROOT)}:{n}: {line.strip()[:120]}" for n, line in enumerate(text.splitlines(), 1)
+                 if ELSEWHERE.search(line)]
+    assert not hits, "say $MUSIQUE_RL_DATA / env.data_dir, or cite a record in docs/records/:\n" + "\n".join(hits)
+    assert ELSEWHERE.search("the steering repository's shared/") and ELSEWHERE.search("env.data=../shared/data/x")
+
+
 def _record_module():
     spec = importlib.util.spec_from_file_location("record", ROOT / "benchmarks" / "record.py")
     module = importlib.util.module_from_spec(spec)
