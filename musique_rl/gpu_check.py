@@ -1,22 +1,23 @@
 """``python -m musique_rl.gpu_check`` (``make gpu-check``): everything a GPU can check here, in one lease.
 
-A lent CUDA machine has no registry and a few minutes of device time in all. This runs, in priority
-order, each step in its own process with its own time box (a step that overruns is killed with its
-process group, recorded ``TIMEOUT``, and the next step runs; one that fails is recorded ``FAIL``):
+A lent CUDA machine has no registry and a few minutes of device time in all. This runs each step in
+its own process with its own time box (a step that overruns is killed with its process group,
+recorded ``TIMEOUT``, and the next step runs; one that fails is recorded ``FAIL``):
 
-  1. ``tests``: the GPU-relevant test files (``TEST_FILES``; ``-n`` when pytest-xdist is installed);
-  2. ``default_bf16`` / ``default_fp32``: the default job in bf16 and in float32, with the doctor's top finding;
-  3. ``fault_stale_sampler`` / ``fault_blind_context``: two planted faults in bf16, named right or not
-     (each fault's ``expected`` finding);
-  4. ``build_7b``, ``7b_hf``, ``7b_paged``: Qwen2.5-7B's shape (random bf16 weights built on the GPU,
+  1. ``bench``: ``benchmarks/bench_generation.py --shape 7b`` over hf and paged (prefill and decode
+     apart; its own output in the record);
+  2. ``build_7b``, ``7b_hf``, ``7b_paged``: Qwen2.5-7B's shape (random bf16 weights built on the GPU,
      saved) with the Qwen2.5 stand-in tokenizer (real vocabulary, chat template, generation_config;
      built on CPU by ``--prepare``) on each in-process backend, 2 steps, with diagnosis;
-  5. ``bench`` / ``bench_static``: ``benchmarks/bench_generation.py --shape 7b`` over hf and paged, then
-     hf and hf-static (its own output in the record).
+  3. ``tests``: the GPU-relevant test files (``TEST_FILES``; ``-n`` when pytest-xdist is installed);
+  4. ``default_bf16`` / ``default_fp32``: the default job in bf16 and in float32, with the doctor's top finding;
+  5. ``fault_stale_sampler`` / ``fault_blind_context``: two planted faults in bf16, named right or not
+     (each fault's ``expected`` finding);
+  6. ``bench_static``: the bench over hf and hf-static.
 
 On CUDA the order is the priority: ``bench`` first, with the card to itself (its figures are the
 card's alone, and it must not wait behind the slow steps); then two lanes side by side, the 7B steps
-(4) in one and the tiny-model steps (1-3, light on the GPU) in the other; ``bench_static`` last, if
+(2) in one and the tiny-model steps (3-5, light on the GPU) in the other; ``bench_static`` last, if
 time is left. The whole run keeps to ``--budget`` seconds: a step gets the smaller of its own time
 box and what is left, and is ``skipped`` when too little is. ``--plan`` prints the schedule with the
 step times measured on one H200 (``H200_SECONDS``) without running anything, and every run prints
