@@ -234,6 +234,10 @@ class SlotEngine:
         saved = self.cols.clone()
         try:
             self.cols.fill_(self.state.trash)  # warm-up and capture run real steps: into the trash column
+            # Under an outer autocast, casts of the (float32) LoRA weights cached by an earlier forward would
+            # be read by the capture as they are: cleared, the capture records the casts, and every replay
+            # casts the live weights again (torch.cuda.graph's note on autocast caching).
+            torch.clear_autocast_cache()
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):
@@ -241,6 +245,7 @@ class SlotEngine:
                     self._decode_eager(model)
             torch.cuda.current_stream(self.device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
+            torch.clear_autocast_cache()
             with torch.cuda.graph(graph):
                 logits = self._decode_eager(model)
         except Exception as exc:  # noqa: BLE001 - any capture failure: decode eagerly, and say so
