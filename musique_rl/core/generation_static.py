@@ -36,12 +36,14 @@ What neither provides, written here (each says why at its definition):
     graphs off (``continuous_batching/initialization.py``: graphs only where no mask is needed),
     which is why it measured slower than ``hf`` on an H200 (docs/howto/gpu.md).
 
-Layout: each layer's cache is ``(slots, kv_heads, columns, head_dim)``. Slot ``s`` holds its
-episode's tokens at columns ``0 .. length_s - 1`` (position id = column: contiguous from 0, so
-RoPE sees each episode's own positions). The last column is a trash column: padding queries of a
-prefill and slots that are not decoding write there, and no real query ever attends to it. A query
-at column ``c`` attends to columns ``<= c`` of its own slot, so every attention row has at least
-itself: nothing is fully masked (no NaN from an empty softmax).
+Layout: each layer's cache is ``(slots, kv_heads, columns, head_dim)``. Column 0 is a trash
+column: padding queries of a prefill and slots that are not decoding write there and attend to it
+alone, and no real query ever attends to it. Slot ``s`` holds its episode's tokens at columns
+``1 .. length_s`` (position id = column - 1: contiguous from 0, so RoPE sees each episode's own
+positions). A real query at column ``c`` attends to columns ``1 .. c`` of its own slot: every
+attention row has at least one column (no NaN from an empty softmax). Eager forwards (every
+prefill; the decode step without graphs) attend only to the columns in use so far (``window``); a
+captured decode step attends to all of them (one shape for the graph).
 
 The cache stays allocated between rollouts (the job's one generator; a captured graph is tied to
 its addresses): slots x columns x 2 x layers x kv_heads x head_dim x dtype bytes (Qwen2.5-7B in
@@ -70,6 +72,7 @@ PREFILL_TOKENS = 16_384  # query tokens per prefill forward (activations; the ma
 PREFILL_MASK_ELEMENTS = 2**28  # ... and at most this many mask entries (256 MB of bool)
 GRAPH_WARMUP_STEPS = 2  # eager decode steps on a side stream before capture (torch.cuda.graph's documented recipe)
 ATTENTION_SUPPORTED = ("sdpa", "eager")  # take a prepared 4D mask; others are switched to sdpa for a session
+TRASH = 0  # the cache column no real query reads (see the layout above)
 
 
 # ---------------------------------------------------------------- the cache
@@ -78,15 +81,18 @@ class SlotState:
     """Where the forward running now writes: shared by every ``SlotLayer`` of one cache.
 
     ``rows``: the slots of this forward, ``None`` = every slot, one query each (the decode step);
-    ``cols``: (rows, queries) cache column of each query (``trash`` for padding)."""
+    ``cols``: (rows, queries) cache column of each query (``TRASH`` for padding);
+    ``window``: the columns the forward attends to, ``0 .. window - 1`` (``None``: all)."""
 
     slots: int
     columns: int  # including the trash column
     rows: torch.Tensor | None = None
     cols: torch.Tensor | None = None
+    window: int | None = None
 
     @property
-    def trash(self) -> int:
+    def capacity(self) -> int:
+        """Tokens a slot can hold."""
         return self.columns - 1
 
 
@@ -114,16 +120,17 @@ def _layer_class() -> type:
             if not self.is_initialized:
                 self.lazy_initialization(key_states, value_states)
             st = self.state
+            window = st.window or self.max_cache_len
             if st.rows is None:  # every slot, one query at its own column: scatter (capturable, no host sync)
                 k_index = st.cols.view(-1, 1, 1, 1).expand(-1, key_states.shape[1], 1, key_states.shape[-1])
                 v_index = st.cols.view(-1, 1, 1, 1).expand(-1, value_states.shape[1], 1, value_states.shape[-1])
                 self.keys.scatter_(2, k_index, key_states)
                 self.values.scatter_(2, v_index, value_states)
-                return self.keys, self.values
+                return self.keys[:, :, :window], self.values[:, :, :window]
             rows = st.rows[:, None]  # (b, 1) with cols (b, w): the (b, w, heads, dim) entries of these slots
             self.keys[rows, :, st.cols] = key_states.transpose(1, 2)
             self.values[rows, :, st.cols] = value_states.transpose(1, 2)
-            return self.keys[st.rows], self.values[st.rows]
+            return self.keys[st.rows, :, :window], self.values[st.rows, :, :window]
 
         def get_seq_length(self) -> int:
             return 0  # no one length: each slot has its own (the models read it only without position_ids)
@@ -165,7 +172,7 @@ class Plan:
 class SlotEngine:
     """The cache, its slots' contents and the decode step of one model on one device.
 
-    ``cached[s]``: the token ids whose keys/values slot ``s`` holds at columns ``0 .. len - 1``.
+    ``cached[s]``: the token ids whose keys/values slot ``s`` holds at columns ``1 .. len``.
     Counters (read by tests and the benchmark): ``prefilled`` tokens run through prefill forwards,
     ``decode_steps``, ``captures`` of the decode graph."""
 
@@ -175,7 +182,7 @@ class SlotEngine:
         self.cache = slot_cache(model.config, self.state)
         self.cached: list[list[int]] = [[] for _ in range(slots)]
         self.ids = torch.zeros((slots, 1), dtype=torch.long, device=self.device)  # the decode step's inputs
-        self.cols = torch.full((slots,), self.state.trash, dtype=torch.long, device=self.device)
+        self.cols = torch.full((slots,), TRASH, dtype=torch.long, device=self.device)
         self.kv_columns = torch.arange(columns, device=self.device)
         self.graphs = graphs
         self.graph: Any = None
@@ -194,28 +201,34 @@ class SlotEngine:
         return self.state.columns
 
     # -- one forward
-    def _mask(self, model: Any, cols: torch.Tensor) -> torch.Tensor:
-        """(rows, 1, queries, columns): a query at column c sees its slot's columns <= c. A padding query
-        (trash column) sees every column of its slot: finite garbage, never read."""
-        allowed = self.kv_columns.view(1, 1, 1, -1) <= cols[:, None, :, None]
+    def _mask(self, model: Any, cols: torch.Tensor, window: int) -> torch.Tensor:
+        """(rows, 1, queries, window): a query at column c >= 1 sees its slot's columns 1 .. c; a padding
+        query (the trash column) sees the trash column alone."""
+        kv = self.kv_columns[:window].view(1, 1, 1, -1)
+        q = cols[:, None, :, None]
+        allowed = (kv <= q) & ((kv != TRASH) | (q == TRASH))
         if model.config._attn_implementation == "sdpa":
             return allowed
         dtype = next(model.parameters()).dtype  # eager attention adds the mask to its scores
         return torch.zeros(allowed.shape, dtype=dtype, device=self.device).masked_fill_(~allowed, torch.finfo(dtype).min)
 
-    def _forward(self, model: Any, ids: torch.Tensor, cols: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
-        """Logits (rows, vocab) of each row's last query; its keys/values written at ``cols``."""
-        self.state.rows, self.state.cols = rows, cols
-        positions = torch.where(cols == self.state.trash, 0, cols)  # position = column; padding at 0
-        out = model(input_ids=ids, position_ids=positions, attention_mask=self._mask(model, cols),
+    def _forward(self, model: Any, ids: torch.Tensor, cols: torch.Tensor, rows: torch.Tensor | None,
+                 window: int | None = None) -> torch.Tensor:
+        """Logits (rows, vocab) of each row's last query; its keys/values written at ``cols``; attention
+        over columns ``0 .. window - 1`` (all when None)."""
+        window = min(window or self.columns, self.columns)
+        self.state.rows, self.state.cols, self.state.window = rows, cols, window
+        positions = (cols - 1).clamp_(min=0)  # position = column - 1; padding at 0
+        out = model(input_ids=ids, position_ids=positions, attention_mask=self._mask(model, cols, window),
                     past_key_values=self.cache, use_cache=True, logits_to_keep=1)
         return out.logits[:, -1]
 
-    def _decode_eager(self, model: Any) -> torch.Tensor:
-        return self._forward(model, self.ids, self.cols[:, None], None)
+    def _decode_eager(self, model: Any, window: int | None = None) -> torch.Tensor:
+        return self._forward(model, self.ids, self.cols[:, None], None, window)
 
-    def decode(self, model: Any) -> torch.Tensor:
-        """One decode step over every slot (``self.ids`` at ``self.cols``): logits (slots, vocab)."""
+    def decode(self, model: Any, window: int) -> torch.Tensor:
+        """One decode step over every slot (``self.ids`` at ``self.cols``): logits (slots, vocab).
+        ``window``: columns in use (eager only: a captured step attends to every column)."""
         self.decode_steps += 1
         if self.graphs and not self.graph_checked:
             self.graph_checked = True
@@ -223,7 +236,7 @@ class SlotEngine:
         if self.graphs and self.graph is not None:
             self.graph.replay()
             return self.graph_logits
-        return self._decode_eager(model)
+        return self._decode_eager(model, window)
 
     def _graph_ready(self, model: Any) -> bool:
         """Capture the decode step as a CUDA graph for ``model``'s current parameters (again when
@@ -233,7 +246,7 @@ class SlotEngine:
             return True
         saved = self.cols.clone()
         try:
-            self.cols.fill_(self.state.trash)  # warm-up and capture run real steps: into the trash column
+            self.cols.fill_(TRASH)  # warm-up and capture run real steps: into the trash column
             # Under an outer autocast, casts of the (float32) LoRA weights cached by an earlier forward would
             # be read by the capture as they are: cleared, the capture records the casts, and every replay
             # casts the live weights again (torch.cuda.graph's note on autocast caching).
@@ -262,19 +275,19 @@ class SlotEngine:
     # -- a call
     def fits(self, contexts: list[list[int]], limits: list[int]) -> bool:
         need = max(len(c) + m for c, m in zip(contexts, limits, strict=True))
-        return len(contexts) <= self.slots and need <= self.state.trash
+        return len(contexts) <= self.slots and need <= self.state.capacity
 
     def grown(self, model: Any, contexts: list[list[int]], limits: list[int]) -> SlotEngine:
         """A larger engine holding this one's slots (keys, values, ids): for a call that does not fit."""
         need = max(len(c) + m for c, m in zip(contexts, limits, strict=True))
-        columns = max(need, int(GROWTH * self.state.trash)) if need > self.state.trash else self.state.trash
-        new = SlotEngine(model, max(self.slots, len(contexts)), round_columns(columns) + 1, self.graphs)
+        held = self.state.capacity
+        capacity = max(need, int(GROWTH * held)) if need > held else held
+        new = SlotEngine(model, max(self.slots, len(contexts)), round_columns(capacity) + 1, self.graphs)
         for old_layer, layer in zip(self.cache.layers, new.cache.layers, strict=True):
             if old_layer.is_initialized:
                 layer.lazy_initialization(old_layer.keys, old_layer.values)
-                width = self.state.trash  # the old trash column holds nothing
-                layer.keys[: self.slots, :, :width] = old_layer.keys[:, :, :width]
-                layer.values[: self.slots, :, :width] = old_layer.values[:, :, :width]
+                layer.keys[: self.slots, :, : self.columns] = old_layer.keys
+                layer.values[: self.slots, :, : self.columns] = old_layer.values
         new.cached[: self.slots] = self.cached
         new.prefilled, new.decode_steps, new.captures = self.prefilled, self.decode_steps, self.captures
         return new
@@ -339,18 +352,19 @@ class SlotEngine:
                 width, end = w, end + 1
             chunk = leaders[start:end]
             ids = torch.zeros((len(chunk), width), dtype=torch.long)
-            cols = torch.full((len(chunk), width), self.state.trash, dtype=torch.long)
+            cols = torch.full((len(chunk), width), TRASH, dtype=torch.long)
             for r, i in enumerate(chunk):  # left padding: every row's last token in the last query
                 new = contexts[i][plan.keep[i]:]
                 ids[r, width - len(new):] = torch.tensor(new, dtype=torch.long)
-                cols[r, width - len(new):] = torch.arange(plan.keep[i], len(contexts[i]))
+                cols[r, width - len(new):] = torch.arange(plan.keep[i], len(contexts[i])) + 1  # column = position + 1
                 self.prefilled += len(new)
             rows = torch.tensor([plan.slot[i] for i in chunk], dtype=torch.long, device=self.device)
-            out = self._forward(model, ids.to(self.device), cols.to(self.device), rows)
+            window = max(len(contexts[i]) for i in chunk) + 1
+            out = self._forward(model, ids.to(self.device), cols.to(self.device), rows, window)
             for r, i in enumerate(chunk):
                 logits[i] = out[r]
             start = end
-        self.state.rows = self.state.cols = None
+        self.state.rows = self.state.cols = self.state.window = None
         followers = [i for i in range(len(contexts)) if plan.leader[i] != i]
         if followers:  # a group's copies of one prompt: the leader's keys and values, copied whole
             src = torch.tensor([plan.slot[plan.leader[i]] for i in followers], device=self.device)
@@ -370,7 +384,8 @@ class SlotEngine:
         logits = self.prefill(model, contexts, plan)
         slot_of = torch.tensor(plan.slot, dtype=torch.long, device=self.device)
         limit = torch.tensor(limits, dtype=torch.long, device=self.device)
-        length = torch.tensor([len(c) for c in contexts], dtype=torch.long, device=self.device)  # next column
+        length = torch.tensor([len(c) for c in contexts], dtype=torch.long, device=self.device)  # next position
+        longest = max(map(len, contexts))  # the longest slot of the call (host side: the eager window)
         stop = torch.tensor(stop_ids, dtype=torch.long, device=self.device)
         tokens = torch.zeros((n, steps), dtype=torch.long, device=self.device)
         logprobs = torch.zeros((n, steps), dtype=torch.float32, device=self.device)
@@ -389,10 +404,11 @@ class SlotEngine:
                 break
             # feed the sampled ids of the slots still decoding at their next column; the rest to the trash
             self.ids[slot_of, 0] = tok
-            self.cols.fill_(self.state.trash)
-            self.cols[slot_of] = torch.where(active, length, self.state.trash)
-            length += active
-            logits = self.decode(model).index_select(0, slot_of)
+            self.cols.fill_(TRASH)
+            self.cols[slot_of] = torch.where(active, length + 1, TRASH)
+            length += active.long()
+            longest += 1
+            logits = self.decode(model, longest + 1).index_select(0, slot_of)
         counts = count.tolist()
         ids, lps = tokens.tolist(), logprobs.tolist()
         out = []
@@ -404,6 +420,7 @@ class SlotEngine:
 
 
 def round_columns(n: int) -> int:
+    """Columns for ``n`` tokens, rounded up (fewer reallocations, fewer graph captures)."""
     return -(-int(n) // COLUMN_ROUND) * COLUMN_ROUND
 
 
