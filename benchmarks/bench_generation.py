@@ -520,7 +520,8 @@ def main() -> int:
                 f"eager ({'CUDA graph capture failed: ' + engine.graph_error if engine.graph_error else 'no CUDA: no graphs'})")
         print(f"{SLOTS}: decode step {path}; cache {engine.slots} slots x {engine.columns} columns, "
               f"graph captures {engine.captures}, tokens prefilled {engine.prefilled:,}, decode steps {engine.decode_steps:,} "
-              "(all sessions)")
+              "(all sessions; from the second turn on a slot prefills only the ids appended since its last call, "
+              "while the prefill column counts every context token)")
     for arm in (SLOTS, STATIC):
         if arm in arms:
             for line in exactness(s, settings, args.turns, arm):
