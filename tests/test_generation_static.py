@@ -210,6 +210,29 @@ def test_a_new_session_forgets_the_slots_and_reads_the_live_lora_weights(warm_ti
         assert max(abs(x - y) for x, y in zip(a.logprobs[:n], b.logprobs[:n], strict=True)) > 1e-3
 
 
+def test_a_failed_graph_capture_decodes_eagerly_and_says_why(warm_tiny, caplog):
+    """The fallback path of the CUDA graph (forced here, where no CUDA exists): the capture fails, the
+    engine says so once and decodes eagerly, the same samples as without graphs."""
+    import logging
+
+    from musique_rl.core.generation import sampling_warpers
+    from musique_rl.core.generation_static import SlotEngine
+
+    model, tok = warm_tiny
+    model = copy.deepcopy(model).eval()  # on the CPU: capturing needs CUDA
+    settings = SamplingSettings(temperature=0.9, stop_ids=[tok.eos_token_id])
+    ctxs, out = _contexts(tok, 2), {}
+    for graphs in (False, True):
+        engine = SlotEngine(model, 2, 257, graphs=graphs)
+        torch.manual_seed(4)
+        with torch.no_grad(), caplog.at_level(logging.WARNING, logger="musique_rl.core.generation_static"):
+            out[graphs] = engine.run(model, ctxs, [12, 12], sampling_warpers(settings), settings.stop_ids, False)
+    assert out[True] == out[False]
+    assert not engine.graphs and engine.graph is None and engine.graph_error
+    said = [r.getMessage() for r in caplog.records if "CUDA graph failed" in r.getMessage()]
+    assert len(said) == 1 and "decoding eagerly" in said[0]
+
+
 def test_static_outside_a_session_and_unsupported_layers_are_refused(warm_tiny):
     from transformers import AutoConfig
 

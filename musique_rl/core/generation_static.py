@@ -55,6 +55,7 @@ captured again) when a call needs more slots or columns. On a CPU the same code 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -96,6 +97,7 @@ class SlotState:
         return self.columns - 1
 
 
+@functools.cache
 def _layer_class() -> type:
     from transformers.cache_utils import StaticLayer
 
@@ -330,6 +332,8 @@ class SlotEngine:
             else:
                 pending.append(i)
         free = sorted((s for s in range(self.slots) if s not in taken), key=lambda s: len(self.cached[s]))
+        if len(pending) > len(free):  # fits() sized the cache for the call: a slot for every context
+            raise RuntimeError(f"slot cache of {self.slots} slots planned {len(contexts)} contexts")
         for i, s in zip(pending, free, strict=False):
             plan.slot[i] = s
         return plan
@@ -379,6 +383,14 @@ class SlotEngine:
     def run(self, model: Any, contexts: list[list[int]], limits: list[int], warpers: Any, stop_ids: list[int],
             greedy: bool) -> list[tuple[list[int], list[float]]]:
         """Per context, the sampled ids (ending on a stop id or at its limit) and their log-probs."""
+        try:
+            return self._run(model, contexts, limits, warpers, stop_ids, greedy)
+        except BaseException:
+            self.forget()  # a call cut short leaves slots half written: none is trusted again
+            raise
+
+    def _run(self, model: Any, contexts: list[list[int]], limits: list[int], warpers: Any, stop_ids: list[int],
+             greedy: bool) -> list[tuple[list[int], list[float]]]:
         plan = self.plan(contexts)
         n, steps = len(contexts), max(limits)
         logits = self.prefill(model, contexts, plan)
@@ -452,18 +464,13 @@ class StaticGenerator(HFGenerator):
         super().__init__(model_source, tokenizer, settings)
         self.graphs = graphs
         self.engine: SlotEngine | None = None
-        self._in_session = False
 
     @contextlib.contextmanager
     def session(self) -> Iterator[StaticGenerator]:
         with super().session() as gen, supported_attention(self._model):
             if self.engine is not None:
-                self.engine.forget()
-            self._in_session = True
-            try:
-                yield gen
-            finally:
-                self._in_session = False
+                self.engine.forget()  # new weights since the last rollout: nothing a slot holds is valid
+            yield gen
 
     def _engine_for(self, model: Any, contexts: list[list[int]], limits: list[int]) -> SlotEngine:
         device = next(model.parameters()).device
@@ -483,8 +490,6 @@ class StaticGenerator(HFGenerator):
         if not contexts:
             return []
         model = self._held("_model")
-        if not self._in_session:
-            raise RuntimeError("StaticGenerator.generate must run inside `with generator.session():`")
         limits = [max(1, int(m)) for m in max_new_tokens]
         engine = self._engine_for(model, contexts, limits)
         stop = list(self.settings.stop_ids)
