@@ -340,8 +340,7 @@ def exactness(s: Setup, settings, turns: int, arm: str = STATIC) -> list[str]:
     difference over the positions both sampled alike."""
     import torch
 
-    from musique_rl.core.generation import HFGenerator
-    from musique_rl.core.generation_static import StaticGenerator
+    from musique_rl.core.generation import HFGenerator, StaticGenerator
 
     other = StaticGenerator if arm == SLOTS else static_cache_generator(HFGenerator)
     lines = []
@@ -420,8 +419,7 @@ def main() -> int:
 
     import torch
 
-    from musique_rl.core.generation import HFGenerator, PagedGenerator, SamplingSettings
-    from musique_rl.core.generation_static import StaticGenerator
+    from musique_rl.core.generation import HFGenerator, PagedGenerator, SamplingSettings, StaticGenerator
 
     torch.set_num_threads(max(1, torch.get_num_threads()) if args.shape == "7b" else 1)
     s = tiny_setup(args) if args.shape == "tiny" else random_setup(args)

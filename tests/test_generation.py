@@ -42,7 +42,7 @@ def _forward_logprobs(model, context, ids, temperature):
 
 def _in_process(name):
     """An in-process backend's generator class by its train.backend name."""
-    from musique_rl.core.generation_static import StaticGenerator
+    from musique_rl.core.generation import StaticGenerator
 
     return {"hf": HFGenerator, "static": StaticGenerator}[name]
 

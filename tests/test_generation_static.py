@@ -13,8 +13,7 @@ import copy
 import pytest
 import torch
 
-from musique_rl.core.generation import HFGenerator, SamplingSettings, build_generator
-from musique_rl.core.generation_static import StaticGenerator
+from musique_rl.core.generation import HFGenerator, SamplingSettings, StaticGenerator, build_generator
 from musique_rl.diagnostics.context import FLOOR_MULTIPLE, GAP_ABS_MIN
 from musique_rl.diagnostics.floor import _full_forward, mismatch_floor
 

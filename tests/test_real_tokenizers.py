@@ -276,7 +276,7 @@ def test_sampler_logprobs_equal_the_trainers_whatever_the_models_generation_conf
         eos_token_id=[tok.eos_token_id], pad_token_id=tok.pad_token_id,
     )
     temperature = 0.9
-    from musique_rl.core.generation_static import StaticGenerator
+    from musique_rl.core.generation import StaticGenerator
 
     cls = {"hf": HFGenerator, "static": StaticGenerator}[backend]
     gen = cls(model, tok, SamplingSettings(temperature=temperature, stop_ids=[tok.eos_token_id]))

@@ -136,10 +136,9 @@ def test_a_rollout_returns_what_trl_needs_in_order(raw_tiny, tiny_cfg, backend):
 # ---------------------------------------------------------------- the Generator protocol
 def test_every_backend_provides_the_declared_generator_protocol():
     from musique_rl.core import generation
-    from musique_rl.core.generation_static import StaticGenerator
 
     members = ("collective", "session", "generate", "any_live")
-    for cls in (generation.HFGenerator, generation.PagedGenerator, StaticGenerator, generation.VLLMServerGenerator,
+    for cls in (generation.HFGenerator, generation.PagedGenerator, generation.StaticGenerator, generation.VLLMServerGenerator,
                 generation.VLLMColocateGenerator, ScriptedGenerator):
         assert all(hasattr(cls, m) for m in members), cls
     assert generation.VLLMServerGenerator.collective and not generation.HFGenerator.collective

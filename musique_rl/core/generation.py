@@ -305,6 +305,41 @@ class PagedGenerator(HFGenerator):
         return [_truncate(ids, lps, stop, m) for (ids, lps), m in zip(engine.generate(contexts, limits, greedy), limits, strict=True)]
 
 
+class StaticGenerator(HFGenerator):
+    """``train.backend=static``: HFGenerator's session (TRL's unwrap / ZeRO-3 gather, eval mode, no
+    grad) around a slot engine (musique_rl/core/generation_static.py: a per-slot static KV cache kept
+    across a rollout's turns, the decode step a CUDA graph on CUDA) kept for the generator's life: its
+    cache and graph serve every rollout; what its slots hold is forgotten at each session's start.
+
+    ``graphs``: capture the decode step as a CUDA graph (default: on CUDA devices; never on a CPU)."""
+
+    def __init__(self, model_source: Any, tokenizer: Any, settings: SamplingSettings, graphs: bool | None = None):
+        super().__init__(model_source, tokenizer, settings)
+        self.graphs = graphs
+        self.engine: Any = None  # generation_static.SlotEngine, built by the first call
+
+    @contextlib.contextmanager
+    def session(self) -> Iterator[StaticGenerator]:
+        from musique_rl.core.generation_static import supported_attention
+
+        with super().session() as gen, supported_attention(self._model):
+            if self.engine is not None:
+                self.engine.forget()  # new weights since the last rollout: nothing a slot holds is valid
+            yield gen
+
+    def generate(self, contexts: list[list[int]], max_new_tokens: list[int], greedy: bool = False) -> list[Sample]:
+        if not contexts:
+            return []
+        from musique_rl.core.generation_static import engine_for
+
+        model = self._held("_model")
+        limits = [max(1, int(m)) for m in max_new_tokens]
+        self.engine = engine_for(self.engine, model, contexts, limits, self.graphs)
+        stop = list(self.settings.stop_ids)
+        got = self.engine.run(model, contexts, limits, sampling_warpers(self.settings), stop, greedy)
+        return [_truncate(ids, lps, set(stop), m) for (ids, lps), m in zip(got, limits, strict=True)]
+
+
 # ---------------------------------------------------------------- vLLM server (TRL)
 class _TrainerVLLM:
     """What both vLLM backends share: the engine belongs to TRL's trainer, which syncs the policy's
@@ -495,12 +530,7 @@ def build_generator(
         return VLLMServerGenerator(trainer, settings)
     if backend not in ("hf", "paged", "static"):
         raise ValueError(f"train.backend={backend!r}: expected 'hf', 'paged', 'static' or 'vllm'")
-    if backend == "static":
-        from musique_rl.core.generation_static import StaticGenerator
-
-        in_process = StaticGenerator
-    else:
-        in_process = PagedGenerator if backend == "paged" else HFGenerator
+    in_process = {"hf": HFGenerator, "paged": PagedGenerator, "static": StaticGenerator}[backend]
     if trainer is not None:
         if backend == "paged":  # the job's one paged generator: say once if it is the slow choice here
             from musique_rl.core.generation_paged import warn_if_slow

@@ -21,6 +21,9 @@ What transformers and torch provide, used as they are:
     top-p), ``torch.multinomial`` on their softmax as ``generate`` samples;
   - ``torch.cuda.CUDAGraph`` / ``torch.cuda.graph`` for the decode step.
 
+The backend itself is ``generation.StaticGenerator`` (beside the other backends: HFGenerator's
+session, this module's engine); ``engine_for`` sizes the engine for each call.
+
 What neither provides, written here (each says why at its definition):
   - ``SlotLayer``: per-slot write positions. ``StaticLayer`` writes every row of the batch at the
     same columns (one ``cumulative_length`` for the whole batch), which is ``generate``'s
@@ -62,8 +65,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-
-from musique_rl.core.generation import HFGenerator, Sample, SamplingSettings, _truncate, sampling_warpers
 
 log = logging.getLogger(__name__)
 
@@ -452,47 +453,17 @@ def supported_attention(model: Any) -> Iterator[None]:
         model.set_attn_implementation(original)
 
 
-# ---------------------------------------------------------------- the backend
-class StaticGenerator(HFGenerator):
-    """``train.backend=static``: HFGenerator's session (TRL's unwrap / ZeRO-3 gather, eval mode, no
-    grad) around a ``SlotEngine`` kept for the generator's life (its cache and decode graph are
-    reused by every rollout; what the slots hold is forgotten at each session's start).
-
-    ``graphs``: capture the decode step as a CUDA graph (default: on CUDA devices; never on a CPU)."""
-
-    def __init__(self, model_source: Any, tokenizer: Any, settings: SamplingSettings, graphs: bool | None = None):
-        super().__init__(model_source, tokenizer, settings)
-        self.graphs = graphs
-        self.engine: SlotEngine | None = None
-
-    @contextlib.contextmanager
-    def session(self) -> Iterator[StaticGenerator]:
-        with super().session() as gen, supported_attention(self._model):
-            if self.engine is not None:
-                self.engine.forget()  # new weights since the last rollout: nothing a slot holds is valid
-            yield gen
-
-    def _engine_for(self, model: Any, contexts: list[list[int]], limits: list[int]) -> SlotEngine:
-        device = next(model.parameters()).device
-        engine = self.engine
-        if engine is not None and engine.device != device:
-            engine = None  # the model moved: a new cache on its device
-        if engine is None:
-            need = max(len(c) + m for c, m in zip(contexts, limits, strict=True))
-            graphs = device.type == "cuda" if self.graphs is None else bool(self.graphs and device.type == "cuda")
-            engine = SlotEngine(model, len(contexts), round_columns(need) + 1, graphs)
-        elif not engine.fits(contexts, limits):
-            engine = engine.grown(model, contexts, limits)
-        self.engine = engine
-        return engine
-
-    def generate(self, contexts: list[list[int]], max_new_tokens: list[int], greedy: bool = False) -> list[Sample]:
-        if not contexts:
-            return []
-        model = self._held("_model")
-        limits = [max(1, int(m)) for m in max_new_tokens]
-        engine = self._engine_for(model, contexts, limits)
-        stop = list(self.settings.stop_ids)
-        got = engine.run(model, contexts, limits, sampling_warpers(self.settings), stop, greedy)
-        stops = set(stop)
-        return [_truncate(ids, lps, stops, m) for (ids, lps), m in zip(got, limits, strict=True)]
+# ---------------------------------------------------------------- the backend's engine, sized for a call
+def engine_for(engine: SlotEngine | None, model: Any, contexts: list[list[int]], limits: list[int],
+               graphs: bool | None) -> SlotEngine:
+    """The engine a call of ``generate.StaticGenerator`` runs on: ``engine`` when the call fits it,
+    a grown copy when it does not, a new one for a first call or a model on another device.
+    ``graphs``: capture the decode step (default: on CUDA devices; never on a CPU)."""
+    device = next(model.parameters()).device
+    if engine is not None and engine.device != device:
+        engine = None  # the model moved: a new cache on its device
+    if engine is None:
+        need = max(len(c) + m for c, m in zip(contexts, limits, strict=True))
+        use_graphs = device.type == "cuda" and (graphs is None or bool(graphs))
+        return SlotEngine(model, len(contexts), round_columns(need) + 1, use_graphs)
+    return engine if engine.fits(contexts, limits) else engine.grown(model, contexts, limits)
