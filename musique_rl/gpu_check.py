@@ -8,10 +8,10 @@ process group, recorded ``TIMEOUT``, and the next step runs; one that fails is r
   2. ``default_bf16`` / ``default_fp32``: the default job in bf16 and in float32, with the doctor's top finding;
   3. ``fault_stale_sampler`` / ``fault_blind_context``: two planted faults in bf16, named right or not
      (each fault's ``expected`` finding);
-  4. ``build_7b``, ``7b_hf``, ``7b_paged``: Qwen2.5-7B's shape (random bf16 weights built on the GPU,
+  4. ``build_7b``, ``7b_hf``, ``7b_paged``, ``7b_static``: Qwen2.5-7B's shape (random bf16 weights built on the GPU,
      saved) with the Qwen2.5 stand-in tokenizer (real vocabulary, chat template, generation_config;
      built on CPU by ``--prepare``) on each in-process backend, 2 steps, with diagnosis;
-  5. ``bench`` / ``bench_static``: ``benchmarks/bench_generation.py --shape 7b`` over hf and paged, then
+  5. ``bench`` / ``bench_static``: ``benchmarks/bench_generation.py --shape 7b`` over hf, paged and static, then
      hf and hf-static (its own output in the record).
 
 On CUDA the tiny-model steps (1-3) run in one lane beside the 7B steps (4) in another, as they
@@ -64,7 +64,7 @@ from musique_rl import (
 ROOT = Path(__file__).resolve().parent.parent
 RECORDS = ROOT / "docs" / "records"
 TEST_FILES = ("test_trainer", "test_train", "test_generation", "test_generation_paged", "test_smoke",
-              "test_trainer_dp", "test_eval_dp", "test_vllm_trainer", "test_attention", "test_diagnostics",
+              "test_generation_static", "test_trainer_dp", "test_eval_dp", "test_vllm_trainer", "test_attention", "test_diagnostics",
               "test_doctor_faults")
 FAULT_STEPS = ("stale_sampler", "blind_context")
 # The 7B steps' job: smoke's 7b case (4 x 8 episodes of <= 2 x 128 tokens, LoRA r16, the 7B config's
@@ -84,7 +84,7 @@ BENCH_CUDA = ["--shape", "7b", "--batch", "64", "--max-new-tokens", "128", "--re
 BENCH_CPU = ["--shape", "tiny", "--batch", "4", "--max-new-tokens", "8", "--repeats", "3"]
 # bench: the training backends; bench_static: transformers' static cache (compiled decode on CUDA),
 # measured for exactness and speed before anything adopts it (benchmarks/bench_generation.py)
-BENCH_ARMS = {"bench": "hf,paged", "bench_static": "hf,hf-static"}
+BENCH_ARMS = {"bench": "hf,paged,static", "bench_static": "hf,hf-static"}
 # Pinned packages a CUDA image typically lacks (/work/shared/docs/GPU-NOTES.md: torch, accelerate,
 # pytest and the rest are there; mlflow is not needed with tracking.enabled=false), and pytest-xdist
 # so the test step runs in parallel. Versions: the preparing environment's (the pins).
@@ -201,7 +201,7 @@ def plan(m: dict[str, Any], work: Path, tokenizer: Path | None, a: argparse.Name
     out.append(Step("build_7b", build, 120 if cuda else 300, lane="heavy", kind="build",
                     dtype="bfloat16" if cuda else "float32"))
     dtype = "bfloat16" if cuda else "float32"
-    for backend in ("hf", "paged"):
+    for backend in ("hf", "paged", "static"):
         out.append(job(f"7b_{backend}", [*SEVEN_B, *([] if cuda else CPU_7B), f"model.name_or_path={model_dir}",
                                          f"model.dtype={dtype}", f"train.backend={backend}",
                                          f"train.max_steps={steps_of(2)}"],
