@@ -4,20 +4,20 @@ A lent CUDA machine has no registry and a few minutes of device time in all. Thi
 its own process with its own time box (a step that overruns is killed with its process group,
 recorded ``TIMEOUT``, and the next step runs; one that fails is recorded ``FAIL``):
 
-  1. ``bench``: ``benchmarks/bench_generation.py --shape 7b`` over hf and paged (prefill and decode
-     apart; its own output in the record);
-  2. ``build_7b``, ``7b_hf``, ``7b_paged``: Qwen2.5-7B's shape (random bf16 weights built on the GPU,
+  1. ``bench``: ``benchmarks/bench_generation.py --shape 7b`` over hf, paged and static (prefill and
+     decode apart; its own output in the record);
+  2. ``build_7b``, ``7b_hf``, ``7b_paged``, ``7b_static``: Qwen2.5-7B's shape (random bf16 weights built on the GPU,
      saved) with the Qwen2.5 stand-in tokenizer (real vocabulary, chat template, generation_config;
      built on CPU by ``--prepare``) on each in-process backend, 2 steps, with diagnosis;
   3. ``tests``: the GPU-relevant test files (``TEST_FILES``; ``-n`` when pytest-xdist is installed);
-  4. ``default_bf16`` / ``default_fp32``: the default job in bf16 and in float32, with the doctor's top finding;
-  5. ``fault_stale_sampler`` / ``fault_blind_context``: two planted faults in bf16, named right or not
-     (each fault's ``expected`` finding);
-  6. ``bench_static``: the bench over hf and hf-static.
+  4. ``default_bf16``, ``fault_stale_sampler`` / ``fault_blind_context`` (two planted faults in bf16,
+     named right or not: each fault's ``expected`` finding), ``default_fp32``: the default job in
+     bf16 and float32 with the doctor's top finding;
+  5. ``bench_static``: the bench over hf and hf-static.
 
 On CUDA the order is the priority: ``bench`` first, with the card to itself (its figures are the
 card's alone, and it must not wait behind the slow steps); then two lanes side by side, the 7B steps
-(2) in one and the tiny-model steps (3-5, light on the GPU) in the other; ``bench_static`` last, if
+(2) in one and the tiny-model steps (3-4, light on the GPU) in the other; ``bench_static`` last, if
 time is left. The whole run keeps to ``--budget`` seconds: a step gets the smaller of its own time
 box and what is left, and is ``skipped`` when too little is. ``--plan`` prints the schedule with the
 step times measured on one H200 (``H200_SECONDS``) without running anything, and every run prints
@@ -68,8 +68,8 @@ from musique_rl import (
 ROOT = Path(__file__).resolve().parent.parent
 RECORDS = ROOT / "docs" / "records"
 TEST_FILES = ("test_trainer", "test_train", "test_generation", "test_generation_paged", "test_smoke",
-              "test_trainer_dp", "test_eval_dp", "test_vllm_trainer", "test_weight_sync", "test_attention",
-              "test_diagnostics", "test_doctor_faults")
+              "test_generation_static", "test_trainer_dp", "test_eval_dp", "test_vllm_trainer", "test_weight_sync",
+              "test_attention", "test_diagnostics", "test_doctor_faults")
 FAULT_STEPS = ("stale_sampler", "blind_context")
 # The 7B steps' job: smoke's 7b case (4 x 8 episodes of <= 2 x 128 tokens, LoRA r16, the 7B config's
 # gradient checkpointing and micro-batch), through `python -m musique_rl` so the doctor runs too.
@@ -88,7 +88,7 @@ BENCH_CUDA = ["--shape", "7b", "--batch", "64", "--max-new-tokens", "128", "--re
 BENCH_CPU = ["--shape", "tiny", "--batch", "4", "--max-new-tokens", "8", "--repeats", "3"]
 # bench: the training backends; bench_static: transformers' static cache (compiled decode on CUDA),
 # measured for exactness and speed before anything adopts it (benchmarks/bench_generation.py)
-BENCH_ARMS = {"bench": "hf,paged", "bench_static": "hf,hf-static"}
+BENCH_ARMS = {"bench": "hf,paged,static", "bench_static": "hf,hf-static"}
 # Pinned packages a CUDA image typically lacks (docs/records/gpu_leases.md: torch, accelerate,
 # pytest and the rest are there; mlflow is not needed with tracking.enabled=false), and pytest-xdist
 # so the test step runs in parallel. Versions: the preparing environment's (the pins).
@@ -109,11 +109,14 @@ MIN_STEP_S = 20  # a step is skipped when less than this is left of the budget
 # the other as planned): what --plan schedules with. Where a step's shape differs from the one measured,
 # the figure is scaled and the reason says how.
 H200_SECONDS = {
-    "bench": (94, "measured: bench_generation.py --shape 7b --batch 64 --max-new-tokens 128 --repeats 2"),
+    "bench": (140, "measured 94 s over hf and paged (--shape 7b --batch 64 --max-new-tokens 128 --repeats 2); "
+                   "the static arm added: a third of that again (guess; not measured on a GPU)"),
     "build_7b": (24, "measured"),
     "7b_hf": (73, "measured 55 s then 18 s a step: 2 steps"),
     "7b_paged": (95, "measured 64 s then 31 s a step: 2 steps"),
-    "tests": (150, "measured 116-134 s for the other files; test_weight_sync added (~+15 s)"),
+    "7b_static": (95, "not measured: as 7b_hf plus its CUDA-graph capture (guess)"),
+    "tests": (165, "measured 116-134 s for the other files; test_weight_sync and test_generation_static added "
+                   "(~15 s each, guess)"),
     "default_bf16": (115, "measured (60 steps, 64 held-out episodes)"),
     "fault_stale_sampler": (64, "measured 56-64 s (20 steps, 8 held-out episodes)"),
     "fault_blind_context": (64, "measured 56-64 s (20 steps, 8 held-out episodes)"),
@@ -212,8 +215,6 @@ def plan(m: dict[str, Any], work: Path, tokenizer: Path | None, a: argparse.Name
                 240 if cuda else 600, kind="tests")]
     out.append(job("default_bf16", [*small, "model.dtype=bfloat16", f"train.max_steps={steps_of(60)}"], work,
                    150 if cuda else 300, py, dtype="bfloat16"))
-    out.append(job("default_fp32", [*small, "model.dtype=float32", f"train.max_steps={steps_of(60)}"], work,
-                   150 if cuda else 300, py, dtype="float32"))
     from musique_rl.core.faults import FAULTS
 
     for f in FAULT_STEPS:
@@ -221,6 +222,9 @@ def plan(m: dict[str, Any], work: Path, tokenizer: Path | None, a: argparse.Name
         out.append(job(f"fault_{f}", [*(small or ["train.eval_episodes=8"]), f"+fault={f}", "model.dtype=bfloat16",
                                       f"train.max_steps={steps_of(20)}"],
                        work, 100 if cuda else 300, py, dtype="bfloat16", expected=FAULTS[f].expected))
+    # float32 last of the tiny lane: the bf16 run above is the GPU's default, this one its comparison
+    out.append(job("default_fp32", [*small, "model.dtype=float32", f"train.max_steps={steps_of(60)}"], work,
+                   150 if cuda else 300, py, dtype="float32"))
     model_dir = work / "qwen2.5-7b-shaped"
     build = [py, "-m", "musique_rl.gpu_check", "--build-7b", str(model_dir)]
     if tokenizer is not None:
@@ -228,7 +232,7 @@ def plan(m: dict[str, Any], work: Path, tokenizer: Path | None, a: argparse.Name
     out.append(Step("build_7b", build, 120 if cuda else 300, lane="heavy", kind="build",
                     dtype="bfloat16" if cuda else "float32"))
     dtype = "bfloat16" if cuda else "float32"
-    for backend in ("hf", "paged"):
+    for backend in ("hf", "paged", "static"):
         out.append(job(f"7b_{backend}", [*SEVEN_B, *([] if cuda else CPU_7B), f"model.name_or_path={model_dir}",
                                          f"model.dtype={dtype}", f"train.backend={backend}",
                                          f"train.max_steps={steps_of(2)}"],
