@@ -74,8 +74,10 @@ def test_the_cuda_plan_schedules_the_bench_and_the_7b_steps_within_the_lease():
     a = argparse.Namespace(max_steps=None, tests=None, timeout={}, steps=None, budget=gpu_check.BUDGET_S)
     slots = {x.step: x for x in gpu_check.cuda_plan(a)}
     assert slots["bench"].start == 0 and slots["bench"].phase == "first"
-    for name in ("bench", "build_7b", "7b_hf", "7b_paged"):
-        assert slots[name].fits == "yes" and slots[name].end <= gpu_check.BUDGET_S - 200, slots[name]
+    sevens = [n for n in slots if n.startswith("7b_")]
+    assert {"7b_hf", "7b_paged"} <= set(sevens)
+    for name in ("bench", "build_7b", *sevens):  # done with at least 100 s of the budget to spare
+        assert slots[name].fits == "yes" and slots[name].end <= gpu_check.BUDGET_S - 100, slots[name]
     assert slots["build_7b"].start == slots["bench"].end and slots["build_7b"].lane == "heavy"
     assert all(slots[n].fits == "yes" for n in ("tests", "default_bf16", "fault_stale_sampler", "fault_blind_context"))
     assert slots["bench_static"].phase == "last"  # the lowest priority: after both lanes, if time is left
