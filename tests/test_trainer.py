@@ -157,7 +157,7 @@ def test_blind_attention_hides_the_prompt_and_the_tool_results_only():
 def test_every_fault_hook_keeps_the_models_device(tiny_cfg, name):
     """A CUDA stand-in on a CPU machine: the batch on the "meta" device (a second device whose ops
     refuse a CPU operand, as CUDA's do), the tool mask as TRL's padded lists come (CPU). Each hook's
-    tensor comes back on the batch's device, without a device error (GPU-NOTES: the blind_context
+    tensor comes back on the batch's device, without a device error (docs/records/gpu_leases.md: the blind_context
     fault failed on CUDA with "index is on cpu, different from other tensors on cuda:0")."""
     fault = faults.of(with_keys(tiny_cfg, {"fault": name}))
     meta = torch.device("meta")

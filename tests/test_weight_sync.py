@@ -260,3 +260,14 @@ def test_the_fault_run_on_the_hf_backend_is_diagnosed_base_drift_and_the_same_ru
             assert drift and set(drift) == {0.0} and ("h06", "base_drift") not in flagged
         else:
             assert max(drift) > CHECKSUM_DRIFT_MAX and flagged[0] == ("h06", "base_drift"), flagged
+
+
+def test_the_cycles_hold_one_reference_copy_so_memory_is_flat_in_the_cycle_count(warm_tiny, lora_cfg):
+    """benchmarks/bench_lora_sync.py runs 1,000 cycles, at the 7B shape too: nothing a sync loads may
+    be kept per cycle (it was: a CPU copy of every synced tensor, ~15 GB a cycle at 7B)."""
+    model, _ = warm_tiny
+    one_sync = sum(p.numel() * 2 for p in model.parameters())  # bytes of one bf16 copy of the weights
+    grown = {n: run_cycles(ExactLoraSync, lora_model(model, lora_cfg.lora, torch.bfloat16), n, check_every=0,
+                           whole_model_check=False, track_memory=True).grown_bytes for n in (2, 12)}
+    assert abs(grown[12] - grown[2]) < one_sync / 10, grown
+    assert grown[12] < one_sync / 10, grown
