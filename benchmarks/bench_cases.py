@@ -1,5 +1,5 @@
-"""The foreign defect sets of ../shared/cases against this checkout: each defect's expected
-hypothesis beside the doctor's top finding.
+"""The foreign defect sets (``cases/`` in the folder of data outside this repository) against this
+checkout: each defect's expected hypothesis beside the doctor's top finding.
 
     python benchmarks/bench_cases.py --seeds 1,2 --out /tmp/cases                 # both sets, both seeds
     python benchmarks/bench_cases.py --seeds 1 --out /tmp/cases --faults a:none,b:none_kl --parallel 1
@@ -14,7 +14,9 @@ counted as the doctor's miss or hit. A defect is named right as its own script j
 the top finding's hypothesis among the expected (``h08|h02``); set B, the expected or an accepted
 alternative, and the patch having fired.
 
-Without ../shared (``--cases`` absent), says so and exits 0 with ``"status": "not run"``. The LAST
+Where the sets are: ``--cases``, default ``$MUSIQUE_RL_DATA/cases`` (the folder of data outside this
+repository, default shared/ inside or beside the checkout: docs/howto/setup.md). Without them
+(CI and fresh checkouts have none), says so and exits 0 with ``"status": "not run"``. The LAST
 line is one JSON object: ``defects`` and ``named_right`` (defect cells), ``controls`` and
 ``controls_clean`` (control cells), ``site_moved`` and ``not_planted`` (cells), ``seeds``, ``status``.
 """
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -30,7 +33,10 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 SETS = {"a": "defects_a.py", "b": "defects_b.py"}
-DEFAULT_CASES = ROOT.parent / "shared" / "cases"
+# the folder of data outside this repository, found as benchmarks/false_alarms.py finds it
+OUTSIDE_DATA = Path(os.environ.get("MUSIQUE_RL_DATA")
+                    or next((d for d in (ROOT / "shared", ROOT.parent / "shared") if d.is_dir()), ROOT.parent / "shared"))
+DEFAULT_CASES = OUTSIDE_DATA / "cases"
 
 
 def _seeds(text: str) -> list[int]:
@@ -113,8 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     missing = [SETS[k] for k in args.sets.split(",") if not (args.cases / SETS[k]).is_file()]
     if missing:
-        print(f"bench_cases: {args.cases} has no {', '.join(missing)} (../shared is not here: CI and fresh "
-              "checkouts have none); nothing run")
+        print(f"bench_cases: {args.cases} has no {', '.join(missing)} (the data outside this repository is not "
+              "here: CI and fresh checkouts have none; --cases DIR or $MUSIQUE_RL_DATA); nothing run")
         print(json.dumps({"status": "not run", "reason": f"no {args.cases}"}))
         return 0
     args.out.mkdir(parents=True, exist_ok=True)
@@ -139,4 +145,4 @@ if __name__ == "__main__":
     sys.path.insert(0, str(HERE))
     import record  # benchmarks/record.py
 
-    raise SystemExit(record.run(main, title="The foreign defect sets (../shared/cases) against the doctor"))
+    raise SystemExit(record.run(main, title="The foreign defect sets (cases/ of the data outside this repository) against the doctor"))

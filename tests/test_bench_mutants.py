@@ -1,7 +1,7 @@
 """The mutation benchmark (benchmarks/bench_mutants.py and benchmarks/mutants/): the draw is
 reproducible and split by hash, the import hook applies exactly one mutant in a child process and
 leaves the file on disk alone, the executed-line filter, the stage map, harm classes on synthetic
-runs, the scores and steps to diagnosis, and bench_cases without ../shared. No 20-step job here
+runs, the scores and steps to diagnosis, and bench_cases without the defect sets. No 20-step job here
 (one slow test runs two real mutants end to end)."""
 
 from __future__ import annotations
@@ -318,7 +318,7 @@ def test_diagnosis_and_steps_on_small_run_dirs(tmp_path):
     assert steps is not None and 8 <= steps <= 20  # never before the defect appears
 
 
-# ---------------------------------------------------------------- bench_cases without ../shared
+# ---------------------------------------------------------------- bench_cases without the defect sets
 def test_bench_cases_says_not_run_without_the_shared_cases(tmp_path):
     proc = subprocess.run([sys.executable, "benchmarks/bench_cases.py", "--cases", str(tmp_path / "absent"),
                            "--out", str(tmp_path / "out")], cwd=ROOT, env=_env(), capture_output=True, text=True,
