@@ -3,31 +3,52 @@ SHELL := /bin/bash
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed
+GPU_STAMP := $(VENV)/.installed-gpu
+# A .venv made by `make setup-gpu` stays a GPU one: every target's set-up step then keeps the gpu
+# extra (vLLM's CUDA torch), never the CPU torch of `make setup`.
+STAMP := $(if $(wildcard $(GPU_STAMP)),$(GPU_STAMP),$(VENV)/.installed)
 SWEEP ?= h02
+SWEEP_DIR ?=
 HYP ?= h01
 ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help setup train test test-slow warm-start sweep case-study slurm-up slurm-down ui ui-check cfg lint bench clean
+.PHONY: help setup setup-gpu check-gpu-pins fetch-musique train test test-slow warm-start sweep publish check-status \
+	case-study slurm-up slurm-down ui ui-check cfg lint bench clean
 
 help: ## Show this menu
-	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  \033[36m%-10s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST)
+	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  \033[36m%-14s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 
-$(STAMP): pyproject.toml constraints-cpu.txt
+$(VENV)/.installed: pyproject.toml constraints-cpu.txt
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# CPU torch first from its pin, so nothing pulls a multi-GB CUDA build
 	$(BIN)/pip install -q -c constraints-cpu.txt torch==2.13.0
 	$(BIN)/pip install -q -c constraints-cpu.txt -e '.[dev,lucene,semantic]'
-	touch $(STAMP)
+	touch $@
+
+$(GPU_STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# vLLM 0.30.0 brings its CUDA build of torch 2.13.0 (the gpu extra; pins checked by make check-gpu-pins)
+	$(BIN)/pip install -q -e '.[gpu,dev]'
+	touch $@
 
 setup: $(STAMP) ## Create .venv and install the package (dev, lucene, semantic extras; CPU torch)
+
+setup-gpu: $(GPU_STAMP) ## A GPU node with its own CUDA driver: .venv with the gpu extra (vLLM, CUDA torch, DeepSpeed)
+
+check-gpu-pins: ## Do the gpu extra's pins resolve with the project's on Python 3.11 and 3.12 (PyPI, ~2 min, nothing installed)?
+	$(PY) .ci/gpu_pins.py
+
+MUSIQUE_DIR ?= $(or $(MUSIQUE_RL_DATA),data/musique)
+fetch-musique: $(STAMP) ## MuSiQue-Ans (train, validation) from the Hugging Face Hub into MUSIQUE_DIR (default $MUSIQUE_RL_DATA, else data/musique)
+	$(BIN)/python -m musique_rl.data fetch --out $(MUSIQUE_DIR)
 
 train: $(STAMP) ## Run the main job: tiny model, embedded data, GRPO (ARGS="key=value ..." to override)
 	$(BIN)/python -m musique_rl $(ARGS)
 
-test: $(STAMP) ## Fast test suite (under 10 minutes on 2 cores)
+test: $(STAMP) ## Fast test suite: 24 min on a 2-core AMD EPYC shared with 5 other jobs (load ~4.8; 2026-11-27, 794 tests)
 	$(BIN)/python -m pytest -q
 
 test-slow: $(STAMP) ## Slow end-to-end suite (learning runs, faults, SLURM)
@@ -36,8 +57,15 @@ test-slow: $(STAMP) ## Slow end-to-end suite (learning runs, faults, SLURM)
 warm-start: $(STAMP) ## Build the shipped tiny warm starts that are missing (default, arith; SFT until the gate holds); commit musique_rl/warm_starts/
 	$(BIN)/python -m musique_rl.warm_start --ship $(ARGS)
 
-sweep: $(STAMP) ## Run a named hypothesis sweep and its verdict: make sweep SWEEP=h02
+sweep: $(STAMP) ## Run a named hypothesis sweep and its verdict (sweep dir + MLflow): make sweep SWEEP=h02
 	$(BIN)/python -m musique_rl -m +sweep=$(SWEEP) $(ARGS)
+
+publish: $(if $(SWEEP_DIR),$(STAMP)) ## Publish a sweep's verdict in docs/STATUS.md: make publish SWEEP_DIR=multirun/h02/<date> (refuses short, dirty, mixed, failed)
+	@test -n "$(SWEEP_DIR)" || { echo "make publish: name the sweep: make publish SWEEP_DIR=multirun/h02/<date>_<time>" >&2; exit 2; }
+	$(BIN)/python -m musique_rl.verdict publish --sweep $(SWEEP_DIR) $(ARGS)
+
+check-status: $(STAMP) ## Every published row of docs/STATUS.md is from one clean commit, one machine type, no failed job
+	$(BIN)/python -m musique_rl.verdict check
 
 SEEDS ?= 1,2,3
 case-study: $(STAMP) ## The original researcher's flat reward replayed and fixed (30 min on 2 cores, seeds 1-3): docs/case_study/case_study.md
@@ -69,12 +97,15 @@ gpu-smoke: ## Every fault, hypothesis arm and a 7B-shaped model on this machine'
 # gpu-bundle on a CPU machine with pip and the .venv; gpu-check on the GPU machine (its own python3
 # with the bundle's wheels: bash .gpu_bundle/run.sh does both steps there), docs/howto/gpu.md.
 GPU_BUNDLE ?= .gpu_bundle
-.PHONY: gpu-bundle gpu-check
+.PHONY: gpu-bundle gpu-check gpu-plan
 gpu-bundle: $(STAMP) ## Build .gpu_bundle/ (GPU_BUNDLE=dir) for a lent GPU machine: Python 3.12 wheels, Qwen2.5 stand-in tokenizer, run.sh (< 64 MB)
 	$(BIN)/python -m musique_rl.gpu_check --prepare $(GPU_BUNDLE) $(ARGS)
 
-gpu-check: ## Everything a GPU can check here, time-boxed, one table in docs/records/gpu_check_<gpu>.md (CPU: small shapes)
+gpu-check: ## Everything a GPU can check here, time-boxed, one table in docs/records/gpu_check_<gpu>.md (prints its plan first; CPU: small shapes)
 	$(SMOKE_PY) -m musique_rl.gpu_check $(if $(wildcard $(GPU_BUNDLE)/PROVENANCE.json),--bundle $(GPU_BUNDLE)) $(ARGS)
+
+gpu-plan: ## The lease's schedule with the H200 step times (no GPU, no run): bench and 7B steps within the budget
+	$(SMOKE_PY) -m musique_rl.gpu_check --plan $(ARGS)
 
 lint: $(STAMP) ## ruff over the package, tests and benchmarks
 	$(BIN)/ruff check musique_rl tests benchmarks

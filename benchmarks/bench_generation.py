@@ -2,7 +2,8 @@
 
     python benchmarks/bench_generation.py                           # CPU, the warm tiny model, 32 contexts
     python benchmarks/bench_generation.py --turns 3                 # three turns, tool text appended between them
-    python benchmarks/bench_generation.py --backends hf,hf-static   # + the static-cache path, with its exactness
+    python benchmarks/bench_generation.py --backends hf,hf-static   # + generate's static-cache path, with its exactness
+    python benchmarks/bench_generation.py --backends hf,paged,static  # the three in-process training backends
     python benchmarks/bench_generation.py --shape 7b --batch 64 --max-new-tokens 128 --repeats 3 --turns 1
                                                                     # GPU: a Qwen2.5-7B-shaped model, random init,
                                                                     # bf16 on cuda, 512-token prompts
@@ -14,6 +15,12 @@ message holding two of the record's paragraphs, as core/rollout.py appends it; o
 random ids). The same contexts, limits, stop ids and sampling settings for all:
   - hf: ``HFGenerator`` (transformers ``generate``, left-padded batch, dynamic KV cache);
   - paged: ``PagedGenerator`` (transformers continuous batching, paged KV cache, ``train.backend=paged``);
+  - static: ``StaticGenerator`` (``train.backend=static``, musique_rl/core/generation_static.py: a
+    per-slot static KV cache kept across the session's turns, so a later turn prefills only its new
+    ids; on CUDA the decode step is a captured CUDA graph, on a CPU it runs eagerly). Like a job's
+    generator it lives across sessions (its cache and graph are reused; what the slots hold is
+    forgotten at each session's start, so every session prefills its contexts). Its exactness
+    against ``hf`` is printed whenever it runs, and which decode path ran (graph or eager);
   - hf-static: ``HFGenerator`` with transformers' static KV cache (``cache_implementation="static"``,
     torch's SDPA attention); on CUDA transformers also compiles its decode step (torch.compile), on a
     CPU it does not. Not a training backend: an optional arm, measured here for exactness (same
@@ -33,7 +40,10 @@ What is timed (``torch.cuda.synchronize`` around every call on CUDA):
     sampled after each context's first / (full - one-token time). Chosen over a streamer or a
     logits-processor timestamp because it needs no hook inside any engine (hf, paged and vLLM are
     measured the same way) and adds no per-token host callback to the timed call; its cost is one
-    more prefill per turn, outside the timed full call;
+    more prefill per turn, outside the timed full call. For ``static`` from the second turn on, the
+    one-token session first holds, untimed, what the full session's slot held (the previous turn's
+    context and its sample less its last id), so its timed call prefills the same new ids the full
+    call did (the tool turn), not the whole context;
   - end to end: tokens sampled / the whole session's time (opening and closing included).
 
 The bound (``BANDWIDTH``, vendor figures by device name): decoding at batch B reads the weights once
@@ -43,8 +53,10 @@ the LM head), and ``+KV`` adds the KV cache each step reads at the mean decode c
 bounded by compute: 2 x parameters (less the embedding lookup) x tokens FLOPs at the card's dense
 bf16 peak (the table's third column; attention's own FLOPs, ~1-2% at 512 tokens on the 7b shape,
 are left out).
-On a CPU no bound is printed: the tiny model's weights (under 1 MB) sit in the CPU's caches, so DRAM
-bandwidth does not bound its decode, and no table holds a CPU's figure.
+On a CPU the bound is computed against a measured memcpy bandwidth (``memcpy_bandwidth``: a
+128 MB tensor copied with the benchmark's torch threads, bytes read + written per second) and says
+so: a CPU figure, which bounds nothing for the tiny model (its weights, under 1 MB, sit in the CPU's
+caches), printed so that a CPU run shows the same columns as a GPU run.
 """
 
 from __future__ import annotations
@@ -81,7 +93,10 @@ BANDWIDTH: list[tuple[str, float, float]] = [
     ("A10G", 0.6e12, 70e12),
     ("L4", 0.3e12, 121e12),
 ]
-STATIC = "hf-static"
+STATIC = "hf-static"  # generate with transformers' static cache (an arm, not a training backend)
+SLOTS = "static"  # train.backend=static (core/generation_static.py)
+ARMS = ("hf", "paged", SLOTS, STATIC, "vllm")
+MEMCPY_BYTES = 128 * 2**20
 
 
 def figures(name: str) -> tuple[float | None, float | None]:
@@ -93,13 +108,30 @@ def figures(name: str) -> tuple[float | None, float | None]:
 
 
 def card(device: Any) -> tuple[str, float | None, float | None]:
-    """(name, bandwidth bytes/s, bf16 FLOP/s) of ``device``; None where no figure is known (a CPU)."""
+    """(name, bandwidth bytes/s, bf16 FLOP/s) of ``device``; None where no figure is known. A CPU's
+    bandwidth is measured (``memcpy_bandwidth``), its peak FLOP/s is not known."""
     import torch
 
     if device.type != "cuda":
-        return "cpu", None, None
+        return f"cpu, memcpy measured with {torch.get_num_threads()} torch thread(s): a CPU figure", memcpy_bandwidth(), None
     name = torch.cuda.get_device_name(device)
     return (name, *figures(name))
+
+
+def memcpy_bandwidth(nbytes: int = MEMCPY_BYTES, repeats: int = 5) -> float:
+    """Bytes/s a CPU copies between two ``nbytes`` tensors (read + write counted), the best of
+    ``repeats`` after one untimed copy: the memory bandwidth torch reaches here."""
+    import torch
+
+    src = torch.ones(nbytes // 4, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t)
+    return 2 * nbytes / best
 
 
 # ---------------------------------------------------------------- the shapes
@@ -188,6 +220,7 @@ class Run:
     session_s: float = 0.0
     full_s: list[float] = field(default_factory=list)
     first_s: list[float] = field(default_factory=list)
+    primes: list[list[list[int]]] = field(default_factory=list)  # per turn: what each slot held before it
     sampled: list[int] = field(default_factory=list)
     calls: list[int] = field(default_factory=list)  # contexts per turn
     context_tokens: list[int] = field(default_factory=list)  # prompt tokens prefilled per turn
@@ -218,10 +251,12 @@ def open_engine(gen: Any, contexts: list[list[int]], limit: int) -> None:
 
 def in_process_arm(cls, s: Setup, settings, turns: int):
     """A session of ``turns`` calls (timed per call and whole), then one-token calls on the same
-    contexts in a session of their own (the prefill)."""
+    contexts in a session of their own (the prefill). One generator for every session, as a job
+    holds one (the static backend's cache and graph live across its sessions)."""
+    gen = cls(s.model, s.tok, settings)
+    keeps_slots = cls.__name__ == "StaticGenerator"
 
     def run(contexts: list[list[int]]) -> Run:
-        gen = cls(s.model, s.tok, settings)
         out, turn_contexts = Run(), []
         sync()
         t0 = time.perf_counter()
@@ -235,16 +270,22 @@ def in_process_arm(cls, s: Setup, settings, turns: int):
                 out.calls.append(len(contexts))
                 out.context_tokens.append(sum(map(len, contexts)))
                 if turn + 1 < turns:
+                    out.primes.append([c + x.ids[:-1] for c, x in zip(contexts, samples, strict=True)])
                     contexts = [c + x.ids + ([] if x.ids and x.ids[-1] == s.eos else [s.eos]) + s.tool_ids
                                 for c, x in zip(contexts, samples, strict=True)]
         sync()
         out.session_s = time.perf_counter() - t0
         with gen.session():
             open_engine(gen, turn_contexts[0], s.limit)  # the same cache as the full calls had
-            for ctxs in turn_contexts:
+            for turn, ctxs in enumerate(turn_contexts):
+                if keeps_slots and turn:  # untimed: the slots hold what the full session's held
+                    gen.generate(out.primes[turn - 1], [1] * len(ctxs))
                 _, sec = timed(gen.generate, ctxs, [1] * len(ctxs))
                 out.first_s.append(sec)
         return out
+
+    run.generator = gen
+    return run
 
     return run
 
@@ -292,19 +333,20 @@ def vllm_arm(s: Setup, settings, turns: int):
     return run
 
 
-# ---------------------------------------------------------------- exactness of the static-cache arm
-def exactness(s: Setup, settings, turns: int) -> list[str]:
-    """hf-static against hf on the same contexts: greedily (temperature 0) and sampled at a fixed
-    seed, every turn: rows whose tokens are identical, and the largest log-prob difference over the
-    positions both sampled alike."""
+# ---------------------------------------------------------------- exactness of the static-cache arms
+def exactness(s: Setup, settings, turns: int, arm: str = STATIC) -> list[str]:
+    """``arm`` (hf-static or static) against hf on the same contexts: greedily (temperature 0) and
+    sampled at a fixed seed, every turn: rows whose tokens are identical, and the largest log-prob
+    difference over the positions both sampled alike."""
     import torch
 
-    from musique_rl.core.generation import HFGenerator
+    from musique_rl.core.generation import HFGenerator, StaticGenerator
 
+    other = StaticGenerator if arm == SLOTS else static_cache_generator(HFGenerator)
     lines = []
     for mode, greedy in (("greedy (temperature 0)", True), (f"sampled (temperature {settings.temperature}, seed 0)", False)):
         got = {}
-        for name, cls in (("hf", HFGenerator), (STATIC, static_cache_generator(HFGenerator))):
+        for name, cls in (("hf", HFGenerator), (arm, other)):
             gen, contexts, per_turn = cls(s.model, s.tok, settings), s.contexts, []
             torch.manual_seed(0)
             with gen.session():
@@ -316,14 +358,14 @@ def exactness(s: Setup, settings, turns: int) -> list[str]:
             got[name] = per_turn
         same = total = 0
         worst = 0.0
-        for a_turn, b_turn in zip(got["hf"], got[STATIC], strict=True):
+        for a_turn, b_turn in zip(got["hf"], got[arm], strict=True):
             for a, b in zip(a_turn, b_turn, strict=True):
                 total += 1
                 same += a.ids == b.ids
                 n = next((i for i, (x, y) in enumerate(zip(a.ids, b.ids, strict=False)) if x != y), min(len(a.ids), len(b.ids)))
                 if n:
                     worst = max(worst, max(abs(x - y) for x, y in zip(a.logprobs[:n], b.logprobs[:n], strict=True)))
-        lines.append(f"exactness {STATIC} vs hf, {mode}: {same}/{total} rows with identical tokens over {turns} turn(s), "
+        lines.append(f"exactness {arm} vs hf, {mode}: {same}/{total} rows with identical tokens over {turns} turn(s), "
                      f"max |log-prob difference| {worst:.2e} over the positions sampled alike")
     return lines
 
@@ -365,19 +407,19 @@ def main() -> int:
     ap.add_argument("--bandwidth", type=float, default=None,
                     help="TB/s of a card the table lacks (with --peak-tflops); overrides the table")
     ap.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 TFLOP/s of that card")
-    ap.add_argument("--backends", "--arms", dest="backends", default="hf,paged,vllm",
-                    help=f"comma-separated: hf, paged, {STATIC}, vllm")
+    ap.add_argument("--backends", "--arms", dest="backends", default="hf,paged,static,vllm",
+                    help=f"comma-separated: {', '.join(ARMS)}")
     args = ap.parse_args()
     if args.repeats < 3:
         ap.error("--repeats: at least 3 timed rounds (a median with its spread)")
     wanted = [b for b in args.backends.split(",") if b]
-    unknown = sorted(set(wanted) - {"hf", "paged", STATIC, "vllm"})
+    unknown = sorted(set(wanted) - set(ARMS))
     if unknown:
-        ap.error(f"--backends: unknown {unknown}; choose from hf, paged, {STATIC}, vllm")
+        ap.error(f"--backends: unknown {unknown}; choose from {', '.join(ARMS)}")
 
     import torch
 
-    from musique_rl.core.generation import HFGenerator, PagedGenerator, SamplingSettings
+    from musique_rl.core.generation import HFGenerator, PagedGenerator, SamplingSettings, StaticGenerator
 
     torch.set_num_threads(max(1, torch.get_num_threads()) if args.shape == "7b" else 1)
     s = tiny_setup(args) if args.shape == "tiny" else random_setup(args)
@@ -389,6 +431,8 @@ def main() -> int:
             arms[name] = in_process_arm(HFGenerator, s, settings, args.turns)
         elif name == "paged":
             arms[name] = in_process_arm(PagedGenerator, s, settings, args.turns)
+        elif name == SLOTS:
+            arms[name] = in_process_arm(StaticGenerator, s, settings, args.turns)
         elif name == STATIC:
             arms[name] = in_process_arm(static_cache_generator(HFGenerator), s, settings, args.turns)
         else:
@@ -421,11 +465,14 @@ def main() -> int:
     print(f"weights: {total_b / 1e6:,.1f} MB ({n_params / 1e6:,.2f}M parameters that multiply), {read_b / 1e6:,.1f} MB read per decode "
           f"step; KV cache {kv_bytes_per_token(s.model) / 1e3:.1f} kB per token")
     if bw is None:
-        print(f"bound: none on {name}: " + ("no bandwidth figure for this device" if device.type == "cuda" else
-              "the tiny model's weights sit in the CPU's caches, so memory bandwidth does not bound its decode"))
+        print(f"bound: none on {name}: no bandwidth figure for this device")
     else:
-        print(f"bound: {name} {bw / 1e12:.2f} TB/s, {flops / 1e12:.0f} TFLOP/s dense bf16; decode <= "
+        peak = f", {flops / 1e12:.0f} TFLOP/s dense bf16" if flops else ""
+        print(f"bound: {name} {bw / 1e12:.3f} TB/s{peak}; decode <= "
               f"B x bandwidth / bytes per step = {B * bw / read_b:,.0f} tokens/s (weights only)")
+        if device.type != "cuda":
+            print("  (a CPU figure: the tiny model's weights sit in the CPU's caches, so DRAM bandwidth does not "
+                  "bound its decode; the share below says how far the tiny decode is from a bandwidth-bound one)")
     print("prefill/decode: per turn, TTFT = a max_new_tokens=1 call on the same contexts (the batch's prefill and "
           "first token); decode = the full call minus it, over the tokens after each context's first")
     print("end to end = tokens sampled / the whole session (its open and close, e.g. the paged engine's start "
@@ -433,7 +480,7 @@ def main() -> int:
     head = (f"{'arm':<10} {'end-to-end tok/s':>22} {'open+close s':>12} {'TTFT s/turn':>22} {'prefill tok/s':>22} "
             f"{'decode tok/s':>22} {'vs hf':>6}")
     if bw is not None:
-        head += f" {'decode % bound (+KV)':>21} {'prefill % peak':>14}"
+        head += f" {'decode % bound (+KV)':>21}" + (f" {'prefill % peak':>14}" if flops else "")
     print(head)
     kv = kv_bytes_per_token(s.model)
     base = None
@@ -460,12 +507,23 @@ def main() -> int:
             bound = B * bw / read_b
             bound_kv = B * bw / (read_b + B * mean_ctx * kv)
             d = statistics.median(decode)
-            p_flops = 2 * n_params * statistics.median(prefill)  # FLOP/s of the prefill
-            line += f" {100 * d / bound:>9.1f}% ({100 * d / bound_kv:.1f}%) {100 * p_flops / flops:>13.1f}%"
+            line += f" {100 * d / bound:>9.2f}% ({100 * d / bound_kv:.2f}%)"
+            if flops:
+                p_flops = 2 * n_params * statistics.median(prefill)  # FLOP/s of the prefill
+                line += f" {100 * p_flops / flops:>13.1f}%"
         print(line)
-    if STATIC in arms:
-        for line in exactness(s, settings, args.turns):
-            print(line)
+    if SLOTS in arms:
+        engine = arms[SLOTS].generator.engine
+        path = ("a captured CUDA graph" if engine.graph is not None else
+                f"eager ({'CUDA graph capture failed: ' + engine.graph_error if engine.graph_error else 'no CUDA: no graphs'})")
+        print(f"{SLOTS}: decode step {path}; cache {engine.slots} slots x {engine.columns} columns, "
+              f"graph captures {engine.captures}, tokens prefilled {engine.prefilled:,}, decode steps {engine.decode_steps:,} "
+              "(all sessions; from the second turn on a slot prefills only the ids appended since its last call, "
+              "while the prefill column counts every context token)")
+    for arm in (SLOTS, STATIC):
+        if arm in arms:
+            for line in exactness(s, settings, args.turns, arm):
+                print(line)
     return 0
 
 

@@ -11,7 +11,7 @@ Two noise sources, both on the loss tokens only (the assistant's; tool results a
     differences are drawn from these measured ones (bootstrap).
   - ``H100 7B``: Gaussian per-token differences of standard deviation 0.045 nats, whose mean
     absolute value is the 0.036 nats/token the 7B shape's sampler/trainer gap measured in bf16 on an
-    H100 (README, GPU runs; /work/shared/docs/GPU-NOTES.md).
+    H100 (docs/records/gpu_leases.md).
 Each row: the share of sequences each mode gives zero weight (masked) and the normalised
 effective sample size of the weights (1 = all sequences count alike), with TRL's default bounds
 (clip_max 3, clip_min none), computed by musique_rl.core.importance (TRL's own formula).

@@ -10,12 +10,14 @@ Prints
 - corpus-wide p50 / p95 latency over the corpus (1,890 paragraphs) for bm25 and lucene, after
   warm-up. Target <= 2 ms p50.
 Queries are the MuSiQue sub-questions with '#k' replaced by earlier answers (the oracle's queries).
-Defaults read the real sample in ../shared/data/musique; without it, synthetic records are used.
+Defaults read the real sample in $MUSIQUE_RL_DATA/data/musique (default: shared/ inside or beside the checkout;
+docs/howto/setup.md, "Data outside this repository"); without it, synthetic records are used.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -31,7 +33,8 @@ from musique_rl.env.retrieval import BM25Retriever, build_retriever  # noqa: E40
 from musique_rl.env.tasks.musique import sub_questions  # noqa: E402
 from musique_rl.schema import EnvSchema  # noqa: E402
 
-SHARED = ROOT.parent / "shared" / "data" / "musique"
+SHARED = Path(os.environ.get("MUSIQUE_RL_DATA")
+              or next((d for d in (ROOT / "shared", ROOT.parent / "shared") if d.is_dir()), ROOT.parent / "shared")) / "data" / "musique"
 
 
 def env(**kw):

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -48,9 +49,11 @@ HEALTHY_RUNS = FIXTURES / "healthy_runs"
 TRL_RUNS = FIXTURES / "trl_runs"
 PUBLIC_EXPECTED = FIXTURES / "public_logs" / "expected.json"
 GPU_SHAPED = FIXTURES / "gpu_shaped"
-# Where a copy of the public logs may lie: the steering repo's shared/ (beside or inside the
-# checkout), else nowhere (the expectations are then listed as not run).
-PUBLIC_LOG_DIRS = (ROOT / "shared" / "public_logs", ROOT.parent / "shared" / "public_logs")
+# Where a copy of the public logs may lie: public_logs/ in the folder of data outside this repository
+# ($MUSIQUE_RL_DATA, default shared/ inside or beside the checkout: docs/howto/setup.md), else nowhere
+# (the expectations are then listed as not run).
+OUTSIDE_DATA = Path(os.environ.get("MUSIQUE_RL_DATA")
+                    or next((d for d in (ROOT / "shared", ROOT.parent / "shared") if d.is_dir()), ROOT.parent / "shared"))
 HEALTHY = "healthy"
 
 
@@ -161,7 +164,8 @@ def gpu_shaped_cases(root: Path = GPU_SHAPED) -> list[Case]:
 
 
 def default_public_logs() -> Path | None:
-    return next((d for d in PUBLIC_LOG_DIRS if d.is_dir()), None)
+    logs = OUTSIDE_DATA / "public_logs"
+    return logs if logs.is_dir() else None
 
 
 def all_cases(public_logs: Path | None) -> tuple[list[Case], list[str]]:
@@ -275,8 +279,8 @@ def report(rows: Sequence[Mapping[str, Any]], missing: Sequence[str], public_log
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--public-logs", type=Path, default=None,
-                    help="directory of public logs, <name>/trainer_state.json (default: shared/public_logs "
-                         "inside or beside the checkout, when there)")
+                    help="directory of public logs, <name>/trainer_state.json (default: $MUSIQUE_RL_DATA/public_logs, "
+                         "$MUSIQUE_RL_DATA defaulting to shared/ inside or beside the checkout, when there)")
     args = ap.parse_args(argv)
     logs = args.public_logs or default_public_logs()
     if args.public_logs and not args.public_logs.is_dir():

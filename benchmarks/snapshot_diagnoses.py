@@ -11,8 +11,8 @@ Cases (each read by the doctor's own readers, so the readers are re-judged too):
   every ``trainer_state.json`` there (doctor/, trl_runs/: the checkpoint directory);
 - trl_runs' other exports of the same runs (``history.jsonl``, ``wandb_export.csv``) and its two
   MLflow runs (read from a copy of ``mlflow_store.db``: the reader must not touch the fixture);
-- the public logs, ``shared/public_logs/<name>/trainer_state.json`` (beside or inside the checkout,
-  or ``--public-logs DIR``), when present;
+- the public logs, ``$MUSIQUE_RL_DATA/public_logs/<name>/trainer_state.json`` ($MUSIQUE_RL_DATA
+  defaulting to shared/ inside or beside the checkout), or ``--public-logs DIR``, when present;
 - ``--runs GLOB``: run dirs (``metrics.jsonl``) of jobs run elsewhere, e.g. a planted-fault grid.
 
 Each case's file holds the diagnosis exactly as ``diagnosis.json`` writes it, the run tags it sets,
@@ -28,6 +28,7 @@ import argparse
 import glob
 import importlib
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -39,8 +40,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # this checkout's doctor, not the editable install's
 
 FIXTURES = ROOT / "tests" / "fixtures"
-PUBLIC_LOG_DIRS = (ROOT / "shared" / "public_logs", ROOT.parent / "shared" / "public_logs",
-                   Path("/work/shared/public_logs"))
+# the public logs lie in public_logs/ of the folder of data outside this repository ($MUSIQUE_RL_DATA,
+# default shared/ inside or beside the checkout: docs/howto/setup.md), as for benchmarks/false_alarms.py
+PUBLIC_LOG_DIRS = tuple(Path(d) / "public_logs" for d in
+                        ([os.environ["MUSIQUE_RL_DATA"]] if os.environ.get("MUSIQUE_RL_DATA") else [])
+                        + [ROOT / "shared", ROOT.parent / "shared"])
 
 
 def _doctor() -> tuple[Any, Any, Any]:
@@ -138,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True, type=Path, help="directory for one JSON per case")
     p.add_argument("--public-logs", type=Path, default=None,
-                   help="DIR/<name>/trainer_state.json (default: shared/public_logs beside or inside the checkout)")
+                   help="DIR/<name>/trainer_state.json (default: $MUSIQUE_RL_DATA/public_logs, $MUSIQUE_RL_DATA "
+                        "defaulting to shared/ inside or beside the checkout)")
     p.add_argument("--runs", nargs="*", default=[], metavar="GLOB",
                    help="run dirs to add (glob of directories holding metrics.jsonl)")
     p.add_argument("--compare", type=Path, default=None, metavar="DIR", help="an earlier snapshot to diff against")

@@ -1,25 +1,28 @@
 """``python -m musique_rl.gpu_check`` (``make gpu-check``): everything a GPU can check here, in one lease.
 
-A lent CUDA machine has no registry and a few minutes of device time in all. This runs, in priority
-order, each step in its own process with its own time box (a step that overruns is killed with its
-process group, recorded ``TIMEOUT``, and the next step runs; one that fails is recorded ``FAIL``):
+A lent CUDA machine has no registry and a few minutes of device time in all. This runs each step in
+its own process with its own time box (a step that overruns is killed with its process group,
+recorded ``TIMEOUT``, and the next step runs; one that fails is recorded ``FAIL``):
 
-  1. ``tests``: the GPU-relevant test files (``TEST_FILES``; ``-n`` when pytest-xdist is installed);
-  2. ``default_bf16`` / ``default_fp32``: the default job in bf16 and in float32, with the doctor's top finding;
-  3. ``fault_stale_sampler`` / ``fault_blind_context``: two planted faults in bf16, named right or not
-     (each fault's ``expected`` finding);
-  4. ``build_7b``, ``7b_hf``, ``7b_paged``: Qwen2.5-7B's shape (random bf16 weights built on the GPU,
+  1. ``bench``: ``benchmarks/bench_generation.py --shape 7b`` over hf, paged and static (prefill and
+     decode apart; its own output in the record);
+  2. ``build_7b``, ``7b_hf``, ``7b_paged``, ``7b_static``: Qwen2.5-7B's shape (random bf16 weights built on the GPU,
      saved) with the Qwen2.5 stand-in tokenizer (real vocabulary, chat template, generation_config;
      built on CPU by ``--prepare``) on each in-process backend, 2 steps, with diagnosis;
-  5. ``bench`` / ``bench_static``: ``benchmarks/bench_generation.py --shape 7b`` over hf and paged, then
-     hf and hf-static (its own output in the record).
+  3. ``tests``: the GPU-relevant test files (``TEST_FILES``; ``-n`` when pytest-xdist is installed);
+  4. ``default_bf16``, ``fault_stale_sampler`` / ``fault_blind_context`` (two planted faults in bf16,
+     named right or not: each fault's ``expected`` finding), ``default_fp32``: the default job in
+     bf16 and float32 with the doctor's top finding;
+  5. ``bench_static``: the bench over hf and hf-static.
 
-On CUDA the tiny-model steps (1-3) run in one lane beside the 7B steps (4) in another, as they
-share the GPU lightly; the benchmarks wait until the other lane is done, so their figures are the
-card's alone. The whole run keeps to ``--budget`` seconds: a step gets the smaller of its own time box
-and what is left, and is ``skipped`` when too little is. Without CUDA the same steps run the CPU
-variants (small shapes, a few steps, the mini 7B stand-in ``memory.MINI``, the tiny bench) and the
-record says so.
+On CUDA the order is the priority: ``bench`` first, with the card to itself (its figures are the
+card's alone, and it must not wait behind the slow steps); then two lanes side by side, the 7B steps
+(2) in one and the tiny-model steps (3-4, light on the GPU) in the other; ``bench_static`` last, if
+time is left. The whole run keeps to ``--budget`` seconds: a step gets the smaller of its own time
+box and what is left, and is ``skipped`` when too little is. ``--plan`` prints the schedule with the
+step times measured on one H200 (``H200_SECONDS``) without running anything, and every run prints
+it first. Without CUDA the same steps run the CPU variants (small shapes, a few steps, the mini 7B
+stand-in ``memory.MINI``, the tiny bench) one after another, and the record says so.
 
 The record: ONE markdown table with provenance (commit, machine, GPU, torch/CUDA, transformers/TRL,
 dtype per step, tokenizer) in ``docs/records/gpu_check_<machine>.md`` (``--out`` elsewhere), the
@@ -35,6 +38,7 @@ Qwen2.5 stand-in tokenizer (gzipped), ``PROVENANCE.json`` (the commit it was bui
 
     python -m musique_rl.gpu_check --prepare .gpu_bundle          # CPU machine, once per commit
     bash .gpu_bundle/run.sh                                        # the GPU machine: install, check
+    python -m musique_rl.gpu_check --plan                          # the CUDA schedule, H200 step times
     python -m musique_rl.gpu_check --steps tests,7b_hf --budget 300 # a subset; also on a CPU
 """
 
@@ -57,15 +61,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from musique_rl import (
+from musique_rl.base import (
     rundir,  # the run directory's file names (imports nothing heavy: this runs before the wheels are checked)
 )
 
 ROOT = Path(__file__).resolve().parent.parent
 RECORDS = ROOT / "docs" / "records"
 TEST_FILES = ("test_trainer", "test_train", "test_generation", "test_generation_paged", "test_smoke",
-              "test_trainer_dp", "test_eval_dp", "test_vllm_trainer", "test_attention", "test_diagnostics",
-              "test_doctor_faults")
+              "test_generation_static", "test_trainer_dp", "test_eval_dp", "test_vllm_trainer", "test_weight_sync",
+              "test_attention", "test_diagnostics", "test_doctor_faults")
 FAULT_STEPS = ("stale_sampler", "blind_context")
 # The 7B steps' job: smoke's 7b case (4 x 8 episodes of <= 2 x 128 tokens, LoRA r16, the 7B config's
 # gradient checkpointing and micro-batch), through `python -m musique_rl` so the doctor runs too.
@@ -80,12 +84,12 @@ CPU_SHAPES = ["train.prompts_per_step=2", "train.num_generations=4", "env.synthe
 # and shorter episodes (the code path is the same).
 CPU_7B = ["train.prompts_per_step=2", "train.num_generations=2", "env.max_tokens_per_turn=8",
           "env.max_completion_tokens=24", "train.eval_episodes=1"]
-BENCH_CUDA = ["--shape", "7b", "--batch", "64", "--max-new-tokens", "128", "--repeats", "3"]
+BENCH_CUDA = ["--shape", "7b", "--batch", "64", "--max-new-tokens", "128", "--repeats", "2"]  # 94 s on an H200
 BENCH_CPU = ["--shape", "tiny", "--batch", "4", "--max-new-tokens", "8", "--repeats", "3"]
 # bench: the training backends; bench_static: transformers' static cache (compiled decode on CUDA),
 # measured for exactness and speed before anything adopts it (benchmarks/bench_generation.py)
-BENCH_ARMS = {"bench": "hf,paged", "bench_static": "hf,hf-static"}
-# Pinned packages a CUDA image typically lacks (/work/shared/docs/GPU-NOTES.md: torch, accelerate,
+BENCH_ARMS = {"bench": "hf,paged,static", "bench_static": "hf,hf-static"}
+# Pinned packages a CUDA image typically lacks (docs/records/gpu_leases.md: torch, accelerate,
 # pytest and the rest are there; mlflow is not needed with tracking.enabled=false), and pytest-xdist
 # so the test step runs in parallel. Versions: the preparing environment's (the pins).
 BUNDLE_PACKAGES = ("trl", "transformers", "peft", "tokenizers", "datasets", "dill", "multiprocess", "hydra-core",
@@ -96,8 +100,32 @@ PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x
              "manylinux1_x86_64")
 LIMIT_MB = 64  # what a lent machine takes along: the checkout and every carried folder together
 STANDIN = "qwen2.5-instruct"  # tests/tokenizer_fixtures.py: Qwen2.5-Instruct's tokenizer, template, generation_config
-BUDGET_S = 560  # the whole check: one command of a lent machine runs at most 600 s, the wheels' install included
+# One command of a lent machine runs at most CALL_LIMIT_S, the wheels' install included: run.sh measures
+# the install and hands the check what is left less MARGIN_S (the record, the logs' tarball, the copy back).
+CALL_LIMIT_S, MARGIN_S, PIP_S = 600, 25, 15  # PIP_S: the install measured on an H200 (~15 s)
+BUDGET_S = CALL_LIMIT_S - MARGIN_S - PIP_S  # the whole check when run by hand (560 s)
 MIN_STEP_S = 20  # a step is skipped when less than this is left of the budget
+# Wall seconds of each step on one H200 (docs/records/gpu_leases.md, code of f87b655, one lane beside
+# the other as planned): what --plan schedules with. Where a step's shape differs from the one measured,
+# the figure is scaled and the reason says how.
+H200_SECONDS = {
+    "bench": (140, "measured 94 s over hf and paged (--shape 7b --batch 64 --max-new-tokens 128 --repeats 2); "
+                   "the static arm added: a third of that again (guess; not measured on a GPU)"),
+    "build_7b": (24, "measured"),
+    "7b_hf": (73, "measured 55 s then 18 s a step: 2 steps"),
+    "7b_paged": (95, "measured 64 s then 31 s a step: 2 steps"),
+    "7b_static": (95, "not measured: as 7b_hf plus its CUDA-graph capture (guess)"),
+    "tests": (165, "measured 116-134 s for the other files; test_weight_sync and test_generation_static added "
+                   "(~15 s each, guess)"),
+    "default_bf16": (115, "measured (60 steps, 64 held-out episodes)"),
+    "fault_stale_sampler": (64, "measured 56-64 s (20 steps, 8 held-out episodes)"),
+    "fault_blind_context": (64, "measured 56-64 s (20 steps, 8 held-out episodes)"),
+    "default_fp32": (60, "measured (60 steps, 64 held-out episodes)"),
+    "bench_static": (120, "not measured: the bench's 94 s plus torch.compile of the decode step (guess)"),
+}
+
+
+PHASES = ("first", "lanes", "last")
 
 
 @dataclass
@@ -106,7 +134,7 @@ class Step:
     command: list[str]
     timeout_s: float
     lane: str = "light"  # light: tiny-model work; heavy: the 7B shape (one lane each on CUDA)
-    alone: bool = False  # wait until the other lane is done (a benchmark's figures)
+    phase: str = "lanes"  # first: alone before the lanes start | lanes | last: alone after both lanes
     dtype: str = "-"
     expected: str | None = None  # a fault's expected top finding
     run_dir: str | None = None  # a training job's run directory (metrics.json, diagnosis.json)
@@ -187,13 +215,16 @@ def plan(m: dict[str, Any], work: Path, tokenizer: Path | None, a: argparse.Name
                 240 if cuda else 600, kind="tests")]
     out.append(job("default_bf16", [*small, "model.dtype=bfloat16", f"train.max_steps={steps_of(60)}"], work,
                    150 if cuda else 300, py, dtype="bfloat16"))
-    out.append(job("default_fp32", [*small, "model.dtype=float32", f"train.max_steps={steps_of(60)}"], work,
-                   150 if cuda else 300, py, dtype="float32"))
     from musique_rl.core.faults import FAULTS
 
     for f in FAULT_STEPS:
-        out.append(job(f"fault_{f}", [*small, f"+fault={f}", "model.dtype=bfloat16", f"train.max_steps={steps_of(20)}"],
+        # 8 held-out episodes: the fault's finding is the doctor's, read from training; 64 would double the step
+        out.append(job(f"fault_{f}", [*(small or ["train.eval_episodes=8"]), f"+fault={f}", "model.dtype=bfloat16",
+                                      f"train.max_steps={steps_of(20)}"],
                        work, 100 if cuda else 300, py, dtype="bfloat16", expected=FAULTS[f].expected))
+    # float32 last of the tiny lane: the bf16 run above is the GPU's default, this one its comparison
+    out.append(job("default_fp32", [*small, "model.dtype=float32", f"train.max_steps={steps_of(60)}"], work,
+                   150 if cuda else 300, py, dtype="float32"))
     model_dir = work / "qwen2.5-7b-shaped"
     build = [py, "-m", "musique_rl.gpu_check", "--build-7b", str(model_dir)]
     if tokenizer is not None:
@@ -201,14 +232,17 @@ def plan(m: dict[str, Any], work: Path, tokenizer: Path | None, a: argparse.Name
     out.append(Step("build_7b", build, 120 if cuda else 300, lane="heavy", kind="build",
                     dtype="bfloat16" if cuda else "float32"))
     dtype = "bfloat16" if cuda else "float32"
-    for backend in ("hf", "paged"):
+    for backend in ("hf", "paged", "static"):
         out.append(job(f"7b_{backend}", [*SEVEN_B, *([] if cuda else CPU_7B), f"model.name_or_path={model_dir}",
                                          f"model.dtype={dtype}", f"train.backend={backend}",
                                          f"train.max_steps={steps_of(2)}"],
                        work, 200 if cuda else 300, py, lane="heavy", dtype=dtype))
     for name, arms in BENCH_ARMS.items():
+        # bench first (the prefill/decode table is the lease's main figure), bench_static last (if time is left)
         out.append(Step(name, [py, str(ROOT / "benchmarks" / "bench_generation.py"), *(BENCH_CUDA if cuda else BENCH_CPU),
-                               "--backends", arms], 180 if cuda else 300, lane="heavy", alone=cuda, kind="bench", dtype=dtype))
+                               "--backends", arms], 180 if cuda else 300, lane="heavy", kind="bench", dtype=dtype,
+                        phase="first" if name == "bench" else "last"))
+    out.sort(key=lambda st: PHASES.index(st.phase))  # stable: priority order within a phase
     for name, seconds in (a.timeout or {}).items():
         for s in out:
             if s.name == name:
@@ -264,62 +298,113 @@ def run_one(step: Step, timeout_s: float, log_path: Path, env: dict[str, str],
 
 def run_steps(steps: list[Step], budget_s: float, logs: Path, lanes: int, env: dict[str, str],
               on_row: Any = None) -> list[Row]:
-    """Each lane's steps in order, ``lanes`` lanes at once; one Row per step, in ``steps``' order.
+    """The ``first`` steps one by one, then the ``lanes`` steps (``lanes`` > 1: each lane's steps in
+    order, the lanes side by side), then the ``last`` ones; one Row per step, in ``steps``' order.
     ``on_row(rows)``: called with every row so far after each step (one at a time)."""
     deadline = time.time() + budget_s
     rows = {s.name: Row(s.name, dtype=s.dtype, lane=s.lane) for s in steps}
     lock = threading.Lock()
     live: dict[str, int] = {}  # the running steps' process groups
-    names = [s.lane for s in steps]
-    lane_names = list(dict.fromkeys(names)) if lanes > 1 else ["all"]
-    done = {lane: threading.Event() for lane in lane_names}
 
-    def lane_steps(lane: str) -> list[Step]:
-        return steps if lane == "all" else [s for s in steps if s.lane == lane]
+    def work(seq: list[Step], lane: str) -> None:
+        for s in seq:
+            row = rows[s.name]
+            left = deadline - time.time()
+            if left < MIN_STEP_S:
+                row.status, row.note = "skipped", f"budget: {max(0, left):.0f} s left of {budget_s:.0f}"
+                continue
+            box = min(s.timeout_s, left)
+            print(f"[gpu_check] {s.name}: start (time box {box:.0f} s, {lane})", flush=True)
+            status, seconds, output = run_one(s, box, logs / f"{s.name}.log", env, live)
+            row.status, row.seconds = status, seconds
+            summarise(s, row, output)
+            if status == "TIMEOUT":
+                row.note = (f"killed after its time box of {box:.0f} s"
+                            + ("" if box == s.timeout_s else " (the budget's remainder)")
+                            + ("; " + row.note if row.note else ""))
+            print(f"[gpu_check] {s.name}: {row.status} in {seconds:.0f} s  {row.result}  {row.note}", flush=True)
+            if on_row is not None:
+                with lock:
+                    on_row([rows[x.name] for x in steps])
 
-    def work(lane: str) -> None:
-        try:
-            for s in lane_steps(lane):
-                row = rows[s.name]
-                if s.alone:  # its figures must be the card's alone: the other lanes finish first
-                    for other, ev in done.items():
-                        if other != lane:
-                            ev.wait(max(0.0, deadline - time.time()))
-                left = deadline - time.time()
-                if left < MIN_STEP_S:
-                    row.status, row.note = "skipped", f"budget: {max(0, left):.0f} s left of {budget_s:.0f}"
-                    continue
-                box = min(s.timeout_s, left)
-                print(f"[gpu_check] {s.name}: start (time box {box:.0f} s, lane {lane})", flush=True)
-                status, seconds, output = run_one(s, box, logs / f"{s.name}.log", env, live)
-                row.status, row.seconds = status, seconds
-                summarise(s, row, output)
-                if status == "TIMEOUT":
-                    row.note = (f"killed after its time box of {box:.0f} s"
-                                + ("" if box == s.timeout_s else " (the budget's remainder)")
-                                + ("; " + row.note if row.note else ""))
-                print(f"[gpu_check] {s.name}: {row.status} in {seconds:.0f} s  {row.result}  {row.note}", flush=True)
-                if on_row is not None:
-                    with lock:
-                        on_row([rows[x.name] for x in steps])
-        finally:
-            done[lane].set()
-
-    threads = [threading.Thread(target=work, args=(lane,), daemon=True) for lane in lane_names]
-    for t in threads:
-        t.start()
-    try:
+    for phase in PHASES:
+        mine = [s for s in steps if s.phase == phase]
+        if phase == "lanes" and lanes > 1:
+            groups = {lane: [s for s in mine if s.lane == lane] for lane in dict.fromkeys(s.lane for s in mine)}
+        else:
+            groups = {"alone" if phase != "lanes" else "one lane": mine}
+        threads = [threading.Thread(target=work, args=(seq, f"lane {lane}" if phase == "lanes" and lanes > 1 else lane),
+                                    daemon=True) for lane, seq in groups.items() if seq]
         for t in threads:
-            while t.is_alive():  # a timed join: the main thread stays free to take a signal
-                t.join(timeout=0.5)
-    except BaseException:  # stopped (SIGTERM through main's handler, Ctrl-C): no step outlives the check
-        for pgid in list(live.values()):
-            try:
-                os.killpg(pgid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        raise
+            t.start()
+        try:
+            for t in threads:
+                while t.is_alive():  # a timed join: the main thread stays free to take a signal
+                    t.join(timeout=0.5)
+        except BaseException:  # stopped (SIGTERM through main's handler, Ctrl-C): no step outlives the check
+            for pgid in list(live.values()):
+                try:
+                    os.killpg(pgid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            raise
     return [rows[s.name] for s in steps]
+
+
+# ---------------------------------------------------------------- the schedule (--plan)
+@dataclass
+class Slot:
+    step: str
+    phase: str
+    lane: str
+    seconds: float  # expected (H200_SECONDS)
+    start: float
+    end: float
+    box: float
+    why: str
+    fits: str  # yes | partly (killed at the budget) | skipped
+
+
+def schedule(steps: list[Step], budget_s: float, lanes: int, seconds: dict[str, tuple[float, str]] = H200_SECONDS) -> list[Slot]:
+    """When each step would start and end with ``seconds`` (each capped at its time box), as
+    ``run_steps`` orders them; whether it fits ``budget_s``."""
+    slots: dict[str, Slot] = {}
+    t = 0.0
+    for phase in PHASES:
+        mine = [s for s in steps if s.phase == phase]
+        alone = "one lane" if phase == "lanes" else "alone"
+        lane_of = {s.name: s.lane if phase == "lanes" and lanes > 1 else alone for s in mine}
+        ends = [t]
+        for lane in dict.fromkeys(lane_of.values()):
+            clock = t
+            for s in (x for x in mine if lane_of[x.name] == lane):
+                expected, why = seconds.get(s.name, (s.timeout_s, "not measured: its time box"))
+                run = min(float(expected), s.timeout_s)
+                left = budget_s - clock
+                fits = "skipped" if left < MIN_STEP_S else "yes" if clock + run <= budget_s else "partly"
+                used = 0.0 if fits == "skipped" else min(run, left)
+                slots[s.name] = Slot(s.name, phase, lane, float(expected), clock, clock + used, s.timeout_s, why, fits)
+                clock += used
+            ends.append(clock)
+        t = max(ends)
+    return [slots[s.name] for s in steps]
+
+
+def cuda_plan(a: argparse.Namespace) -> list[Slot]:
+    """The schedule of the CUDA plan (two lanes) with ``a``'s steps and budget, on any machine."""
+    m = {"cuda": True, "xdist": True}
+    return schedule(plan(m, Path("/tmp/gpu_check"), None, a), a.budget, 2)
+
+
+def plan_table(slots: list[Slot], budget_s: float, where: str) -> str:
+    lines = [f"gpu_check plan ({where}): budget {budget_s:.0f} s = the {CALL_LIMIT_S} s call limit less pip's install "
+             f"(~{PIP_S} s) and {MARGIN_S} s for the record; step times: H200_SECONDS (one H200, docs/records/gpu_leases.md)", "",
+             "| step | phase | lane | expected s | start | end | time box | fits | why that figure |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for x in slots:
+        lines.append(f"| {x.step} | {x.phase} | {x.lane} | {x.seconds:.0f} | {x.start:.0f} | {x.end:.0f} | {x.box:.0f} | "
+                     f"{x.fits} | {x.why} |")
+    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------- reading what a step left
@@ -445,7 +530,8 @@ def record(rows: list[Row], prov: dict[str, Any], budget_s: float, elapsed: floa
         f"pytest-xdist {'yes' if m['xdist'] else 'no'}; flash-attn {'yes' if m['flash_attn'] else 'no'}",
         f"- tokenizer of the 7B steps: {m['tokenizer']}",
         f"- budget {budget_s:.0f} s, used {elapsed:.0f} s; "
-        + ("two lanes (tiny-model steps beside the 7B steps; bench alone)" if lanes > 1 else "one lane"),
+        + ("bench alone first, then two lanes (the 7B steps beside the tiny-model steps), bench_static last"
+           if lanes > 1 else "one step at a time"),
         f"- command: `{m['command']}` (docs/howto/gpu.md); each step's log: `<workdir>/logs/<step>.log`",
         "",
         "| step | status | s | dtype | result | note |",
@@ -538,14 +624,17 @@ def download_wheels(dest: Path) -> list[str]:
 
 
 RUN_SH = """#!/usr/bin/env bash
-# On the GPU machine, from the checkout's root: install the bundle's wheels, then run gpu_check.
-# BUDGET (seconds, default {budget}) bounds the whole check; OUT (if set) receives the record.
+# On the GPU machine, from the checkout's root: install the bundle's wheels, then run gpu_check within
+# what is left of the call's {limit} s (CALL_LIMIT) after the install, less {margin} s for the record;
+# BUDGET (seconds) overrides that. OUT (if set) receives the record.
 set -u
 here="$(cd "$(dirname "${{BASH_SOURCE[0]}}")" && pwd)"
 cd "$here/{root}"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$here"/wheels/*.whl || exit 1
+budget=${{BUDGET:-$(( ${{CALL_LIMIT:-{limit}}} - SECONDS - {margin} ))}}
+echo "[run.sh] install took ${{SECONDS}} s; the check gets ${{budget}} s"
 export PYTHONPATH=/tmp/site:$PWD JAX_PLATFORMS=cpu XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
-python3 -m musique_rl.gpu_check --bundle "$here" --budget "${{BUDGET:-{budget}}}" ${{OUT:+--copy-to "$OUT"}} "$@"
+python3 -m musique_rl.gpu_check --bundle "$here" --budget "$budget" ${{OUT:+--copy-to "$OUT"}} "$@"
 """
 
 
@@ -584,8 +673,7 @@ def prepare(dest: Path, wheels: bool, limit_mb: float) -> int:
          "wheels": pins or "none (--no-wheels)", "tokenizer": f"{STANDIN} stand-in {key} (tests/tokenizer_fixtures.py)"},
         indent=1))
     run = dest / "run.sh"
-    # a lent machine runs one command for at most 600 s: ~15 s install, ~25 s margin
-    run.write_text(RUN_SH.format(budget=BUDGET_S, root=os.path.relpath(ROOT, dest.resolve())))
+    run.write_text(RUN_SH.format(limit=CALL_LIMIT_S, margin=MARGIN_S, root=os.path.relpath(ROOT, dest.resolve())))
     run.chmod(0o755)
     size, tree = dir_bytes(dest), tree_bytes()
     mb = 2**20
@@ -597,6 +685,9 @@ def prepare(dest: Path, wheels: bool, limit_mb: float) -> int:
               f"exceed the {limit_mb:g} MiB a lent machine takes along; drop wheels the image has (BUNDLE_PACKAGES) "
               "or untracked files", file=sys.stderr)
         return 1
+    # the last line: what to run next, where (a lent machine takes the ignored bundle only when named)
+    print(f"gpu_check --prepare: next, on the GPU machine, from the checkout's root with {dest} taken along "
+          f"(an ignored folder: name it in what the machine carries):\n  bash {dest}/run.sh")
     return 0
 
 
@@ -646,6 +737,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workdir", help="run directories, the 7B model and the logs (default: a folder under /tmp)")
     p.add_argument("--out", help="the record (default docs/records/gpu_check_<machine>.md)")
     p.add_argument("--copy-to", help="also copy the record, its JSON and the logs here (a lent machine's $OUT)")
+    p.add_argument("--plan", action="store_true", help="print the CUDA schedule (H200 step times) and stop")
     p.add_argument("--build-7b", metavar="DIR", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     a.timeout = _timeouts(a.timeout)
@@ -655,6 +747,9 @@ def main(argv: list[str] | None = None) -> int:
         return prepare(Path(a.prepare), not a.no_wheels, a.limit_mb)
 
     t0 = time.time()
+    if a.plan:  # no torch, no GPU: the lent machine's plan, as a CPU machine can print it
+        print(plan_table(cuda_plan(a), a.budget, "CUDA, two lanes"))
+        return 0
     m = machine()
     work = Path(a.workdir or f"/tmp/musique_rl-gpu-check-{time.strftime('%Y%m%d-%H%M%S')}")
     work.mkdir(parents=True, exist_ok=True)
@@ -667,6 +762,9 @@ def main(argv: list[str] | None = None) -> int:
         print("[gpu_check] no CUDA device: running the CPU variants (small shapes, the mini 7B stand-in)", flush=True)
     steps = plan(m, work, tokenizer, a)
     lanes = a.lanes or (2 if m["cuda"] else 1)
+    print(plan_table(schedule(steps, a.budget, lanes) if m["cuda"] else cuda_plan(a), a.budget,
+                     "this GPU" if m["cuda"] else "what a lent CUDA machine runs; this CPU runs the small variants"),
+          flush=True)
     prov = provenance(m, info, tok_name)
     out = Path(a.out) if a.out else RECORDS / f"gpu_check_{slug(m)}.md"
     copy_to = Path(a.copy_to) if a.copy_to else None

@@ -132,6 +132,9 @@ class HypothesisConfig(ReadOnly):
     metric: str = MISSING  # run metric the claim predicts will move (metrics.json key)
     direction: Direction = Direction.increase
     min_effect: float = 0.0  # criterion: CI of (treatment - control) beyond this, in `direction`
+    # the shortest run (train.max_steps) a verdict on it means anything for; shorter sweeps are
+    # "too short to judge" and `python -m musique_rl.verdict publish` refuses them (0: the warm-up only)
+    min_steps: int = 0
 
 
 # ---------------------------------------------------------------- top level

@@ -1,11 +1,17 @@
 # ---- issue 3 (environment): MuSiQue-schema records for the environment tests
 import copy
 import json
+import os
 from pathlib import Path
 
 import pytest
 
-REAL_MUSIQUE_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "musique"
+# Data outside this repository (real MuSiQue records, the public logs): the folder $MUSIQUE_RL_DATA names,
+# else shared/ inside or beside the checkout (docs/howto/setup.md, "Data outside this repository"); absent: skipped.
+_CHECKOUT = Path(__file__).resolve().parents[1]
+OUTSIDE_DATA = Path(os.environ.get("MUSIQUE_RL_DATA") or next(
+    (d for d in (_CHECKOUT / "shared", _CHECKOUT.parent / "shared") if d.is_dir()), _CHECKOUT.parent / "shared"))
+REAL_MUSIQUE_DIR = OUTSIDE_DATA / "data" / "musique"
 
 _TOY_RECORD = {
     "id": "2hop__1_2",
@@ -36,7 +42,7 @@ def toy_record():
 
 @pytest.fixture(scope="session")
 def real_records():
-    """The 60 real MuSiQue train records from ../shared/data/musique (skipped when absent)."""
+    """The 60 real MuSiQue train records from $MUSIQUE_RL_DATA/data/musique (skipped when absent)."""
     path = REAL_MUSIQUE_DIR / "train_sample_60.jsonl"
     if not path.exists():
         pytest.skip(f"real MuSiQue sample not found at {path}")

@@ -48,6 +48,9 @@ class Recorder:
     events: list[tuple] = field(default_factory=list)  # ("sync", {name: tensor}) | ("generate", prompts, params) | ...
     syncs: list[dict[str, torch.Tensor]] = field(default_factory=list)
     generate_calls: list[dict] = field(default_factory=list)
+    # keep a CPU copy of the tensors of only the last N syncs (0: none; None: every sync). A benchmark's
+    # thousand cycles at the 7B shape cannot hold ~15 GB a sync; the engine's own weights stay checkable.
+    keep_syncs: int | None = None
 
 
 # vllm.SamplingParams' defaults, for the fields TRL and musique_rl set
@@ -137,10 +140,14 @@ class FakeEngine:
 
     # -- weights (vLLM's model.load_weights: an iterable of (HF name, tensor))
     def load_weights(self, weights) -> None:
+        keep = self.recorder.keep_syncs
         if self._open_sync is None:  # colocate: TRL calls load_weights once per tensor of one sync
             self._open_sync = {}
             self.recorder.syncs.append(self._open_sync)
             self.recorder.events.append(("sync", self._open_sync))
+            if keep:  # older syncs keep their place in the lists, not their tensors
+                for old in self.recorder.syncs[:-keep]:
+                    old.clear()
         for name, tensor in weights:
             if name not in self.params:
                 raise KeyError(f"vLLM has no parameter {name!r} (TRL must strip PEFT names and skip adapters)")
@@ -149,7 +156,8 @@ class FakeEngine:
                 raise ValueError(f"{name}: shape {tuple(tensor.shape)} != the engine's {tuple(target.shape)}")
             with torch.no_grad():
                 target.copy_(tensor.detach().to(target.dtype))
-            self._open_sync[name] = tensor.detach().clone().cpu()
+            if keep != 0:
+                self._open_sync[name] = tensor.detach().clone().cpu()
 
     def reset_prefix_cache(self) -> None:
         """Ends a sync (TRL resets the prefix cache after loading every tensor)."""

@@ -10,6 +10,7 @@ reset) with the chosen ``_iter_named_params``: ours (``ExactLoraSync``) or TRL's
 from __future__ import annotations
 
 import copy
+import gc
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -49,12 +50,13 @@ def step_adapter(model: torch.nn.Module, step: float, gen: torch.Generator) -> N
             p.copy_((p.float() + step * sign).to(p.dtype))
 
 
-def engine_sync(sync_class: type, model: torch.nn.Module, dtype: torch.dtype) -> tuple[object, FakeEngine]:
+def engine_sync(sync_class: type, model: torch.nn.Module, dtype: torch.dtype,
+                keep_syncs: int | None = None) -> tuple[object, FakeEngine]:
     """A ``sync_class`` sync in colocate mode whose ``vllm.LLM`` is the stand-in engine in ``dtype``:
-    ``sync_weights()`` is TRL's, as shipped."""
+    ``sync_weights()`` is TRL's, as shipped. ``keep_syncs``: the recorder's CPU copies (None: all)."""
     from accelerate import Accelerator
 
-    recorder = Recorder()
+    recorder = Recorder(keep_syncs=keep_syncs)
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     device = next(model.parameters()).device
     llm = fake_llm_class(lambda **_: FakeEngine(base.config, set(), recorder, max_model_len=64, dtype=dtype,
@@ -106,6 +108,7 @@ class Drift:
     checksum: float | None = None  # diagnostics.sync.BaseChecksum.drift(): the h06 instrument
     sync_seconds: list[float] = field(default_factory=list)
     mismatched_syncs: int = 0  # syncs whose engine weights differed from the float32 merge cast once
+    grown_bytes: int | None = None  # live tensor bytes after the last cycle less after the first (track_memory)
 
     @property
     def median_sync_ms(self) -> float:
@@ -127,17 +130,35 @@ def drift_of(start: dict[str, torch.Tensor], model: torch.nn.Module) -> Drift:
                  mean_rel_drifted=statistics.fmean(rel[n] for n in changed) if changed else 0.0)
 
 
+def live_tensor_bytes() -> int:
+    """Bytes of every tensor storage alive in this process (each storage once): what the cycles hold."""
+    import warnings
+
+    seen, total = set(), 0
+    with warnings.catch_warnings():  # isinstance on every object touches torch's deprecated aliases
+        warnings.simplefilter("ignore")
+        objects = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+    for obj in objects:
+        storage = obj.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total
+
+
 def run_cycles(sync_class: type, model: torch.nn.Module, cycles: int, *, step: float = 1e-3, seed: int = 0,
-               check_every: int = 1, whole_model_check: bool = True) -> Drift:
+               check_every: int = 1, whole_model_check: bool = True, track_memory: bool = False) -> Drift:
     """``cycles`` x (adapter step, sync) on ``model`` (modified: its adapter trains; TRL's sync also
     writes its base). Every ``check_every`` cycles (and after the last) the engine's weights are
     compared bit for bit with ``expected_weights`` (``whole_model_check``) or, per module, with
-    ``engine_matches_merge``; the count of checked syncs that differ is ``mismatched_syncs``."""
+    ``engine_matches_merge``; the count of checked syncs that differ is ``mismatched_syncs``.
+    One reference copy is held (the frozen base at the start): the engine keeps no copy of what it
+    loads, so memory stays flat in ``cycles`` (``track_memory``: ``grown_bytes`` measures it)."""
     dtype = next(model.parameters()).dtype
-    sync, engine = engine_sync(sync_class, model, dtype)
+    sync, engine = engine_sync(sync_class, model, dtype, keep_syncs=0)
     start, checksum = frozen(model), BaseChecksum(model)
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
-    times, mismatched = [], 0
+    times, mismatched, after_first = [], 0, None
     for i in range(cycles):
         step_adapter(model, step, gen)
         synchronize(model)
@@ -152,6 +173,10 @@ def run_cycles(sync_class: type, model: torch.nn.Module, cycles: int, *, step: f
             else:
                 ok = engine_matches_merge(model, engine)
             mismatched += not ok
+        if track_memory and i == 0:
+            after_first = live_tensor_bytes()
     out = drift_of(start, model)
+    if track_memory:
+        out.grown_bytes = live_tensor_bytes() - after_first
     out.checksum, out.sync_seconds, out.mismatched_syncs = checksum.drift(), times, mismatched
     return out

@@ -40,7 +40,8 @@ def test_the_readme_fits_on_a_few_screens_and_names_the_commands_users_and_ci_ru
     ci = (ROOT / ".ci" / "run").read_text()
     assert "make test" in ci and "make test" in text, "CI runs the README's test command: keep it in both"
     for command in ("make setup", "make train", "+hypothesis=h01", "make sweep", "musique_rl.doctor --run-dir",
-                    "make gpu-smoke", "musique_rl.gpu_job", "docs/STATUS.md"):
+                    "make gpu-smoke", "musique_rl.gpu_job", "docs/STATUS.md", "make publish", "make setup-gpu",
+                    "musique_rl.data fetch", "MUSIQUE_RL_DATA", "hydra/launcher=slurm", "env=musique"):
         assert command in text, command
 
 
@@ -50,6 +51,87 @@ def test_the_status_file_holds_the_verdict_table_between_its_markers():
     assert 0 <= start < end, "docs/STATUS.md lost its verdict markers"
     assert "| hypothesis |" in text[start:end]
     assert "verdicts:start" not in (ROOT / "README.md").read_text(), "verdicts go to docs/STATUS.md, not README.md"
+
+
+# Rows published before the page had a check (measured at +dirty commits, on two machine types, or with
+# h07's failed treatment jobs, and without a budget). The set only shrinks: a listed row that now holds
+# fails the test below until it is removed here, and a row not listed must hold.
+ROWS_BEFORE_THE_CHECK = {"h01", "h02", "h03", "h04", "h05", "h06", "h07", "h08"}
+
+
+def test_every_published_status_row_is_from_one_clean_commit_one_machine_type_and_no_failed_job():
+    from musique_rl.verdict import status_file_problems
+
+    problems = status_file_problems(ROOT / "docs" / "STATUS.md")
+    drifted = {h: p for h, p in problems.items() if h not in ROWS_BEFORE_THE_CHECK}
+    assert not drifted, "rows that `python -m musique_rl.verdict publish` would have refused:\n" + "\n".join(
+        f"{h}: {'; '.join(p)}" for h, p in drifted.items())
+    now_clean = sorted(ROWS_BEFORE_THE_CHECK - set(problems))
+    assert not now_clean, f"{now_clean} now hold: remove them from ROWS_BEFORE_THE_CHECK"
+
+
+# A fenced bash block the docs mark `<!-- runnable -->` runs as written, in a fresh shell at the checkout's
+# root (no environment beyond PATH and an empty HOME), and must exit 0; `<!-- runnable: refused ... -->`
+# must exit non-zero with a RequirementError (a machine without vLLM and CUDA: this one, CI's).
+RUNNABLE = re.compile(r"<!-- runnable(:[^>]*)? -->\n```bash\n(.*?)```", re.S)
+
+
+def _runnable_blocks() -> list:
+    blocks = []
+    for page in DOCS:
+        for n, m in enumerate(RUNNABLE.finditer(page.read_text()), 1):
+            blocks.append(pytest.param(m.group(2), bool(m.group(1)) and "refused" in m.group(1),
+                                       id=f"{page.relative_to(ROOT)}#{n}"))
+    return blocks
+
+
+def test_the_docs_mark_runnable_blocks_and_the_pattern_finds_them():
+    ids = [p.id for p in _runnable_blocks()]
+    assert any(i.startswith("README.md") for i in ids) and any(i.startswith("docs/howto/gpu.md") for i in ids), ids
+    text = "<!-- runnable -->\n```bash\nmake x\n```\n<!-- runnable: refused here -->\n```bash\nmake y\n```\n"
+    assert [(m.group(1), m.group(2)) for m in RUNNABLE.finditer(text)] == [(None, "make x\n"), (": refused here", "make y\n")]
+
+
+@pytest.mark.parametrize(("block", "refused"), _runnable_blocks())
+def test_a_runnable_block_runs_as_written_in_a_fresh_shell(block, refused, tmp_path):
+    if not (ROOT / ".venv" / "bin" / "python").exists():
+        pytest.skip("no .venv in this checkout (make setup builds it; CI has one)")
+    if refused:
+        from musique_rl.job.requirements import probe
+
+        if probe().cuda or "vllm" in probe().modules:
+            pytest.skip("a machine with CUDA or vLLM runs the job instead of refusing it")
+    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(tmp_path), "LANG": "C.UTF-8"}
+    proc = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", block], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+    if refused:
+        assert proc.returncode != 0 and "RequirementError: this machine cannot run the job" in proc.stderr, proc.stderr[-3000:]
+        assert "Traceback" not in proc.stderr
+    else:
+        assert proc.returncode == 0, f"exit {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+
+
+# Data outside this repository is reached through one option (env.data_dir, default $MUSIQUE_RL_DATA:
+# docs/howto/setup.md); no file sends the reader to another repository's folder or notes for it.
+ELSEWHERE = re.compile(r"steering repo|\.\./shared/|/work/shared|GPU-NOTES|FIELD-NOTES", re.I)
+
+
+def test_no_file_sends_the_reader_to_a_repository_outside_this_one():
+    listed = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True)
+    files = ([ROOT / f for f in listed.stdout.splitlines()] if listed.returncode == 0 else
+             [p for p in ROOT.rglob("*") if ".venv" not in p.parts and "multirun" not in p.parts])
+    hits = []
+    for path in files:
+        if path.name == "test_docs.py" or not path.is_file() or path.suffix in (".png", ".safetensors", ".gz"):
+            continue
+        try:
+            text = path.read_text()
+        except (UnicodeDecodeError, OSError):
+            continue
+        hits += [f"{path.relative_to(ROOT)}:{n}: {line.strip()[:120]}" for n, line in enumerate(text.splitlines(), 1)
+                 if ELSEWHERE.search(line)]
+    assert not hits, "say $MUSIQUE_RL_DATA / env.data_dir, or cite a record in docs/records/:\n" + "\n".join(hits)
+    assert ELSEWHERE.search("the steering repository's shared/") and ELSEWHERE.search("env.data=../shared/data/x")
 
 
 def _record_module():

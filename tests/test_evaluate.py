@@ -6,13 +6,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import REAL_MUSIQUE_DIR
 from hydra import compose, initialize_config_dir
 
 from musique_rl.job.evaluate import evaluate
 from musique_rl.schema import CONF_DIR  # importing it registers the schema and resolvers
 
 ROOT = Path(__file__).resolve().parents[1]
-SAMPLE = ROOT.parent / "shared" / "data" / "musique" / "train_sample_60.jsonl"
+SAMPLE = REAL_MUSIQUE_DIR / "train_sample_60.jsonl"
 
 
 def cfg_for(*overrides):

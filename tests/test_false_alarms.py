@@ -41,7 +41,7 @@ def _public_case(name: str) -> fa.Case:
     cases, missing = fa.public_cases(PUBLIC_LOGS)
     if name in missing:
         pytest.skip(f"public log {name} is not on this machine (tests/fixtures/public_logs/README.md: "
-                    "third-party data, not committed; place it in shared/public_logs/)")
+                    "third-party data, not committed; place it in $MUSIQUE_RL_DATA/public_logs/)")
     return next(c for c in cases if c.name == name)
 
 

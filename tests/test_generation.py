@@ -40,13 +40,24 @@ def _forward_logprobs(model, context, ids, temperature):
     return torch.log_softmax(logits, -1).gather(1, torch.tensor(ids)[:, None]).squeeze(1)
 
 
+def _in_process(name):
+    """An in-process backend's generator class by its train.backend name."""
+    from musique_rl.core.generation import StaticGenerator
+
+    return {"hf": HFGenerator, "static": StaticGenerator}[name]
+
+
+IN_PROCESS = ["hf", "static"]  # paged: tests/test_generation_paged.py
+
+
+@pytest.mark.parametrize("backend", IN_PROCESS)
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_logprobs_are_those_of_the_sampling_distribution(raw_tiny, temperature):
-    """Batched, left-padded generation returns the log-prob of every sampled id under the
-    distribution it was drawn from: a fresh forward pass (logits / temperature) agrees."""
+def test_logprobs_are_those_of_the_sampling_distribution(raw_tiny, temperature, backend):
+    """Batched generation of uneven contexts (hf: left-padded) returns the log-prob of every sampled id
+    under the distribution it was drawn from: a fresh forward pass (logits / temperature) agrees."""
     model, tok = raw_tiny[0], raw_tiny[1]
     settings = SamplingSettings(temperature=temperature, stop_ids=[tok.eos_token_id])
-    gen = HFGenerator(model, tok, settings)
+    gen = _in_process(backend)(model, tok, settings)
     ctxs = _contexts(tok)
     ctxs[1] = ctxs[1][3:]  # uneven lengths: real left padding
     torch.manual_seed(0)
@@ -59,9 +70,10 @@ def test_logprobs_are_those_of_the_sampling_distribution(raw_tiny, temperature):
         assert torch.allclose(torch.tensor(s.logprobs), ref, atol=1e-4), (s.logprobs, ref)
 
 
-def test_top_p_logprobs_are_renormalised_over_the_nucleus(raw_tiny):
+@pytest.mark.parametrize("backend", IN_PROCESS)
+def test_top_p_logprobs_are_renormalised_over_the_nucleus(raw_tiny, backend):
     model, tok = raw_tiny[0], raw_tiny[1]
-    gen = HFGenerator(model, tok, SamplingSettings(temperature=1.0, top_p=0.5, stop_ids=[tok.eos_token_id]))
+    gen = _in_process(backend)(model, tok, SamplingSettings(temperature=1.0, top_p=0.5, stop_ids=[tok.eos_token_id]))
     ctx = _contexts(tok, 1)
     torch.manual_seed(0)
     with gen.session():
@@ -70,9 +82,11 @@ def test_top_p_logprobs_are_renormalised_over_the_nucleus(raw_tiny):
     assert all(a >= b - 1e-5 for a, b in zip(s.logprobs, full.tolist(), strict=True))  # truncated = renormalised up
 
 
-def test_stop_token_ends_a_turn_and_greedy_is_deterministic(warm_tiny, tiny_cfg):
+@pytest.mark.parametrize("backend", IN_PROCESS)
+def test_stop_token_ends_a_turn_and_greedy_is_deterministic(warm_tiny, tiny_cfg, backend):
     model, tok = warm_tiny
-    gen = build_generator(tiny_cfg.train, tok, model=model)
+    gen = build_generator(with_keys(tiny_cfg, {"train.backend": backend}).train, tok, model=model)
+    assert isinstance(gen, _in_process(backend))
     ctx = _contexts(tok, 2)
     with gen.session():
         a = gen.generate(ctx, [48, 48], greedy=True)
@@ -83,10 +97,11 @@ def test_stop_token_ends_a_turn_and_greedy_is_deterministic(warm_tiny, tiny_cfg)
             assert s.ids[-1] == tok.eos_token_id and tok.eos_token_id not in s.ids[:-1]
 
 
-def test_the_session_restores_training_mode(raw_tiny):
+@pytest.mark.parametrize("backend", IN_PROCESS)
+def test_the_session_restores_training_mode(raw_tiny, backend):
     model, tok = copy.deepcopy(raw_tiny[0]), raw_tiny[1]
     model.train()
-    gen = HFGenerator(model, tok, SamplingSettings(stop_ids=[tok.eos_token_id]))
+    gen = _in_process(backend)(model, tok, SamplingSettings(stop_ids=[tok.eos_token_id]))
     with gen.session():
         assert not model.training
     assert model.training

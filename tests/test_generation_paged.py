@@ -102,15 +102,17 @@ def test_paged_sampler_and_trainer_agree_at_step_0(tiny_cfg, warm_tiny, tmp_path
     assert gap.max() < 1e-4, gap.max()
 
 
-def test_paged_backend_trains(tiny_cfg, warm_tiny, tmp_path):
-    """Two real steps on train.backend=paged: each rollout runs the engine and hands the model back
-    with its own attention for the loss; the importance-sampling instrument (TRL's, raised on a
-    non-vLLM backend by train.importance_sampling) sees sampler and trainer agree."""
+@pytest.mark.parametrize("backend", ["paged", "static"])
+def test_paged_backend_trains(tiny_cfg, warm_tiny, tmp_path, backend):
+    """Two real steps on train.backend=paged (and static, the other engine an in-process rollout can
+    run on): each rollout runs the engine and hands the model back with its own attention for the
+    loss; the importance-sampling instrument (TRL's, raised on a non-vLLM backend by
+    train.importance_sampling) sees sampler and trainer agree."""
     from test_trainer import _trainer
 
     model, tok = warm_tiny
     cfg = with_keys(tiny_cfg, {"train.max_steps": 2, "train.prompts_per_step": 2, "train.num_generations": 4,
-                               "train.save_steps": 1000, "train.logging_steps": 1, "train.backend": "paged",
+                               "train.save_steps": 1000, "train.logging_steps": 1, "train.backend": backend,
                                "train.importance_sampling": "token_truncate", "loss.warmup_steps": 0})
     tr = _trainer(cfg, copy.deepcopy(model), tok, tmp_path)
     torch.manual_seed(0)

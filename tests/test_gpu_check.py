@@ -44,21 +44,50 @@ def test_a_failing_and_an_overrunning_step_are_recorded_and_the_next_steps_run(t
     assert seen[0] == ["ok", "pending", "pending", "pending"] and len(seen) == 4  # the record after every step
 
 
-def test_the_budget_skips_what_no_longer_fits_and_a_lone_step_waits_for_the_other_lane(tmp_path):
+def test_the_first_step_runs_alone_before_the_lanes_the_last_after_both_and_the_budget_skips(tmp_path):
     stamp = tmp_path / "stamps"
     stamp.mkdir()
-    mark = "import time, pathlib; time.sleep({s}); pathlib.Path({p!r}).write_text(str(time.time()))"
+    mark = ("import time, pathlib; t0 = time.time(); time.sleep({s}); "
+            "pathlib.Path({p!r}).write_text(f'{{t0}} {{time.time()}}')")
     steps = [
+        _step("bench", mark.format(s=1, p=str(stamp / "bench")), lane="heavy", phase="first"),
         _step("light", mark.format(s=2, p=str(stamp / "light")), lane="light"),
         _step("heavy", mark.format(s=0, p=str(stamp / "heavy")), lane="heavy"),
-        _step("bench", mark.format(s=0, p=str(stamp / "bench")), lane="heavy", alone=True),
+        _step("static", mark.format(s=0, p=str(stamp / "static")), lane="heavy", phase="last"),
     ]
     rows = gpu_check.run_steps(steps, 60, tmp_path / "logs", lanes=2, env=gpu_check.step_env())
-    assert [r.status for r in rows] == ["ok", "ok", "ok"]
-    t = {n: float((stamp / n).read_text()) for n in ("light", "heavy", "bench")}
-    assert t["heavy"] < t["light"] < t["bench"]  # side by side, then the lone step after both
-    rows = gpu_check.run_steps(steps[:2], 5, tmp_path / "logs2", lanes=1, env=gpu_check.step_env())
+    assert [r.status for r in rows] == ["ok", "ok", "ok", "ok"]
+    t = {n: [float(x) for x in (stamp / n).read_text().split()] for n in ("bench", "light", "heavy", "static")}
+    assert t["bench"][1] <= min(t["light"][0], t["heavy"][0])  # the bench had the machine to itself, first
+    assert t["heavy"][1] < t["light"][1] <= t["static"][0]  # the lanes side by side, then the last step
+    rows = gpu_check.run_steps(steps[1:3], 5, tmp_path / "logs2", lanes=1, env=gpu_check.step_env())
     assert rows[0].status == "skipped" and "budget" in rows[0].note  # 5 s < MIN_STEP_S
+
+
+def test_the_cuda_plan_schedules_the_bench_and_the_7b_steps_within_the_lease():
+    """With the step times measured on one H200 (H200_SECONDS), the plan `make gpu-check` prints on a
+    CPU: the generation bench first, the 7B steps in their own lane from its end, both done well inside
+    the budget (the call limit less pip and the record's margin); the weight-sync tests are in the list."""
+    import argparse
+
+    assert gpu_check.BUDGET_S == gpu_check.CALL_LIMIT_S - gpu_check.PIP_S - gpu_check.MARGIN_S == 560
+    a = argparse.Namespace(max_steps=None, tests=None, timeout={}, steps=None, budget=gpu_check.BUDGET_S)
+    slots = {x.step: x for x in gpu_check.cuda_plan(a)}
+    assert slots["bench"].start == 0 and slots["bench"].phase == "first"
+    sevens = [n for n in slots if n.startswith("7b_")]
+    assert {"7b_hf", "7b_paged"} <= set(sevens)
+    for name in ("bench", "build_7b", *sevens):  # done with at least 100 s of the budget to spare
+        assert slots[name].fits == "yes" and slots[name].end <= gpu_check.BUDGET_S - 100, slots[name]
+    assert slots["build_7b"].start == slots["bench"].end and slots["build_7b"].lane == "heavy"
+    assert all(slots[n].fits == "yes" for n in ("tests", "default_bf16", "fault_stale_sampler", "fault_blind_context"))
+    assert slots["bench_static"].phase == "last"  # the lowest priority: after both lanes, if time is left
+    tests = next(s for s in gpu_check.plan({"cuda": True, "xdist": True}, Path("/tmp/x"), None, a) if s.name == "tests")
+    assert str(ROOT / "tests" / "test_weight_sync.py") in tests.command
+    faults = [s for s in gpu_check.plan({"cuda": True, "xdist": True}, Path("/tmp/x"), None, a) if s.name.startswith("fault_")]
+    assert all("train.eval_episodes=8" in s.command for s in faults)
+    out = subprocess.run([PY, "-m", "musique_rl.gpu_check", "--plan"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0 and "| 7b_paged | lanes | heavy | 95 |" in out.stdout, out.stdout + out.stderr
 
 
 def test_a_job_row_reads_the_run_directory_and_names_a_misnamed_fault(tmp_path):
@@ -114,6 +143,8 @@ def test_the_bundle_holds_the_tokenizer_provenance_and_run_script_and_refuses_ov
     assert len(info["commit"]) >= 7 and "qwen2.5-instruct stand-in" in info["tokenizer"]
     run = (bundle / "run.sh").read_text()
     assert "--target /tmp/site" in run and "JAX_PLATFORMS=cpu" in run and "--copy-to" in run and "--budget" in run
+    assert "budget=${BUDGET:-$(( ${CALL_LIMIT:-600} - SECONDS - 25 ))}" in run  # pip's time comes off the call
+    assert proc.stdout.rstrip().splitlines()[-1] == f"  bash {bundle}/run.sh"  # it ends with the next command
     unpacked = gpu_check.bundle_tokenizer(bundle, tmp_path / "work")
     from transformers import AutoTokenizer
 
@@ -179,7 +210,7 @@ def test_a_gpu_record_names_the_card_and_its_file_the_gpu():
     assert "# gpu_check on NVIDIA H200" in text
     assert "- machine: NVIDIA H200 (139.8 GiB, 1 visible), torch 2.11.0+cu130, CUDA 13.0" in text
     assert "pytest-xdist yes; flash-attn no" in text and "qwen2.5-instruct stand-in b7c5" in text
-    assert "budget 560 s, used 548 s; two lanes" in text
+    assert "budget 560 s, used 548 s; bench alone first, then two lanes" in text
     assert "| bench | TIMEOUT | 150 | bfloat16 |  | killed after its time box of 150 s |" in text
     assert "1/2 steps ok; not ok: bench" in text
     assert "hf   1340" in text and "Loading weights" not in text  # the bench's own table, no progress bars

@@ -34,7 +34,8 @@ EXPERIMENT_PARTS = (
     ("job", ("musique_rl.job",)),
     ("verdict", ("musique_rl.verdict",)),
     ("sweep", ("musique_rl.sweep",)),
-    ("commands", ("musique_rl.case_study", "musique_rl.smoke", "musique_rl.gpu_check", "musique_rl.__main__")),
+    ("commands", ("musique_rl.case_study", "musique_rl.smoke", "musique_rl.gpu_check", "musique_rl.data",
+                  "musique_rl.__main__")),
 )
 
 

@@ -122,3 +122,100 @@ def test_generation_running_out_lists_the_rollout_budgets_first_and_vllms_share(
                    ("train.micro_batch_size", "train.resume"))
     assert line.startswith("python -m musique_rl seed=2 ") and "micro_batch_size" not in line
     assert "s3cret-planted-pw" not in line
+
+
+def test_the_held_out_evaluations_running_out_stop_like_a_training_step(tmp_path, monkeypatch):
+    """Before training: the first knob is the held-out episodes (all generated at once), then the
+    token budgets, with the command; after training: the checkpoint whose resume runs only the
+    evaluation. metrics.json is marked either way."""
+    from musique_rl.job import train as train_module
+    from musique_rl.job.out_of_memory import OutOfMemoryStop
+
+    real, calls = train_module.held_out_eval, []
+
+    def oom_on(which):
+        def held_out_eval(*args, **kwargs):
+            calls.append(1)
+            if len(calls) in which:
+                raise torch.OutOfMemoryError(CUDA_TEXT)
+            return real(*args, **kwargs)
+        return held_out_eval
+
+    eval_on = [*FAST, "train.eval_episodes=4", "train.max_steps=2", "train.save_steps=2"]
+    monkeypatch.setattr(train_module, "held_out_eval", oom_on({1}))
+    with pytest.raises(OutOfMemoryStop) as err:
+        train_module.train(compose_cfg(eval_on), run_dir=tmp_path / "before")
+    message = str(err.value)
+    assert message.startswith("out of memory in the held-out evaluation before training (4 episodes generated at "
+                              "once): CUDA out of memory. Tried to allocate 20.00 GiB")
+    assert "  train.eval_episodes=2  (now 4;" in message and "env.max_tokens_per_turn=" in message
+    assert "Run it again with fewer episodes:\n  python -m musique_rl <the same overrides> train.eval_episodes=2" in message
+    summary = json.loads((tmp_path / "before" / "metrics.json").read_text())
+    assert summary["status"] == "out_of_memory" and summary["out_of_memory/part"] == "eval_before"
+
+    calls.clear()
+    monkeypatch.setattr(train_module, "held_out_eval", oom_on({3}))  # sampled + greedy before, then after
+    with pytest.raises(OutOfMemoryStop) as err:
+        train_module.train(compose_cfg(eval_on), run_dir=tmp_path / "after")
+    message = str(err.value)
+    ckpt = tmp_path / "after" / "checkpoints" / "checkpoint-2"
+    assert message.startswith("out of memory in the held-out evaluation after training")
+    assert f"Training finished at step 2; its last whole checkpoint is {ckpt}. Resuming from it runs no step again" in message
+    assert f"train.eval_episodes=2 train.resume={ckpt}" in message
+    summary = json.loads((tmp_path / "after" / "metrics.json").read_text())
+    assert summary["status"] == "out_of_memory" and summary["train/steps"] == 2 and "eval/before/reward" in summary
+    assert not any(k.startswith("eval/after") for k in summary)
+
+
+def test_an_eval_job_running_out_names_a_slice_of_its_data(tmp_path, monkeypatch):
+    from musique_rl.job import evaluate as evaluate_module
+    from musique_rl.job.out_of_memory import OutOfMemoryStop
+
+    def oom(cfg, records):
+        raise torch.OutOfMemoryError(CUDA_TEXT)
+
+    monkeypatch.setattr(evaluate_module, "policy_episodes", oom)
+    with pytest.raises(OutOfMemoryStop) as err:
+        evaluate_module.evaluate(compose_cfg([*TEST_OVERRIDES, "mode=eval", "env.data='synthetic,default,validation'"]),
+                                 run_dir=tmp_path)
+    message = str(err.value)
+    assert message.startswith("out of memory in the evaluation (mode=eval) (")
+    assert "  env.data='synthetic,default,validation[:" in message
+    assert "Run it again with fewer episodes:\n  python -m musique_rl <the same overrides> \"env.data='synthetic" in message
+    assert json.loads((tmp_path / "metrics.json").read_text())["status"] == "out_of_memory"
+
+
+def test_the_paged_engine_running_out_raises_torch_out_of_memory():
+    """transformers' continuous batching catches the error in its thread and keeps its text: the
+    paged backend raises it as the torch.OutOfMemoryError the training and evaluation stops catch."""
+    from types import SimpleNamespace
+
+    from musique_rl.core.generation_paged import ContinuousBatchingSampler
+
+    class Manager:
+        def add_request(self, *a, **k):
+            pass
+
+        def get_result(self, timeout):
+            return SimpleNamespace(request_id="r0", is_finished=lambda: True, error=CUDA_TEXT,
+                                   generated_tokens=[], logprobs=[])
+
+        def is_running(self):
+            return True
+
+        def stop(self, block):
+            pass
+
+        def destroy(self):
+            pass
+
+    session = ContinuousBatchingSampler(None, SimpleNamespace(stop_ids=[0]), pad_id=0)
+    session._manager, session._manager_greedy = Manager(), False
+    with pytest.raises(torch.OutOfMemoryError, match="continuous batching failed on context 0 of 1: CUDA out of memory"):
+        session.generate([[1, 2]], [4], greedy=False)
+    session._manager, session._manager_greedy = Manager(), False
+    Manager.get_result = lambda self, timeout: SimpleNamespace(request_id="r1", is_finished=lambda: True,
+                                                               error="shape mismatch", generated_tokens=[], logprobs=[])
+    with pytest.raises(RuntimeError, match="shape mismatch") as other:
+        session.generate([[1, 2]], [4], greedy=False)
+    assert not isinstance(other.value, torch.OutOfMemoryError)

@@ -233,14 +233,16 @@ def llama_dir(standins, tmp_path_factory):
     return tf.save_tiny_model(tf.LLAMA31, tmp_path_factory.mktemp("llama31"))
 
 
-def test_llama_eom_stops_hf_generate_and_the_tool_runs(standins, llama_dir):
-    """A Llama-3.1 call that ends on <|eom_id|> stops the turn (HF generate, the model loaded through
-    load_model), the tool runs, and the episode stays token-exact with <|eot_id|> supplied after it."""
+@pytest.mark.parametrize("backend", ["hf", "static"])
+def test_llama_eom_stops_hf_generate_and_the_tool_runs(standins, llama_dir, backend):
+    """A Llama-3.1 call that ends on <|eom_id|> stops the turn (HF generate, or the static backend,
+    the model loaded through load_model), the tool runs, and the episode stays token-exact with
+    <|eot_id|> supplied after it."""
     from musique_rl.core.generation import build_generator
     from musique_rl.core.models import load_model
 
     cfg = _cfg(tf.LLAMA31, **{"model.name_or_path": str(llama_dir), "model.dtype": "float32",
-                               "model.attn_implementation": "sdpa"})
+                               "model.attn_implementation": "sdpa", "train.backend": backend})
     model, tok = load_model(cfg)
     eom = tok.convert_tokens_to_ids("<|eom_id|>")
     bias = torch.zeros(len(tok))
@@ -252,14 +254,15 @@ def test_llama_eom_stops_hf_generate_and_the_tool_runs(standins, llama_dir):
         (sample,) = gen.generate([tok.encode("hi", add_special_tokens=False)], [16])
     assert sample.ids == [eom] and sample.stopped
     # the old rule {eos, pad} would have run on to the turn budget
-    old = HFGenerator(model, tok, SamplingSettings(stop_ids=[tok.eos_token_id]))
+    old = type(gen)(model, tok, SamplingSettings(stop_ids=[tok.eos_token_id]))
     with old.session():
         (cut,) = old.generate([tok.encode("hi", add_special_tokens=False)], [16])
     assert not cut.stopped and len(cut.ids) == 16
 
 
 # ---------------------------------------------------------------- nothing inherited from generation_config
-def test_sampler_logprobs_equal_the_trainers_whatever_the_models_generation_config(warm_tiny, tiny_cfg):
+@pytest.mark.parametrize("backend", ["hf", "static"])
+def test_sampler_logprobs_equal_the_trainers_whatever_the_models_generation_config(warm_tiny, tiny_cfg, backend):
     """A generation_config that sets every distribution-changing knob (Qwen2.5 ships 1.05 repetition
     penalty and top_k 20) must not reach the sampler: its log-probs stay the trainer's (logits / T)."""
     from transformers import GenerationConfig
@@ -274,7 +277,10 @@ def test_sampler_logprobs_equal_the_trainers_whatever_the_models_generation_conf
         eos_token_id=[tok.eos_token_id], pad_token_id=tok.pad_token_id,
     )
     temperature = 0.9
-    gen = HFGenerator(model, tok, SamplingSettings(temperature=temperature, stop_ids=[tok.eos_token_id]))
+    from musique_rl.core.generation import StaticGenerator
+
+    cls = {"hf": HFGenerator, "static": StaticGenerator}[backend]
+    gen = cls(model, tok, SamplingSettings(temperature=temperature, stop_ids=[tok.eos_token_id]))
     cfg = tiny_cfg
     messages = prompts.build_messages({"id": "x", "question": "Who founded Borealis Motors?"}, cfg.env)
     context = ChatTokens(tok, cfg.env).prompt_ids(messages)

@@ -47,9 +47,9 @@ def test_get_document_and_tool_execution_with_a_real_retriever(toy_record):
 
 
 def test_corpus_scope_uses_content_ids_and_finds_real_supporting_paragraphs(real_records):
-    from pathlib import Path
+    from conftest import REAL_MUSIQUE_DIR
 
-    corpus = Path(__file__).resolve().parents[2] / "shared" / "data" / "musique" / "corpus_1890.json"
+    corpus = REAL_MUSIQUE_DIR / "corpus_1890.json"
     r = build_retriever(env(retriever="bm25", scope="corpus", corpus=str(corpus)), real_records)
     assert len(r.corpus) > 1800
     rec = real_records[0]

@@ -69,11 +69,14 @@ def test_scripted_multi_turn_episodes_are_token_exact(raw_tiny, tiny_cfg):
         assert "tool" in ep.sources and "template" in ep.sources
 
 
-def test_sampled_episodes_of_the_warm_model_are_token_exact(warm_tiny, tiny_cfg):
-    """Real sampling, batched across live episodes: the trained ids are the sampled ids."""
+@pytest.mark.parametrize("backend", ["hf", "static"])  # paged: tests/test_generation_paged.py
+def test_sampled_episodes_of_the_warm_model_are_token_exact(warm_tiny, tiny_cfg, backend):
+    """Real sampling, batched across live episodes: the trained ids are the sampled ids (static: each
+    episode's tool results appended to its slot's cache between turns, nothing re-encoded)."""
     from musique_rl.env.data import load_records
 
     model, tok = warm_tiny
+    tiny_cfg = with_keys(tiny_cfg, {"train.backend": backend})
     recs = load_records(tiny_cfg.env.eval_data, tiny_cfg.env, 1)[:8]
     engine = RolloutEngine(tiny_cfg.env, tok, build_retriever(tiny_cfg.env, recs), {r["id"]: r for r in recs}, tool_format=tiny_cfg.model.tool_call_format)
     torch.manual_seed(0)
@@ -110,10 +113,12 @@ def test_env_tokens_enter_the_loss_only_when_asked(raw_tiny, tiny_cfg, override)
     assert all(set(ep.env_mask) == {1} for ep in eps)
 
 
-def test_a_rollout_returns_what_trl_needs_in_order(raw_tiny, tiny_cfg):
+@pytest.mark.parametrize("backend", ["hf", "static"])
+def test_a_rollout_returns_what_trl_needs_in_order(raw_tiny, tiny_cfg, backend):
     from musique_rl.core.trainer import prompt_dataset
 
     model, tok, records, _, _ = raw_tiny
+    tiny_cfg = with_keys(tiny_cfg, {"train.backend": backend})
     recs = records[:2]
     engine = RolloutEngine(tiny_cfg.env, tok, build_retriever(tiny_cfg.env, recs), {r["id"]: r for r in recs}, tool_format=tiny_cfg.model.tool_call_format)
     batch = [row["prompt"] for row in prompt_dataset(tiny_cfg.env, recs) for _ in range(3)]  # B x G, repeated in order
@@ -133,7 +138,7 @@ def test_every_backend_provides_the_declared_generator_protocol():
     from musique_rl.core import generation
 
     members = ("collective", "session", "generate", "any_live")
-    for cls in (generation.HFGenerator, generation.PagedGenerator, generation.VLLMServerGenerator,
+    for cls in (generation.HFGenerator, generation.PagedGenerator, generation.StaticGenerator, generation.VLLMServerGenerator,
                 generation.VLLMColocateGenerator, ScriptedGenerator):
         assert all(hasattr(cls, m) for m in members), cls
     assert generation.VLLMServerGenerator.collective and not generation.HFGenerator.collective

@@ -78,7 +78,7 @@ def test_cluster_runs_gpu_shaped_jobs_and_accounts_for_them(slurm, tmp_path):
 def stand_in_sweep(tmp_path: Path, *overrides: str, env: dict | None = None) -> subprocess.Popen:
     """tests/sweep_app.py through hydra/launcher=slurm, tracked in a private MLflow store."""
     cmd = [sys.executable, str(ROOT / "tests" / "sweep_app.py"), "-m", *overrides, "hydra/launcher=slurm",
-           f"hydra.sweep.dir={tmp_path / 'sweep'}", "hydra.callbacks.sweep.status_file=false",
+           f"hydra.sweep.dir={tmp_path / 'sweep'}",
            "hydra.launcher.mem_gb=1", "hydra.launcher.timeout_min=20"]
     full_env = {**os.environ, "PYTHONPATH": str(ROOT), "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}",
                 **(env or {})}
@@ -177,7 +177,7 @@ TINY_RUN = ["train.eval_episodes=8", "train.logging_steps=1"]
 
 def real_sweep(tmp_path: Path, *overrides: str) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "musique_rl", "-m", *overrides, *TINY_RUN, "hydra/launcher=slurm",
-           f"hydra.sweep.dir={tmp_path / 'sweep'}", "hydra.callbacks.sweep.status_file=false",
+           f"hydra.sweep.dir={tmp_path / 'sweep'}",
            "hydra.launcher.mem_gb=3", "hydra.launcher.timeout_min=60"]
     env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=open(tmp_path / "sweep.log", "w"),

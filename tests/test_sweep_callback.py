@@ -36,7 +36,7 @@ def test_a_sweep_opens_its_parent_first_judges_after_its_jobs_table_and_closes_t
     sweep_dir, uri = tmp_path / "sweep", f"sqlite:///{tmp_path / 'mlflow.db'}"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "MLFLOW_TRACKING_URI": uri, "SWEEP_APP_FAIL": "treatment:2"}
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "sweep_app.py"), "-m", "+sweep=h02", "seed=1,2",
-                           f"hydra.sweep.dir={sweep_dir}", "hydra.callbacks.sweep.status_file=false"],
+                           f"hydra.sweep.dir={sweep_dir}"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1, proc.stderr[-3000:]  # a job failed: scripts and CI see it
     # on the console: the jobs table, then the verdict naming the failed job with the table's error line

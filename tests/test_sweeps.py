@@ -67,7 +67,8 @@ def test_sweep_composes_with_paired_grid_and_verdict(hydra_conf, name):
     for arm in ("control", "treatment"):
         cfg = compose("train", overrides=[f"+sweep={name}", f"hypothesis.arm={arm}"], return_hydra_config=True)
         assert OmegaConf.to_container(cfg.hydra.sweeper.params) == {"hypothesis.arm": "control,treatment", "seed": "1,2,3,4,5"}
-        assert cfg.hydra.callbacks.sweep._target_ == "musique_rl.sweep.callback.SweepCallback" and cfg.hydra.callbacks.sweep.status_file
+        assert cfg.hydra.callbacks.sweep._target_ == "musique_rl.sweep.callback.SweepCallback"
+        assert "status_file" not in cfg.hydra.callbacks.sweep  # a sweep writes its sweep dir and MLflow only
         assert cfg.hydra.sweep.dir.startswith(f"multirun/{name}/")  # resolves ${hypothesis.id}
         with open_dict(cfg):
             del cfg["hydra"]  # hydra.job.num exists only inside a running sweep
@@ -84,7 +85,7 @@ def run_sweep(tmp_path: Path, *overrides: str, env: dict | None = None, timeout:
     """The stand-in app (tests/sweep_app.py) through the real conf tree, launcher and callback."""
     sweep_dir = tmp_path / "sweep"
     cmd = [sys.executable, str(ROOT / "tests" / "sweep_app.py"), "-m", *overrides,
-           f"hydra.sweep.dir={sweep_dir}", "hydra.callbacks.sweep.status_file=false", "tracking.enabled=false"]
+           f"hydra.sweep.dir={sweep_dir}", "tracking.enabled=false"]
     full_env = {**os.environ, "PYTHONPATH": str(ROOT), "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'none.db'}",
                 **(env or {})}
     proc = subprocess.run(cmd, cwd=tmp_path, env=full_env, capture_output=True, text=True, timeout=timeout)
@@ -117,6 +118,35 @@ def test_local_sweep_runs_arms_in_parallel_capped_and_prints_its_verdict(tmp_pat
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
         assert v["plots"][name] == str(png)
     assert f"[reward curves]({sweep_dir / 'plots' / 'reward_curves.png'})" in v["status_table"]
+
+
+def _repository_record() -> dict[str, str]:
+    """What a user's sweep must never change: the status file, the published plots, and (in a git
+    checkout) every tracked file, as git sees them."""
+    import hashlib
+
+    files = [ROOT / "docs" / "STATUS.md", *sorted((ROOT / "docs" / "verdicts").rglob("*"))]
+    record = {str(p.relative_to(ROOT)): hashlib.sha256(p.read_bytes()).hexdigest() for p in files if p.is_file()}
+    git = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True)
+    if git.returncode == 0:
+        record["git status"] = git.stdout
+        record["git diff"] = hashlib.sha256(subprocess.run(["git", "diff"], cwd=ROOT, capture_output=True).stdout).hexdigest()
+    return record
+
+
+def test_a_short_sweep_says_too_short_to_judge_and_leaves_the_repository_unchanged(tmp_path):
+    """The newcomer's short grid (every step inside the 10-step warm-up): a verdict in the sweep dir
+    that says it is too short, and not one tracked file of the checkout changed (docs/STATUS.md and
+    docs/verdicts/ change only through `python -m musique_rl.verdict publish`)."""
+    before = _repository_record()
+    proc, sweep_dir = run_sweep(tmp_path, "+sweep=h02", "seed=1,2", "train.max_steps=4", "train.eval_episodes=2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "h02 Environment tokens in the loss: Inconclusive, too short to judge [4 steps x 2 seeds]" in proc.stdout
+    assert f"python -m musique_rl.verdict publish --sweep {sweep_dir}" in proc.stdout
+    v = json.loads((sweep_dir / "verdict.json").read_text())
+    assert v["status"] == "Inconclusive" and v["confidence"] is None and v["budget"]["too_short"]
+    assert (sweep_dir / "plots" / "paired_differences.png").is_file()
+    assert _repository_record() == before
 
 
 def test_a_grid_written_by_hand_is_judged_only_when_it_sweeps_both_arms(tmp_path):
@@ -157,7 +187,7 @@ def test_an_interrupted_sweep_resumes_only_its_unfinished_jobs(tmp_path):
 
     sweep_dir = tmp_path / "sweep"
     cmd = [sys.executable, str(ROOT / "tests" / "sweep_app.py"), "-m", "+sweep=h02", "seed=1,2",
-           f"hydra.sweep.dir={sweep_dir}", "hydra.callbacks.sweep.status_file=false"]
+           f"hydra.sweep.dir={sweep_dir}"]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}",
            "SWEEP_APP_STEPS": "6", "SWEEP_APP_STEP_S": "0.5"}
     first = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,

@@ -104,11 +104,13 @@ def _trainer_logps(tr, out):
     return logps
 
 
-def test_step0_trainer_logprobs_equal_the_samplers(tiny_cfg, warm_tiny, tmp_path):
+@pytest.mark.parametrize("backend", ["hf", "static"])  # paged: tests/test_generation_paged.py
+def test_step0_trainer_logprobs_equal_the_samplers(tiny_cfg, warm_tiny, tmp_path, backend):
     """The trainer scores exactly the sampled tokens with the sampler's distribution: at step 0 the
-    log-probs agree to float precision on every token that carries loss."""
+    log-probs agree to float precision on every token that carries loss (tool turns included)."""
     model, tok = warm_tiny
-    tr = _trainer(_cfg(tiny_cfg, {}), copy.deepcopy(model), tok, tmp_path)
+    tr = _trainer(_cfg(tiny_cfg, {"train.backend": backend}), copy.deepcopy(model), tok, tmp_path)
+    assert type(tr.musique_generator).__name__ == {"hf": "HFGenerator", "static": "StaticGenerator"}[backend]
     rolled = []  # the episodes the rollout handed to TRL's outputs (passed as an argument, not read back)
     to_trl = tr.musique_engine.trl_outputs
     tr.musique_engine.trl_outputs = lambda episodes: rolled.extend(episodes) or to_trl(episodes)
@@ -155,7 +157,7 @@ def test_blind_attention_hides_the_prompt_and_the_tool_results_only():
 def test_every_fault_hook_keeps_the_models_device(tiny_cfg, name):
     """A CUDA stand-in on a CPU machine: the batch on the "meta" device (a second device whose ops
     refuse a CPU operand, as CUDA's do), the tool mask as TRL's padded lists come (CPU). Each hook's
-    tensor comes back on the batch's device, without a device error (GPU-NOTES: the blind_context
+    tensor comes back on the batch's device, without a device error (docs/records/gpu_leases.md: the blind_context
     fault failed on CUDA with "index is on cpu, different from other tensors on cuda:0")."""
     fault = faults.of(with_keys(tiny_cfg, {"fault": name}))
     meta = torch.device("meta")

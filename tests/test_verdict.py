@@ -229,19 +229,27 @@ PROVENANCE = {"warm_start/hash": "3f2a9c1b0d4e", "machine/cpu": "AMD EPYC 7B13",
               "machine/device": "cpu", "machine/torch": "2.13.0"}
 
 
-def make_job(sweep_dir: Path, num: int, hyp: str, arm: str, seed: int, metrics: dict | None):
+CLEAN = "8e3285c" + "0" * 33  # a clean commit (metrics.json's git/commit)
+
+
+def make_job(sweep_dir: Path, num: int, hyp: str, arm: str, seed: int, metrics: dict | None, **config):
     job = sweep_dir / str(num)
     (job / ".hydra").mkdir(parents=True)
     hyp_block = yaml.safe_load((V.HYPOTHESIS_DIR / f"{hyp}.yaml").read_text())["hypothesis"]
-    (job / ".hydra" / "config.yaml").write_text(yaml.safe_dump({"hypothesis": {**hyp_block, "arm": arm}, "seed": seed}))
+    (job / ".hydra" / "config.yaml").write_text(yaml.safe_dump({"hypothesis": {**hyp_block, "arm": arm}, "seed": seed,
+                                                                **config}))
     if metrics is not None:
         (job / "metrics.json").write_text(json.dumps(metrics))
     return job
 
 
+BUDGET = {"train": {"max_steps": 60}, "loss": {"warmup_steps": 10}}  # what a job's saved config says
+
+
 @pytest.fixture
 def multirun(tmp_path):
-    """A +sweep=h02 directory over the default 5 seeds; treatment seed 5 died before writing metrics."""
+    """A +sweep=h02 directory over the default 5 seeds of 60 steps at a clean commit; treatment seed 5
+    died before writing metrics."""
     d = tmp_path / "multirun" / "2025-01-01" / "12-00-00"
     d.mkdir(parents=True)
     (d / "multirun.yaml").write_text(yaml.safe_dump({
@@ -252,9 +260,10 @@ def multirun(tmp_path):
               ("treatment", 4): 0.12}
     num = 0
     for (arm, seed), val in values.items():
-        make_job(d, num, "h02", arm, seed, {"train/reward_gain": val, "train/reward_start": 0.5, **PROVENANCE})
+        make_job(d, num, "h02", arm, seed, {"train/reward_gain": val, "train/reward_start": 0.5, **PROVENANCE,
+                                            "git/commit": CLEAN}, **BUDGET)
         num += 1
-    failed = make_job(d, num, "h02", "treatment", 5, None)  # started, never wrote metrics
+    failed = make_job(d, num, "h02", "treatment", 5, None, **BUDGET)  # started, never wrote metrics
     (failed / "traceback.txt").write_text("Traceback (most recent call last):\nRuntimeError: CUDA out of memory\n")
     return d
 
@@ -331,36 +340,70 @@ def test_swept_values_come_from_hydras_override_parser():
     assert grid["env.data"] == ["a,b,c"]  # quoted: one value, not a sweep
 
 
-def test_cli_writes_verdict_json_and_only_the_status_files_section(multirun, tmp_path, capsys):
+def _complete(multirun: Path) -> Path:
+    """The fixture's sweep with treatment seed 5 finished too (nothing failed)."""
+    import shutil
+
+    failed = next(p for p in multirun.iterdir() if p.is_dir() and not (p / "metrics.json").exists())
+    shutil.rmtree(failed)
+    make_job(multirun, int(failed.name), "h02", "treatment", 5,
+             {"train/reward_gain": 0.11, "train/reward_start": 0.5, **PROVENANCE, "git/commit": CLEAN}, **BUDGET)
+    return multirun
+
+
+def _status(tmp_path: Path) -> Path:
     status = tmp_path / "docs" / "STATUS.md"
-    status.parent.mkdir()
+    status.parent.mkdir(exist_ok=True)
     status.write_text("# title\n\nintro\n\n<!-- verdicts:start -->\nold\n<!-- verdicts:end -->\n\n## After\nkept\n")
-    assert V.main(["--sweep", str(multirun), "--status-file", str(status), "--source", "files"]) == 0
+    return status
+
+
+def test_judging_writes_the_sweep_dir_only_and_states_the_budget(multirun, tmp_path, capsys, monkeypatch):
+    status = _status(tmp_path)
+    before = status.read_text()
+    monkeypatch.setattr("musique_rl.verdict.sweep.STATUS", status)  # even a checkout's status file is not touched
+    assert V.main(["--sweep", str(multirun), "--source", "files"]) == 0
     out = capsys.readouterr().out
-    assert "h02 Environment tokens in the loss: Validated" in out
+    assert "h02 Environment tokens in the loss: Validated (confidence" in out and "[60 steps x 5 seeds]" in out
+    assert f"to publish it: python -m musique_rl.verdict publish --sweep {multirun}" in out
+    assert status.read_text() == before and not (status.parent / "verdicts").exists()
+    data = json.loads((multirun / "verdict.json").read_text())
+    assert data["status"] == "Validated" and data["n_pairs"] == 4
+    assert data["budget"] == {"steps": 60, "steps_differ": None, "warmup_steps": 10, "seeds": 5, "pairs": 4,
+                              "min_steps": 30, "too_short": None}
+    assert data["interval"] == "t" and data["t_df"] == 3 and data["sign_flip_p"] == pytest.approx(2 / 16)
+    assert data["warm_start"] == ["3f2a9c1b0d4e"] and data["machine"] == ["AMD EPYC 7B13 | 1 threads | cpu"]
+    table = (multirun / "status.md").read_text()
+    assert "| h02 Environment tokens in the loss | high | Validated |" in table
+    assert "| 60 steps x 5 seeds; effect -0." in table  # every verdict line opens with its budget
+    assert "missing treatment/seed 5 (FAILED)" in table
+    assert "warm start 3f2a9c1b0d4e; AMD EPYC 7B13 x1 thread, cpu; commit 8e3285c" in table
+    assert (multirun / "plots" / "paired_differences.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_publish_rewrites_only_its_row_and_links_the_copied_plots(multirun, tmp_path, capsys):
+    status = _status(tmp_path)
+    assert V.main(["publish", "--sweep", str(_complete(multirun)), "--status-file", str(status), "--source", "files"]) == 0
+    assert "h02 Environment tokens in the loss: Validated" in capsys.readouterr().out
     text = status.read_text()
     assert text.startswith("# title\n\nintro\n\n<!-- verdicts:start -->") and text.endswith("## After\nkept\n")
     assert "old" not in text
     section = text.split("<!-- verdicts:start -->")[1].split("<!-- verdicts:end -->")[0]
     assert "| hypothesis | priority | status | confidence | notes |" in section
     assert sum(line.startswith("| h0") for line in section.splitlines()) == 8  # every hypothesis has a row
-    assert "| h02 Environment tokens in the loss | high | Validated |" in section
-    assert "missing treatment/seed 5 (FAILED)" in section
-    assert "warm start 3f2a9c1b0d4e; AMD EPYC 7B13 x1 thread, cpu; commit unknown" in section  # files carry no commit
-    data = json.loads((multirun / "verdict.json").read_text())
-    assert data["status"] == "Validated" and data["n_pairs"] == 4 and data["status_table"] in text
-    assert data["interval"] == "t" and data["t_df"] == 3 and data["sign_flip_p"] == pytest.approx(2 / 16)
-    assert data["warm_start"] == ["3f2a9c1b0d4e"] and data["machine"] == ["AMD EPYC 7B13 | 1 threads | cpu"]
-    assert (multirun / "status.md").read_text().strip() in text
+    assert "| h02 Environment tokens in the loss | high | Validated | 1.00 | 60 steps x 5 seeds; effect" in section
     # the row links the paired-differences plot, copied beside the status file (the sweep dir is not committed)
     assert "[paired differences](verdicts/h02/paired_differences.png)" in section
     assert (status.parent / "verdicts/h02/paired_differences.png").read_bytes()[:4] == b"\x89PNG"
+    assert V.status_file_problems(status) == {}  # the page's check holds for what publish wrote
+    assert V.main(["check", "--status-file", str(status)]) == 0
 
     # a later verdict on another hypothesis keeps this row
     other = tmp_path / "other"
     for i, (arm, seed, val) in enumerate([("control", 1, 0.1), ("treatment", 1, 0.1), ("control", 2, 0.2), ("treatment", 2, 0.2)]):
-        make_job(other, i, "h03", arm, seed, {"train/reward_gain": val})
-    assert V.main(["--sweep", str(other), "--status-file", str(status), "--source", "files"]) == 0
+        make_job(other, i, "h03", arm, seed, {"train/reward_gain": val, **PROVENANCE, "git/commit": CLEAN},
+                 train={"max_steps": 60}, loss={"warmup_steps": 10})
+    assert V.main(["publish", "--sweep", str(other), "--status-file", str(status), "--source", "files"]) == 0
     section = status.read_text().split("<!-- verdicts:start -->")[1]
     assert "| h02 Environment tokens in the loss | high | Validated |" in section
     assert "| h03 KL penalty to the reference | medium | Invalidated |" in section  # identical diffs: a point at 0
@@ -369,9 +412,67 @@ def test_cli_writes_verdict_json_and_only_the_status_files_section(multirun, tmp
     assert sum(line.startswith("| h0") for line in table.splitlines()) == 8
 
 
+def test_publish_refuses_a_failed_dirty_mixed_or_short_sweep_and_says_why(multirun, tmp_path, capsys):
+    status = _status(tmp_path)
+    before = status.read_text()
+    # the fixture as it is: treatment seed 5 FAILED
+    assert V.main(["publish", "--sweep", str(multirun), "--status-file", str(status), "--source", "files"]) == 2
+    err = capsys.readouterr().err
+    assert "not published" in err and "failed or missing jobs: treatment/seed 5 (FAILED)" in err and "--force" in err
+    assert status.read_text() == before and not (status.parent / "verdicts").exists()
+
+    def sweep_of(name: str, steps: int, commits=(CLEAN,) * 4, cpus=("AMD EPYC 7B13",) * 4) -> Path:
+        d = tmp_path / name
+        for i, (arm, seed, val) in enumerate([("control", 1, 0.30), ("treatment", 1, 0.10), ("control", 2, 0.28),
+                                              ("treatment", 2, 0.07)]):
+            make_job(d, i, "h02", arm, seed, {"train/reward_gain": val, **PROVENANCE, "machine/cpu": cpus[i],
+                                             "git/commit": commits[i]},
+                     train={"max_steps": steps}, loss={"warmup_steps": 10})
+        return d
+
+    refusals = {
+        "short": (sweep_of("short", 4), "too short to judge: the runs' 4 steps end inside the 10-step warm-up"),
+        "below_min": (sweep_of("below_min", 20), "the runs have 20 steps; h02 needs at least 30 (hypothesis.min_steps"),
+        "dirty": (sweep_of("dirty", 60, commits=(CLEAN, CLEAN + "+dirty", CLEAN, CLEAN)), "runs from a dirty tree (8e3285c+dirty)"),
+        "mixed": (sweep_of("mixed", 60, cpus=("AMD EPYC 7B13", "Intel Xeon") * 2), "the runs mix 2 machine types"),
+    }
+    for name, (d, why) in refusals.items():
+        assert V.main(["publish", "--sweep", str(d), "--status-file", str(status), "--source", "files"]) == 2, name
+        assert why in capsys.readouterr().err, name
+        assert status.read_text() == before, name
+    # a short sweep's verdict says so wherever it is read, and is no verdict
+    v = json.loads((refusals["short"][0] / "verdict.json").read_text())
+    assert v["status"] == "Inconclusive" and v["confidence"] is None
+    assert v["notes"][0].startswith("too short to judge: the runs' 4 steps end inside the 10-step warm-up")
+    assert "the numbers would have said Validated" in v["notes"][0] and "train.max_steps>=30" in v["notes"][0]
+    assert "4 steps x 2 seeds; too short to judge (" in (refusals["short"][0] / "status.md").read_text()
+    # --force publishes it, and the page's check then names what is wrong with the row
+    assert V.main(["publish", "--force", "--sweep", str(refusals["mixed"][0]), "--status-file", str(status),
+                   "--source", "files"]) == 0
+    capsys.readouterr()
+    assert V.main(["check", "--status-file", str(status)]) == 1
+    assert "h02: mixes machine types (AMD EPYC 7B13 x1 thread, cpu + Intel Xeon x1 thread, cpu)" in capsys.readouterr().out
+
+
+def test_the_row_check_names_a_dirty_tree_mixed_machines_a_failed_job_and_a_missing_budget():
+    good = ("60 steps x 5 seeds; effect -0.4292 [95% t-interval -0.5410, -0.3173] on train/reward_gain; predicted "
+            "decrease by > 0.02; 5/5 seed pairs; warm start 615d2d0e1c69; AMD EPYC x1 thread, cpu; commit 8e3285c; "
+            "multirun/h02/2026-11-24 2026-11-24")
+    row = {"hypothesis": "h02 x", "priority": "high", "status": "Validated", "confidence": "1.00", "notes": good}
+    assert V.row_problems(row) == []
+    assert V.row_problems({**row, "status": "Not run", "notes": ""}) == []
+    bad = good.replace("commit 8e3285c", "commits 1951e5d+dirty, 25917a6+dirty").replace(
+        "AMD EPYC x1 thread, cpu;", "AMD EPYC x1 thread, cpu + Intel(R) Xeon(R) Processor x1 thread, cpu;")
+    bad = bad.replace("5/5 seed pairs;", "4/5 seed pairs; missing treatment/seed 1 (FAILED);").replace("60 steps x 5 seeds; ", "")
+    assert V.row_problems({**row, "notes": bad}) == [
+        "states no budget (steps x seeds)", "from a dirty tree (+dirty)",
+        "mixes machine types (AMD EPYC x1 thread, cpu + Intel(R) Xeon(R) Processor x1 thread, cpu)",
+        "carries failed jobs (treatment/seed 1 FAILED)"]
+
+
 def test_python_dash_m_judges_a_sweep_directory_end_to_end(multirun, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'none.db'}"}
-    proc = subprocess.run([sys.executable, "-m", "musique_rl.verdict", "--sweep", str(multirun), "--no-status-file"],
+    proc = subprocess.run([sys.executable, "-m", "musique_rl.verdict", "--sweep", str(multirun)],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "h02 Environment tokens in the loss: Validated" in proc.stdout
@@ -383,14 +484,14 @@ def test_python_dash_m_judges_a_sweep_directory_end_to_end(multirun, tmp_path):
 def test_a_status_file_without_markers_gets_them_appended(multirun, tmp_path):
     status = tmp_path / "STATUS.md"
     status.write_text("# project\n")
-    V.run_verdict(str(multirun), prefer="files", status_file=status)
+    V.publish_status(V.run_verdict(str(_complete(multirun)), prefer="files"), status)
     text = status.read_text()
     assert text.startswith("# project\n\n<!-- verdicts:start -->") and text.rstrip().endswith("<!-- verdicts:end -->")
 
 
 def test_cli_names_an_unknown_sweep(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    assert V.main(["--sweep", "no-such-sweep", "--no-status-file"]) == 2
+    assert V.main(["--sweep", "no-such-sweep"]) == 2
     assert "no-such-sweep" in capsys.readouterr().err
 
 

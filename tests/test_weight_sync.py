@@ -4,7 +4,7 @@ vLLM (colocate and server, through TRL's own ``sync_weights`` and the stand-in e
 tests/fake_vllm.py in bf16): the synced tensors are ``W + scale·B@A`` merged once in float32 and cast,
 the trainer's frozen base stays bit-identical over many syncs, and TRL's in-place sync, run the same
 way, drifts it (what the planted fault ``inplace_merge_sync`` keeps, named h06 base_drift by the
-doctor). In-process backends (hf, paged): the sampler is the live adapter. The 1,000-cycle figures are
+doctor). In-process backends (hf, paged, static): the sampler is the live adapter. The 1,000-cycle figures are
 benchmarks/bench_lora_sync.py's (docs/records/lora_sync_bf16.md); these tests use fewer cycles.
 """
 
@@ -193,7 +193,8 @@ def test_trls_in_place_sync_is_named_base_drift_and_ours_is_clean(warm_tiny, tmp
 
 # ---------------------------------------------------------------- in-process backends: the live adapter
 @pytest.mark.parametrize(("backend", "dtype", "tolerance"),
-                         [("hf", "float32", 1e-4), ("paged", "float32", 1e-4), ("hf", "bfloat16", 0.02)])
+                         [("hf", "float32", 1e-4), ("paged", "float32", 1e-4), ("static", "float32", 1e-4),
+                          ("hf", "bfloat16", 0.02), ("static", "bfloat16", 0.02)])
 def test_in_process_sampler_uses_the_updated_adapter(backend, dtype, tolerance, warm_tiny, tmp_path):
     """After the adapter changes (B moved as by training), the next rollout's sampler log-probs are the
     trainer's under the NEW adapter (float32: ~1e-6; bf16: within its noise) and far from the old
@@ -260,3 +261,14 @@ def test_the_fault_run_on_the_hf_backend_is_diagnosed_base_drift_and_the_same_ru
             assert drift and set(drift) == {0.0} and ("h06", "base_drift") not in flagged
         else:
             assert max(drift) > CHECKSUM_DRIFT_MAX and flagged[0] == ("h06", "base_drift"), flagged
+
+
+def test_the_cycles_hold_one_reference_copy_so_memory_is_flat_in_the_cycle_count(warm_tiny, lora_cfg):
+    """benchmarks/bench_lora_sync.py runs 1,000 cycles, at the 7B shape too: nothing a sync loads may
+    be kept per cycle (it was: a CPU copy of every synced tensor, ~15 GB a cycle at 7B)."""
+    model, _ = warm_tiny
+    one_sync = sum(p.numel() * 2 for p in model.parameters())  # bytes of one bf16 copy of the weights
+    grown = {n: run_cycles(ExactLoraSync, lora_model(model, lora_cfg.lora, torch.bfloat16), n, check_every=0,
+                           whole_model_check=False, track_memory=True).grown_bytes for n in (2, 12)}
+    assert abs(grown[12] - grown[2]) < one_sync / 10, grown
+    assert grown[12] < one_sync / 10, grown

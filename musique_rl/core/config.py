@@ -37,6 +37,9 @@ class ImportanceSampling(StrEnum):  # TRL 1.16 GRPOConfig.vllm_importance_sampli
 class Backend(StrEnum):
     hf = "hf"  # transformers generate, in-process (CPU, tests, small GPUs)
     paged = "paged"  # transformers continuous batching (paged KV cache), in-process, no vLLM (core/generation_paged.py)
+    # a static per-slot KV cache kept across turns, CUDA-graph decode on CUDA, in-process (core/generation_static.py);
+    # not the default until measured on a GPU (docs/howto/gpu.md)
+    static = "static"
     vllm = "vllm"  # TRL's vLLM integration (train.vllm_mode: colocate on one GPU, server on several)
 
 

@@ -14,6 +14,10 @@ The rollout (musique_rl/core/rollout.py) never decodes and re-encodes: what is s
   O(batch x vocab) instead of ``output_scores``' O(steps x batch x vocab).
 - ``PagedGenerator`` (``train.backend=paged``): transformers' continuous batching with a paged KV
   cache (musique_rl/core/generation_paged.py), in-process like ``HFGenerator``, without vLLM.
+- ``StaticGenerator`` (``train.backend=static``, musique_rl/core/generation_static.py): each
+  episode's KV cache kept in a static per-slot cache across the turns of a rollout (a tool result is
+  prefilled onto it, nothing re-encoded), the decode step a captured CUDA graph on CUDA; in-process,
+  the same warpers and random stream as ``HFGenerator``. Not the default: not measured on a GPU yet.
 - ``VLLMColocateGenerator``: TRL's vLLM colocate mode (one GPU: the engine lives in the training
   process; TRL syncs the weights before each rollout). Tested with a stand-in engine.
 - ``VLLMServerGenerator``: TRL's vLLM server mode (``trl vllm-serve``; TRL syncs the weights,
@@ -141,6 +145,21 @@ def _without_model_defaults(model: Any) -> Iterator[None]:
             m.generation_config = cfg
 
 
+def sampling_warpers(settings: SamplingSettings) -> Any:
+    """The temperature / top-k / top-p warpers of ``settings``: the transformers classes ``generate``
+    uses, in its order (a ``LogitsProcessorList``). Every in-process backend samples through these."""
+    from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    warpers = []
+    if settings.temperature != 1.0:
+        warpers.append(TemperatureLogitsWarper(settings.temperature))
+    if settings.top_k:
+        warpers.append(TopKLogitsWarper(top_k=settings.top_k))
+    if settings.top_p < 1.0:
+        warpers.append(TopPLogitsWarper(top_p=settings.top_p))
+    return LogitsProcessorList(warpers)
+
+
 class _WarpAndRecord:
     """A logits processor: applies the sampling warpers, remembers the log-softmax of the result.
 
@@ -149,21 +168,7 @@ class _WarpAndRecord:
     """
 
     def __init__(self, settings: SamplingSettings, greedy: bool):
-        from transformers import (
-            LogitsProcessorList,
-            TemperatureLogitsWarper,
-            TopKLogitsWarper,
-            TopPLogitsWarper,
-        )
-
-        warpers = []
-        if settings.temperature != 1.0:
-            warpers.append(TemperatureLogitsWarper(settings.temperature))
-        if settings.top_k:
-            warpers.append(TopKLogitsWarper(top_k=settings.top_k))
-        if settings.top_p < 1.0:
-            warpers.append(TopPLogitsWarper(top_p=settings.top_p))
-        self.warpers = LogitsProcessorList(warpers)
+        self.warpers = sampling_warpers(settings)
         self.previous: torch.Tensor | None = None
         self.steps: list[torch.Tensor] = []
 
@@ -294,6 +299,41 @@ class PagedGenerator(HFGenerator):
         limits = [max(1, int(m)) for m in max_new_tokens]
         stop = set(self.settings.stop_ids)
         return [_truncate(ids, lps, stop, m) for (ids, lps), m in zip(engine.generate(contexts, limits, greedy), limits, strict=True)]
+
+
+class StaticGenerator(HFGenerator):
+    """``train.backend=static``: HFGenerator's session (TRL's unwrap / ZeRO-3 gather, eval mode, no
+    grad) around a slot engine (musique_rl/core/generation_static.py: a per-slot static KV cache kept
+    across a rollout's turns, the decode step a CUDA graph on CUDA) kept for the generator's life: its
+    cache and graph serve every rollout; what its slots hold is forgotten at each session's start.
+
+    ``graphs``: capture the decode step as a CUDA graph (default: on CUDA devices; never on a CPU)."""
+
+    def __init__(self, model_source: Any, tokenizer: Any, settings: SamplingSettings, graphs: bool | None = None):
+        super().__init__(model_source, tokenizer, settings)
+        self.graphs = graphs
+        self.engine: Any = None  # generation_static.SlotEngine, built by the first call
+
+    @contextlib.contextmanager
+    def session(self) -> Iterator[StaticGenerator]:
+        from musique_rl.core.generation_static import supported_attention
+
+        with super().session() as gen, supported_attention(self._model):
+            if self.engine is not None:
+                self.engine.forget()  # new weights since the last rollout: nothing a slot holds is valid
+            yield gen
+
+    def generate(self, contexts: list[list[int]], max_new_tokens: list[int], greedy: bool = False) -> list[Sample]:
+        if not contexts:
+            return []
+        from musique_rl.core.generation_static import engine_for
+
+        model = self._held("_model")
+        limits = [max(1, int(m)) for m in max_new_tokens]
+        self.engine = engine_for(self.engine, model, contexts, limits, self.graphs)
+        stop = list(self.settings.stop_ids)
+        got = self.engine.run(model, contexts, limits, sampling_warpers(self.settings), stop, greedy)
+        return [_truncate(ids, lps, set(stop), m) for (ids, lps), m in zip(got, limits, strict=True)]
 
 
 # ---------------------------------------------------------------- vLLM server (TRL)
@@ -484,9 +524,9 @@ def build_generator(
         if getattr(trainer.args, "vllm_mode", "server") == "colocate":
             return VLLMColocateGenerator(trainer, settings)
         return VLLMServerGenerator(trainer, settings)
-    if backend not in ("hf", "paged"):
-        raise ValueError(f"train.backend={backend!r}: expected 'hf', 'paged' or 'vllm'")
-    in_process = PagedGenerator if backend == "paged" else HFGenerator
+    if backend not in ("hf", "paged", "static"):
+        raise ValueError(f"train.backend={backend!r}: expected 'hf', 'paged', 'static' or 'vllm'")
+    in_process = {"hf": HFGenerator, "paged": PagedGenerator, "static": StaticGenerator}[backend]
     if trainer is not None:
         if backend == "paged":  # the job's one paged generator: say once if it is the slow choice here
             from musique_rl.core.generation_paged import warn_if_slow

@@ -148,7 +148,15 @@ class ContinuousBatchingSampler:
             if out is None or out.error is not None:
                 self.close()
                 reason = "the engine stopped before it finished" if out is None else out.error
-                raise RuntimeError(f"continuous batching failed on context {i} of {len(contexts)}: {reason}")
+                what = f"continuous batching failed on context {i} of {len(contexts)}: {reason}"
+                if out is not None and "out of memory" in str(out.error).lower():
+                    # the engine's thread caught torch's error and kept only its text: raised as the
+                    # error it was, so training and evaluation stop on it as on any out-of-memory
+                    # (job/out_of_memory.py: the knobs, the checkpoint to resume from)
+                    import torch
+
+                    raise torch.OutOfMemoryError(what)
+                raise RuntimeError(what)
             ids = list(out.generated_tokens)
             logprobs = [float(x) for x in out.logprobs]
             if len(logprobs) != len(ids):

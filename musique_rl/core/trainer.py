@@ -173,8 +173,8 @@ class ScoringPass:
 
     tool_mask: torch.Tensor | list | None = None  # the rows' env masks: the fault's attention mask reads them
     probe: Any = None  # the micro-batch's point-of-use probe while TRL's loss runs (loss_inputs.py)
-    attention: torch.Tensor | None = None  # the attention mask the last forward pass used
-    logps: torch.Tensor | None = None  # the per-token log-probs the last forward pass returned
+    last_attention: torch.Tensor | None = None  # the attention mask the last forward pass used
+    captured_logps: torch.Tensor | None = None  # the per-token log-probs the last forward pass returned
 
 
 class MusiqueGRPOTrainer(GRPOTrainer):
@@ -485,11 +485,11 @@ class MusiqueGRPOTrainer(GRPOTrainer):
                             pad_to_multiple_of=self.pad_to_multiple_of)
         attention_mask = self._fault.attention_mask(attention_mask, logits_to_keep,
                                                     None if tool_mask is None else tool_mask.to(attention_mask.device))
-        scoring.attention = attention_mask
+        scoring.last_attention = attention_mask
         logps, entropies, aux = super()._get_per_token_logps_and_entropies(
             model, input_ids, attention_mask, logits_to_keep, *args, **kwargs
         )
-        scoring.logps = logps
+        scoring.captured_logps = logps
         if scoring.probe is not None:
             self.instruments.watch_loss_logps(scoring.probe, logps)
         return logps, entropies, aux
@@ -519,8 +519,8 @@ class MusiqueGRPOTrainer(GRPOTrainer):
             applies_is = (self.use_vllm or self._hf_is) and self.vllm_importance_sampling_correction \
                 and self.loss_type != "vespo" and "importance_sampling_ratio" in inputs
             self._loss_probes.append((probe, inputs["importance_sampling_ratio"] if applies_is else None))
-        per_token_logps = scoring.logps
-        attention = scoring.attention  # what the scoring pass attended to (blind under blind_context)
+        per_token_logps = scoring.captured_logps
+        attention = scoring.last_attention  # what the scoring pass attended to (blind under blind_context)
         if attention is None:
             attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
         per_token_kl = kl_mask = kl_penalty = None

@@ -6,7 +6,7 @@ TRL's TrainingArguments) and its own logged metrics this module reads
 - the learning-rate schedule: the logged ``learning_rate`` history where there is one, else the
   configured peak and warm-up. A step whose rate is far below its peak BY SCHEDULE (warm-up,
   decay) is not judged for "the policy is not moving";
-- the backend: an in-process sampler (``train.backend`` hf / paged) samples with the trainer's own
+- the backend: an in-process sampler (``train.backend`` hf / paged / static) samples with the trainer's own
   weights, and the parity probe (``h06/parity_sampler_trainer``) measures whether it does;
 - the dtype (and kernel): the sampler/trainer noise floor. ``h06/logp_gap_floor`` is re-measured at
   every parity probe on that moment's weights (instruments/floor.py): the first value judges the gap
@@ -66,7 +66,7 @@ PARITY_SAME_MAX = 1e-6
 # peak. Adam's step scales with the rate, so at a tenth of the peak (warm-up's first tenth, a decay's
 # tail) a healthy step is 10x below its healthy size; half the peak keeps the 1e-4 bound meaningful.
 LR_JUDGED_SHARE = 0.5
-IN_PROCESS_BACKENDS = ("hf", "paged")
+IN_PROCESS_BACKENDS = ("hf", "paged", "static")
 # The most one optimizer step at the peak learning rate moves a policy (KL to where it was, nats/token):
 # healthy runs move 1e-4..1e-2 per step (this project's tiny model at lr 1e-3: 0.02 after 10 steps; the
 # public learners reach 0.02-0.07 over 250 steps); 0.1 is 10x the fastest of them. A first logged KL

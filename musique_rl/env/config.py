@@ -76,6 +76,9 @@ class EnvConfig(ReadOnly):
     # no documents, its own prompt, warm start and reward check: docs/warm_start.md)
     task: str = "musique"  # a TASKS name
     data: str = MISSING  # dataset spec(s): "path,name,split[slice]" joined by ";"
+    # the folder of data outside this repository (conf/train.yaml: $MUSIQUE_RL_DATA): a relative local file
+    # in env.data, env.eval_data or env.corpus is read from it; None: from the working directory
+    data_dir: Optional[str] = None
     eval_data: Optional[str] = None  # held-out spec; None = no held-out eval
     hops: Optional[List[int]] = None  # keep only these hop counts; None = all
     answerable_only: bool = True

@@ -4,7 +4,9 @@ A spec is one or more ``path,name,split`` strings joined by ';' (the original re
 slicing (``bdsaglam/musique,answerable,train[:256]``). Each part is one of
 - a hub dataset, loaded with ``datasets.load_dataset(path, name, split=split)``;
 - a local file in the original MuSiQue format (jsonl, or a json list): the part is its path,
-  optionally followed by ``,name,split[slice]`` to slice it (the name is ignored);
+  optionally followed by ``,name,split[slice]`` to slice it (the name is ignored); a relative path
+  is read from ``env.data_dir`` when it is set (the one option for data outside this repository,
+  default ``$MUSIQUE_RL_DATA``), else from the working directory;
 - ``<generator>,<name>,<split>``: a task's embedded generator (``Task.generator``,
   musique_rl/env/tasks/): ``synthetic`` (musique_rl/env/synthetic.py, ``env.synthetic`` sizes) or
   ``arith`` (musique_rl/env/arith_records.py, ``env.arith`` settings; records without paragraphs, valid
@@ -81,7 +83,27 @@ def _slice(records: list[dict], split: str | None) -> list[dict]:
 
 
 # ---------------------------------------------------------------- loading
-def _read_local(path: str, skip_invalid: bool = False, counts: dict | None = None) -> list[dict]:
+FETCH = "python -m musique_rl.data fetch --out DIR"  # MuSiQue-Ans as the local files env=musique reads
+
+
+def local_path(path: str, data_dir: str | None) -> Path:
+    """A local file of ``env.data`` / ``env.eval_data`` / ``env.corpus``: absolute (or ``~``) as given,
+    relative under ``data_dir`` when set, else under the working directory."""
+    p = Path(path).expanduser()
+    return p if p.is_absolute() or not data_dir else Path(data_dir).expanduser() / p
+
+
+def missing_file(key: str, path: Path, data_dir: str | None) -> str:
+    """What to say about a local file that is not there: where it was looked for, and how to get it."""
+    where = (f"env.data_dir={data_dir}" if data_dir else
+             "the working directory (env.data_dir is unset: set it, or MUSIQUE_RL_DATA, to the folder of data "
+             "outside this repository)")
+    return (f"{key}: local file {str(path)!r} does not exist (relative paths are read from {where}). "
+            f"MuSiQue-Ans as local files: {FETCH}, then env.data_dir=DIR")
+
+
+def _read_local(path: str, skip_invalid: bool = False, counts: dict | None = None,
+                data_dir: str | None = None) -> list[dict]:
     """A local .json list or .jsonl file, as plain records.
 
     Why not ``datasets.load_dataset("json", data_files=...)``: it infers one Arrow schema over all
@@ -90,9 +112,9 @@ def _read_local(path: str, skip_invalid: bool = False, counts: dict | None = Non
     reaches ``validate`` as written, which names the record id and field, and a bad line is named. The split slice still uses
     the datasets library's own parser (``_slice``). With ``skip_invalid`` a line that is not JSON is
     skipped like an invalid record, and counted in ``counts["invalid"]``."""
-    p = Path(path).expanduser()
+    p = local_path(path, data_dir)
     if not p.is_file():
-        raise FileNotFoundError(f"env.data: local dataset file {str(p)!r} does not exist")
+        raise FileNotFoundError(missing_file("env.data", p, data_dir))
     text = p.read_text(encoding="utf-8")
     if p.suffix == ".json" or text.lstrip().startswith("["):
         data = json.loads(text)
@@ -122,9 +144,9 @@ def _read_hub(path: str, name: str | None, split: str) -> list[dict]:
     except Exception as e:  # offline, unknown repo, bad config: all need the same advice
         raise RuntimeError(
             f"env.data: could not load the hub dataset {path!r} (name={name!r}, split={split!r}): "
-            f"{type(e).__name__}: {e}\nOffline or without hub access? Point env.data at a local file in the "
-            "MuSiQue format, e.g. env.data=/path/to/musique_ans_v1.0_train.jsonl (a json list works too), "
-            "or use the embedded data: env.data=synthetic,default,train"
+            f"{type(e).__name__}: {e}\nOffline or without hub access? Fetch MuSiQue-Ans once where the hub is "
+            f"reachable ({FETCH}) and read the files with env=musique env.data_dir=DIR; any local file in the MuSiQue "
+            "format works too (env.data=/path/file.jsonl), or the embedded data: env.data=synthetic,default,train"
         ) from e
     return [dict(r) for r in ds]
 
@@ -234,7 +256,7 @@ def load_records(spec: str, env_cfg: EnvConfig, seed: int, stats: dict | None = 
     malformed = {"invalid": 0}  # lines of local files that are not JSON (skipped under env.skip_invalid)
     for part in parse_spec(spec):
         if part["kind"] == "local":
-            recs = _slice(_read_local(part["path"], env_cfg.skip_invalid, malformed), part["split"])
+            recs = _slice(_read_local(part["path"], env_cfg.skip_invalid, malformed, env_cfg.data_dir), part["split"])
             where = part["path"]
         elif part["kind"] == "hub":
             recs = _read_hub(part["path"], part["name"], part["split"])

@@ -335,9 +335,13 @@ def load_corpus(env_cfg: EnvConfig, records: list[dict]) -> list[dict]:
     """Corpus-scope documents: env.corpus (json list of {title, text}) or every record paragraph;
     duplicates (same title and text) kept once."""
     if env_cfg.corpus:
-        path = Path(env_cfg.corpus).expanduser()
+        from musique_rl.env.data import local_path
+
+        path = local_path(env_cfg.corpus, env_cfg.data_dir)
         if not path.is_file():
-            raise FileNotFoundError(f"env.corpus={env_cfg.corpus!r}: file not found")
+            where = f"env.data_dir={env_cfg.data_dir}" if env_cfg.data_dir else "the working directory (env.data_dir unset)"
+            raise FileNotFoundError(f"env.corpus={env_cfg.corpus!r}: file {str(path)!r} not found (relative paths are "
+                                    f"read from {where})")
         raw = json.loads(path.read_text(encoding="utf-8"))
         if not isinstance(raw, list):
             raise ValueError(f"env.corpus={env_cfg.corpus!r}: expected a JSON list of {{title, text}}")

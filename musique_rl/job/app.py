@@ -31,12 +31,16 @@ def run(cfg: DictConfig, work: Work | None = None) -> float | None:
     on the run dir's metrics.jsonl (tracking on or off), close the run, print the result line.
     Returns the objective for Hydra's sweeper. ``work``: a stand-in job (tests/tracking_app.py)."""
     from musique_rl import schema
-    from musique_rl.env.rewards import check_task
-    from musique_rl.job import launch
+    from musique_rl.job import requirements
 
     _redact_job_outputs()
     try:
         schema.validate(cfg)  # a value no job can run with fails here, naming the key, before any run or file
+        # what this machine lacks for the job (vLLM, CUDA, flash-attn, GPU memory): before torch is imported
+        requirements.check(schema.job_config(cfg))
+        from musique_rl.env.rewards import check_task
+        from musique_rl.job import launch
+
         check_task(cfg.reward, cfg.env)  # env=arith with a reward over documents or citations: the same
         with launch.terminate_as_interrupt(), _own_run_dir(cfg):
             result = _pipe(cfg, work or _work)
@@ -51,11 +55,13 @@ def run(cfg: DictConfig, work: Work | None = None) -> float | None:
         import traceback
 
         from musique_rl.core.checkpoints import DiskFullError
+        from musique_rl.job.launch import RunDirError
         from musique_rl.job.out_of_memory import OutOfMemoryStop
         from musique_rl.tracking.redact import redact
         from musique_rl.tracking.store import TrackingUnavailable
 
-        said = (schema.ConfigValueError, launch.RunDirError, TrackingUnavailable, DiskFullError, OutOfMemoryStop)  # the message is the story
+        said = (schema.ConfigValueError, requirements.RequirementError, RunDirError, TrackingUnavailable, DiskFullError,
+                OutOfMemoryStop)  # the message is the story
         if isinstance(exc, OutOfMemoryStop):  # the result line too: what metrics.json holds, status out_of_memory
             print(JobResult(exc.summary, None).line(), flush=True)
         text = f"{type(exc).__name__}: {exc}\n" if isinstance(exc, said) else "".join(traceback.format_exception(exc))

@@ -1,6 +1,6 @@
 """``mode=eval``: run a policy over env.data and report every reward component.
 
-    python -m musique_rl mode=eval policy=oracle env.retriever=golden env.data=../shared/data/musique/train_sample_60.jsonl
+    python -m musique_rl mode=eval policy=oracle env.retriever=golden env=musique env.data_dir=DIR env.data=train_sample_60.jsonl
 
 The metrics (``JobResult.summary``, and the last line of ``python -m musique_rl``'s output, one JSON
 object) are saved as ``metrics.json`` in the run directory, with one line per episode (its components, total,
@@ -153,14 +153,27 @@ def evaluate(cfg: DictConfig | Config, tracker: Tracker | None = None, run_dir: 
     records_by_id = {r["id"]: r for r in records}
     policy = cfg.policy
     hint = len(records) if policy in ("oracle", "no_tool", "model") else None
-    rows, errors = score_episodes(policy_episodes(cfg, records), records_by_id, cfg.reward, hint)
+    out = run_dir or default_run_dir()
+    try:
+        rows, errors = score_episodes(policy_episodes(cfg, records), records_by_id, cfg.reward, hint)
+    except Exception as exc:  # out of memory: the knobs and the command, as a training job says it
+        from musique_rl.job.out_of_memory import evaluation_stopped, is_out_of_memory
+
+        if not is_out_of_memory(exc):
+            raise
+        from hydra.core.hydra_config import HydraConfig
+
+        from musique_rl.core.models import process_state
+
+        raise evaluation_stopped(exc, cfg=cfg, when="eval", episodes=len(records), run_dir=out,
+                                 overrides=list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else None, summary={"policy": cfg.policy.value, "n_records": len(records)},
+                                 tracker=tracker, write=process_state().is_main_process) from exc
     metrics = summarize(rows, errors, len(records), data_stats, cfg)
     if policy == "model":
         from musique_rl.core.models import process_state
 
         if not process_state().is_main_process:  # one writer of the job's files (all ranks hold the same rows)
             return JobResult(None, metrics["reward"])
-    out = run_dir or default_run_dir()
     out.mkdir(parents=True, exist_ok=True)
     rundir.write_episodes(out / rundir.EPISODES, rows)
     rundir.write_summary(out, metrics)

@@ -1,4 +1,4 @@
-"""A CUDA out-of-memory error in a training step, turned into a stop a user can act on.
+"""A CUDA out-of-memory error in a training step or an evaluation, turned into a stop a user can act on.
 
 ``train`` catches ``torch.OutOfMemoryError`` around ``trainer.train`` and calls ``stopped``, which
 frees what it can and returns an ``OutOfMemoryStop`` (the error ``app.run`` prints, exit status 1)
@@ -18,6 +18,14 @@ FAILED with the traceback, as any failed job).
 
 No checkpoint is written at the failure: the step died part-way (gradients half accumulated, an
 optimizer step perhaps half applied), so only the last one saved is known good.
+
+The evaluations get the same stop (``evaluation_stopped``): a training job's held-out evaluation
+before or after training, and a ``mode=eval`` job, generate every episode at once (the KV cache of
+all of them), so their first knob is the number of episodes (``train.eval_episodes``, or a slice
+of ``env.data``), then the token budgets; the message names the estimate of that cache, the last
+checkpoint (after training: ``train.resume`` with it runs no step again, only the evaluation) and
+the command. The paged backend (core/generation_paged.py) raises its engine's out-of-memory as a
+``torch.OutOfMemoryError`` too, so it reaches these stops.
 """
 
 from __future__ import annotations
@@ -139,6 +147,98 @@ def command(overrides: list[str] | None, drop: tuple[str, ...]) -> str:
         return "python -m musique_rl <the same overrides>"
     kept = [o for o in overrides if o.lstrip("+~").split("=", 1)[0] not in drop]
     return redact(shlex.join(["python", "-m", "musique_rl", *kept]))
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """A CUDA (or any torch) out-of-memory error, without importing torch where nothing loaded it."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(exc, torch.OutOfMemoryError)
+
+
+def _sliced(spec: str, n: int) -> str:
+    """``env.data`` with only its first ``n`` records (HF split slicing; a bare local file gets
+    ``,musique,train[:n]``); a spec of several parts is returned as it is."""
+    if ";" in spec:
+        return spec
+    fields = [f.strip() for f in spec.split(",")]
+    if len(fields) == 1:
+        return f"{fields[0]},musique,train[:{n}]"
+    return ",".join([*fields[:2], f"{fields[2].split('[', 1)[0]}[:{n}]"])
+
+
+def evaluation_stopped(exc: BaseException, *, cfg: Any, when: str, episodes: int, run_dir: Path,
+                       overrides: list[str] | None, summary: dict[str, Any], tracker: Any = None, write: bool = True,
+                       model_config: dict[str, Any] | None = None, ckpt_dir: Path | None = None,
+                       step: int = 0) -> OutOfMemoryStop:
+    """The stop for ``exc`` raised while ``episodes`` evaluation episodes were generated: ``when`` is
+    ``before`` or ``after`` (a training job's held-out evaluation, ``train.eval_episodes``) or ``eval``
+    (a ``mode=eval`` job over ``env.data``). Marks metrics.json and the tracker as ``stopped`` does."""
+    import shlex
+
+    import torch
+
+    from musique_rl import memory
+    from musique_rl.core import checkpoints
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    est, _ = estimate(cfg, model_config, 1, episodes)
+    part = {"before": "the held-out evaluation before training", "after": "the held-out evaluation after training",
+            "eval": "the evaluation (mode=eval)"}[when]
+    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0].rstrip(".")
+    card = (f"; the card holds {est.card_gb:.1f} GiB, {est.peak_gb:.1f} GiB was the peak allocated"
+            if est.card_gb is not None else "")
+    lines = [f"out of memory in {part} ({episodes} episodes generated at once): {first[:300]}{card}."]
+    if est.kv_cache_gb is not None:
+        lines.append(f"estimate (python -m musique_rl.memory): their KV cache {est.kv_cache_gb:.2f} GiB "
+                     f"({episodes} episodes x {int(cfg.env.max_prompt_tokens) + int(cfg.env.max_completion_tokens)} "
+                     f"tokens, bf16), on top of the weights ({memory.weights_gb(_arch(cfg, model_config)):.2f} GiB)")
+    else:
+        lines += est.lines
+    fewer = max(1, episodes // 2)
+    if when == "eval":  # Hydra reads a value with commas as a sweep unless it is quoted
+        first_knob = Knob("env.data", f"'{cfg.env.data}'", f"'{_sliced(str(cfg.env.data), fewer)}'",
+                          "fewer records: every one is an episode generated at once")
+    else:
+        first_knob = Knob("train.eval_episodes", int(cfg.train.eval_episodes), fewer,
+                          "held-out episodes, generated at once before and after training (0: none)")
+    env = cfg.env
+    turn = Knob("env.max_tokens_per_turn", int(env.max_tokens_per_turn), max(1, int(env.max_tokens_per_turn) // 2),
+                "the per-turn max new tokens: generation's longest call")
+    completion = Knob("env.max_completion_tokens", int(env.max_completion_tokens),
+                      max(1, int(env.max_completion_tokens) // 2), "an episode's whole completion: the KV cache")
+    lines.append("Memory knobs of this config, now -> nearest smaller:")
+    lines += [f"  {k.key}={k.then}  (now {k.now}; {k.why})" for k in (first_knob, turn, completion)]
+    change = f"{first_knob.key}={first_knob.then}"
+    change = f'"{change}"' if "'" in change else shlex.quote(change)
+    again = command(overrides, (first_knob.key, "train.resume", "hydra.run.dir"))
+    found = checkpoints.newest_whole(ckpt_dir) if ckpt_dir is not None and when == "after" else None
+    if found:
+        at = int(Path(found).name.rsplit("-", 1)[-1])
+        rerun = "runs no step again, only the evaluation" if at >= step else f"runs steps {at + 1}-{step} again"
+        lines.append(f"Training finished at step {step}; its last whole checkpoint is {found}. Resuming from it {rerun} "
+                     f"(a new run directory):\n  {again} {change} train.resume={found}")
+    else:
+        lines.append(f"Run it again with fewer episodes:\n  {again} {change}")
+    marker = {"status": STATUS, "resume_from": found, "out_of_memory/step": step, "out_of_memory/part": f"eval_{when}",
+              "error": f"{type(exc).__name__}: {first}"[:500]}
+    if est.kv_cache_gb is not None:
+        marker["memory/estimate_kv_cache_gb"] = round(est.kv_cache_gb, 3)
+    summary = {**summary, **marker}
+    if write:
+        rundir.write_summary(run_dir, summary)
+    if tracker is not None:
+        tracker.set_tags({"status": STATUS, "resume_from": found or "none", "out_of_memory_part": f"eval_{when}"})
+    return OutOfMemoryStop("\n".join(lines), summary)
+
+
+def _arch(cfg: Any, model_config: dict[str, Any] | None) -> dict[str, Any]:
+    from musique_rl import memory
+
+    return memory.architecture_of(model_config) if model_config else memory.architecture(cfg.model.name_or_path)
 
 
 def stopped(exc: BaseException, *, cfg: Any, trainer: Any, ckpt_dir: Path, run_dir: Path,

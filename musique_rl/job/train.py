@@ -253,13 +253,22 @@ def train(cfg: DictConfig | Config, tracker: Tracker | None = None, run_dir: str
 
     eval_rng: list = []  # the random state the held-out evaluations replay (same_random_numbers)
 
-    def evaluate(tag: str, policy_model: Any) -> tuple[dict, dict]:
+    def evaluate(tag: str, policy_model: Any, step: int = 0, partial: dict | None = None) -> tuple[dict, dict]:
         if not eval_records:
             return {}, {}
         t = time.time()
-        with same_random_numbers(eval_rng):
-            sampled, eps = held_out_eval(cfg, policy_model, tokenizer, retriever, eval_records, greedy=False)
-        greedy, _ = held_out_eval(cfg, policy_model, tokenizer, retriever, eval_records, greedy=True)
+        try:
+            with same_random_numbers(eval_rng):
+                sampled, eps = held_out_eval(cfg, policy_model, tokenizer, retriever, eval_records, greedy=False)
+            greedy, _ = held_out_eval(cfg, policy_model, tokenizer, retriever, eval_records, greedy=True)
+        except torch.OutOfMemoryError as exc:  # the same stop as a training step's (job/out_of_memory.py)
+            from musique_rl.job.out_of_memory import evaluation_stopped
+
+            summary = {**(partial or {}), **origin, "git/commit": git_string()}
+            raise evaluation_stopped(exc, cfg=cfg, when=tag, episodes=len(eval_records), run_dir=out_dir,
+                                     overrides=_overrides(), summary=summary, tracker=tracker,
+                                     write=state.is_main_process, model_config=model.config.to_dict(),
+                                     ckpt_dir=out_dir / rundir.CHECKPOINTS, step=step) from exc
         if not state.is_main_process:
             return sampled, greedy
         rundir.write_episodes(out_dir / rundir.episodes_file(tag), eps)
@@ -311,7 +320,11 @@ def train(cfg: DictConfig | Config, tracker: Tracker | None = None, run_dir: str
             partial["mlflow/run_id"] = tracker.run_id
         raise stopped(exc, cfg=cfg, trainer=trainer, ckpt_dir=ckpt_dir, run_dir=out_dir, overrides=_overrides(),
                       summary=partial, tracker=tracker, write=state.is_main_process) from exc
-    after, after_g = evaluate("after", trainer_model_source(trainer))  # every rank gathers ZeRO-3 shards
+    done = {k: v for k, v in summarise(reward_curve(trainer.state.log_history), before, {}, before_g, {}).items()
+            if not k.startswith(("eval/after", "eval/gain"))}  # what ran, for metrics.json if the evaluation stops
+    done.update(step_time.summary(trainer.state.log_history))
+    # every rank gathers ZeRO-3 shards
+    after, after_g = evaluate("after", trainer_model_source(trainer), trainer.state.global_step, done)
 
     summary = summarise(reward_curve(trainer.state.log_history), before, after, before_g, after_g)
     summary.update(step_time.summary(trainer.state.log_history))  # where a step's time went (core/step_time.py)

@@ -1,8 +1,7 @@
 """``SweepCallback``: what a Hydra multirun does before its jobs and after them, in one place.
 
-Registered for every multirun in conf/train.yaml (``hydra.callbacks.sweep``); named
-sweeps (sweeps/_base.yaml) set ``status_file: true``. Hydra calls it in the launching
-process, around the jobs its launcher fans out:
+Registered for every multirun in conf/train.yaml (``hydra.callbacks.sweep``). Hydra calls it
+in the launching process, around the jobs its launcher fans out:
 
   on_multirun_start  the MLflow parent run (when tracking is on), created before any job starts.
                      Its id goes to <sweep dir>/mlflow_parent_run_id (tracking.sweep.open_parent_run):
@@ -12,8 +11,9 @@ process, around the jobs its launcher fans out:
   on_multirun_end    1. the jobs table: jobs.json, printed
                      2. the verdict, for a hypothesis swept over both arms: judged, reading the
                         failed jobs from the jobs table
-                     3. its plots, then verdict.json, status.md and (``status_file``) the
-                        checkout's docs/STATUS.md row, which links the plots
+                     3. its plots, then verdict.json and status.md, in the sweep dir: a sweep
+                        never edits the repository (docs/STATUS.md changes only through
+                        ``python -m musique_rl.verdict publish --sweep <sweep dir>``)
                      4. the parent run: the verdict attached, the runs of jobs that died ended
                         KILLED, tags ``jobs`` and ``failed_jobs`` from the jobs table, and its end:
                         FAILED when a job failed, else FINISHED
@@ -48,13 +48,10 @@ except ImportError:  # pragma: no cover - hydra is a hard dependency
 
 class SweepCallback(Callback):
     """A multirun's parent run, jobs table, verdict, plots and outcome, in the order above.
+    ``level``: the verdict's t-interval."""
 
-    ``status_file``: also write the verdict's row into the checkout's docs/STATUS.md (named sweeps;
-    an installed package has no checkout and writes none). ``level``: the verdict's t-interval.
-    """
-
-    def __init__(self, status_file: bool = False, level: float = 0.95) -> None:
-        self.status_file, self.level = status_file, level
+    def __init__(self, level: float = 0.95) -> None:
+        self.level = level
         self.uri: str | None = None  # the tracking store of this multirun (None: tracking off)
         self.parent_run_id: str | None = None
 
@@ -117,20 +114,18 @@ class SweepCallback(Callback):
             return None
 
     def _publish(self, verdict: dict[str, Any], sweep_dir: Path) -> tuple[dict[str, Path], dict[str, str]]:
-        """Plots, then verdict.json, status.md and the status file's row (which link the plots)."""
+        """Plots, then verdict.json and status.md (which link the plots), in the sweep dir only."""
         from musique_rl.verdict.publish import draw_plots, report, write
-        from musique_rl.verdict.sweep import STATUS
 
-        # the status file belongs to a source checkout: an installed package has none to rewrite
-        status_file = STATUS if self.status_file and STATUS.exists() else None
         try:
-            plots = draw_plots(verdict, sweep_dir, status_file)
+            plots = draw_plots(verdict, sweep_dir)
             written = {f"plots/{name}": str(p) for name, p in plots.items()}
-            written.update(write(verdict, sweep_dir, status_file))
+            written.update(write(verdict, sweep_dir))
         except Exception as exc:
             _say_verdict_failed(sweep_dir, exc)
             return {}, {}
-        print("\n" + report(verdict) + f"\n  written: {written}", flush=True)
+        print("\n" + report(verdict) + f"\n  written: {written}\n  to publish it in docs/STATUS.md: "
+              f"python -m musique_rl.verdict publish --sweep {sweep_dir}", flush=True)
         return plots, written
 
     def _close_parent(self, sweep_dir: Path, rows: list[sweep_jobs.JobRow], read: bool, verdict: dict[str, Any] | None,

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from musique_rl.verdict import design, stats
+from musique_rl.verdict import budget, design, stats
 from musique_rl.verdict.sweep import ARMS, Run, Sweep
 
 SMALL_N = 5  # below this many pairs the notes say what so few can and cannot show
@@ -86,6 +86,7 @@ def judge(sweep: Sweep, *, level: float = 0.95) -> dict[str, Any]:
         "warm_start": warm_starts,
         "machine": machines,
         "commits": design.commits(runs),
+        "budget": budget.budget(runs, hyp, len(seeds), len(pairs)),
         "source": sweep.source,
         "generated_at": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "notes": notes,
@@ -113,6 +114,7 @@ def judge(sweep: Sweep, *, level: float = 0.95) -> dict[str, Any]:
             notes.append("no complete seed pair" + (f"; only {partial}" if partial else "; no run has the metric"))
         notes.append("Inconclusive: at least 2 complete seed pairs are needed for an interval")
         _confound(verdict, "Inconclusive")
+        _too_short(verdict, "Inconclusive")
         return verdict
 
     d = stats.decide([p["diff"] for p in pairs], hyp.direction, hyp.min_effect, level)
@@ -123,6 +125,7 @@ def judge(sweep: Sweep, *, level: float = 0.95) -> dict[str, Any]:
                    t_df=iv.df, sd=iv.sd, sign_flip_p=d.sign_flip.p, sign_flip_exact=d.sign_flip.exact,
                    sign_flip_min_p=d.sign_flip.min_p)
     _confound(verdict, d.status)
+    _too_short(verdict, verdict["status"])
     return verdict
 
 
@@ -149,6 +152,18 @@ def _explain(d: stats.Decision, min_effect: float, n: int) -> list[str]:
         notes.append(f"only {n} seed pairs: the t-interval assumes the differences are roughly normal, which {n} values "
                      f"cannot check, and the sign-flip p cannot go below {sf.min_p:.3g} (2/2^{n})")
     return notes
+
+
+def _too_short(verdict: dict[str, Any], numbers_say: str) -> None:
+    """Runs too short for the hypothesis (``budget.too_short``): Inconclusive, no confidence, and
+    the first note says why and what the numbers would have said."""
+    b = verdict["budget"]
+    if not b["too_short"]:
+        return
+    enough = max(b["min_steps"], 1 + (b["warmup_steps"] or 0))
+    verdict["notes"].insert(0, f"too short to judge: {b['too_short']}; the numbers would have said {numbers_say}. "
+                               f"Rerun with train.max_steps>={enough}")
+    verdict.update(status="Inconclusive", confidence=None)
 
 
 def _confound(verdict: dict[str, Any], numbers_say: str) -> None:

@@ -33,6 +33,7 @@ class Hypothesis:
     metric: str
     direction: str  # increase | decrease
     min_effect: float
+    min_steps: int = 0  # the shortest run (optimizer steps) the hypothesis can be judged on (conf/hypothesis/<id>.yaml)
 
     @classmethod
     def from_mapping(cls, h: Any, where: str) -> Hypothesis:
@@ -49,6 +50,7 @@ class Hypothesis:
             metric=str(h["metric"]),
             direction=direction,
             min_effect=float(h.get("min_effect") or 0.0),
+            min_steps=int(h.get("min_steps") or 0),
         )
 
 
