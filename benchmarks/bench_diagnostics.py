@@ -46,11 +46,11 @@ def _timed(owner: type, name: str) -> None:
 
 
 def instrument_timers(trainer_cls: type) -> None:
-    from musique_rl.diagnostics.callback import InstrumentsCallback
-    from musique_rl.diagnostics.instruments import Instruments
+    from musique_rl.instruments.suite import Instruments
+    from musique_rl.instruments.trainer_callback import InstrumentsCallback
 
     # the trainer's glue around the instruments (building their inputs, the probe's forward passes)
-    for name in ("_observe_batch", "_parity_probe"):
+    for name in ("_scored_batch", "_rollout_reference", "_parity_probe"):
         _timed(trainer_cls, name)
     _timed(Instruments, "observe_loss")  # called from _compute_loss
     for name in ("on_pre_optimizer_step", "on_optimizer_step", "on_log"):

@@ -23,7 +23,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # this checkout's musique_rl, not whichever one the venv's editable install points at
-
+from musique_rl.base import rundir  # noqa: E402  (after the path: this checkout's)
 from musique_rl.core.faults import FAULTS  # noqa: E402  (after the path: this checkout's faults)
 
 
@@ -77,7 +77,7 @@ def table(uri: str, sweep_dirs: list[Path]) -> dict[tuple[str, str], dict]:
             key = (r.data.tags.get("fault", "?"), r.data.tags.get("seed", "?"))
             top, verdict = r.data.tags.get("diagnosis", f"<{r.info.status}>"), ""
             try:
-                with open(client.download_artifacts(r.info.run_id, "diagnosis.json")) as fh:
+                with open(client.download_artifacts(r.info.run_id, rundir.DIAGNOSIS)) as fh:
                     diag = json.load(fh)
                 flagged = [x for x in diag if x["flagged"]]
                 verdict = flagged[0]["verdict"] if flagged else "no flagged finding"

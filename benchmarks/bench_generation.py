@@ -150,7 +150,7 @@ def tiny_setup(args) -> Setup:
     from musique_rl.core.models import load_model
     from musique_rl.core.rollout import ChatTokens
     from musique_rl.core.tiny_model import cpu_threads_for_tiny
-    from musique_rl.core.warm_start import ensure
+    from musique_rl.core.warm_start_builder import ensure
     from musique_rl.env import prompts
     from musique_rl.env.data import load_records
     from tests.conftest import job_cfg

@@ -39,7 +39,7 @@ def tiny_differences(episodes: int, seed: int) -> tuple[list, object]:
     from musique_rl.core.generation import build_generator
     from musique_rl.core.models import load_model
     from musique_rl.core.rollout import RolloutEngine
-    from musique_rl.core.warm_start import ensure
+    from musique_rl.core.warm_start_builder import ensure
     from musique_rl.env.data import load_records
     from musique_rl.env.retrieval import build_retriever
     from tests.conftest import job_cfg

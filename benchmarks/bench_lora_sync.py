@@ -11,7 +11,7 @@ tensor into the vLLM stand-in of tests/fake_vllm.py, in the model's dtype, then 
 streams the weights with ours (``ExactLoraSync``, musique_rl/core/weight_sync.py) or TRL's own
 ``VLLMGeneration._iter_named_params``. Both arms start from the same model, adapter (B ~ N(0, 0.02), as
 after some training) and step sequence. Printed per arm: frozen tensors changed, max / mean relative
-Frobenius drift of the frozen base, the h06 checksum (diagnostics/sync.py BaseChecksum) and whether
+Frobenius drift of the frozen base, the h06 checksum (instruments/sync.py BaseChecksum) and whether
 the doctor's base_drift rule flags it, syncs whose engine weights differ from the float32 merge cast
 once, and the median time per sync.
 """
@@ -31,7 +31,7 @@ def tiny_model():
 
     from musique_rl.core.models import load_model
     from musique_rl.core.tiny_model import cpu_threads_for_tiny
-    from musique_rl.core.warm_start import ensure
+    from musique_rl.core.warm_start_builder import ensure
 
     cpu_threads_for_tiny()
     cfg = job_cfg([*TEST_OVERRIDES, "lora=r8"])
@@ -57,8 +57,8 @@ def main() -> int:
     from sync_cycles import lora_model, run_cycles
     from trl.generation.vllm_generation import VLLMGeneration
 
+    from musique_rl.base.catalogue import CHECKSUM_DRIFT_MAX
     from musique_rl.core.weight_sync import ExactLoraSync
-    from musique_rl.diagnostics.doctor import CHECKSUM_DRIFT_MAX
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", choices=["tiny", "7b"], default="tiny")

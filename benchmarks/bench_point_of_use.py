@@ -1,4 +1,4 @@
-"""Per-step cost of the point-of-use loss checks (musique_rl/diagnostics/loss_inputs.py) on the tiny model.
+"""Per-step cost of the point-of-use loss checks (musique_rl/instruments/loss_inputs.py) on the tiny model.
 
     python benchmarks/bench_point_of_use.py                 # 10 steps x 3 repeats, with and without
     python benchmarks/bench_point_of_use.py --steps 20 --repeats 5
@@ -30,10 +30,10 @@ sys.path.insert(0, str(ROOT / "tests"))
 def run(cfg, warm, checks: bool) -> tuple[list[float], float]:
     from musique_rl.core import faults
     from musique_rl.core import trainer as trainer_mod
-    from musique_rl.diagnostics.instruments import Instruments
     from musique_rl.env import rewards
     from musique_rl.env.data import load_records
     from musique_rl.env.retrieval import build_retriever
+    from musique_rl.instruments.suite import Instruments
 
     model, tok = warm
     recs = load_records(cfg.env.data, cfg.env, int(cfg.seed))[:40]
@@ -66,7 +66,7 @@ def main() -> None:
     from conftest import TEST_OVERRIDES, job_cfg, with_keys
 
     from musique_rl.core.models import load_model
-    from musique_rl.core.warm_start import ensure
+    from musique_rl.core.warm_start_builder import ensure
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=10)

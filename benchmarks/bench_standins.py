@@ -22,11 +22,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from musique_rl.core.generation import HFGenerator, SamplingSettings  # noqa: E402
 from musique_rl.core.models import load_model  # noqa: E402
 from musique_rl.core.rollout import ChatTokens  # noqa: E402
-from musique_rl.core.warm_start import ensure  # noqa: E402
-from musique_rl.diagnostics.audit import environment_integrity  # noqa: E402
-from musique_rl.diagnostics.ledger import sources_tensor  # noqa: E402
+from musique_rl.core.warm_start_builder import ensure  # noqa: E402
 from musique_rl.env import prompts  # noqa: E402
 from musique_rl.env.data import load_records  # noqa: E402
+from musique_rl.instruments.audit import environment_integrity  # noqa: E402
+from musique_rl.instruments.ledger import sources_tensor  # noqa: E402
 from tests import tokenizer_fixtures as tf  # noqa: E402
 from tests.conftest import TEST_OVERRIDES, job_cfg  # noqa: E402
 from tests.test_real_tokenizers import _rendered, _scripted_episodes  # noqa: E402

@@ -87,7 +87,7 @@ def main() -> None:
 
     from musique_rl.core.models import load_model
     from musique_rl.core.tiny_model import cpu_threads_for_tiny
-    from musique_rl.core.warm_start import ensure
+    from musique_rl.core.warm_start_builder import ensure
     from musique_rl.env.data import load_records
     from tests.conftest import job_cfg
 

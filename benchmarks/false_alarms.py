@@ -3,8 +3,8 @@
     python benchmarks/false_alarms.py                                   # the committed fixtures (+ public logs if present)
     python benchmarks/false_alarms.py --public-logs /work/runs/public_logs --record docs/records/false_alarms.md
 
-Two measurements, both through the doctor's public API only (``diagnose_metrics``, ``top_finding``,
-``triage_table`` and the readers in ``diagnostics.sources``), so they judge whichever doctor the
+Two measurements, both through the doctor's public API only (``diagnose_metrics`` and the diagnosis.json
+it writes, ``triage_table`` and the readers in ``doctor.sources``), so they judge whichever doctor the
 checkout holds:
 
 1. **False alarms.** Every healthy history is diagnosed: this project's default job on CPU
@@ -42,6 +42,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # this checkout's doctor, not the editable install's
+from musique_rl.base import rundir  # noqa: E402  (after the path: this checkout's)
 
 FIXTURES = ROOT / "tests" / "fixtures"
 HEALTHY_RUNS = FIXTURES / "healthy_runs"
@@ -103,7 +104,7 @@ def read_fixture_run(d: Path) -> tuple[dict, dict[str, str]]:
     """A run fixture of this project: ``metrics.jsonl`` read by the doctor's own reader, params from
     the ``params.json`` beside it (the flattened resolved config; the reader takes them from
     ``.hydra/config.yaml``, which a fixture does not carry)."""
-    from musique_rl.diagnostics.sources import read_run_dir
+    from musique_rl.doctor.sources import read_run_dir
 
     run = read_run_dir(d)
     params = json.loads((d / "params.json").read_text()) if (d / "params.json").is_file() else {}
@@ -114,7 +115,7 @@ def cpu_cases(root: Path = HEALTHY_RUNS) -> list[Case]:
     """tests/fixtures/healthy_runs/<name>/: healthy by construction (expected.json may allow a note)."""
     exp = _expectations(root / "expected.json")
     out = []
-    for d in sorted(p for p in root.glob("*") if (p / "metrics.jsonl").is_file()):
+    for d in sorted(p for p in root.glob("*") if (p / rundir.METRICS_LOG).is_file()):
         hist, params = read_fixture_run(d)
         kind = "stand-in" if d.name.startswith("standin") else "cpu run"
         out.append(Case(d.name, kind, _rel(d), hist, params,
@@ -124,7 +125,7 @@ def cpu_cases(root: Path = HEALTHY_RUNS) -> list[Case]:
 
 def trl_cases(root: Path = TRL_RUNS) -> list[Case]:
     """tests/fixtures/trl_runs/<name>/ (plain TRL on this project's tiny warm start), by expected.json."""
-    from musique_rl.diagnostics.sources import read_trainer_state
+    from musique_rl.doctor.sources import read_trainer_state
 
     exp = _expectations(root / "expected.json")
     out = []
@@ -137,12 +138,12 @@ def trl_cases(root: Path = TRL_RUNS) -> list[Case]:
 
 def public_cases(logs: Path | None, expected: Path = PUBLIC_EXPECTED) -> tuple[list[Case], list[str]]:
     """Public TRL logs with expectations; (cases read, names whose log is not in ``logs``)."""
-    from musique_rl.diagnostics.sources import read_trainer_state
+    from musique_rl.doctor.sources import read_trainer_state
 
     exp = _expectations(expected)
     out, missing = [], []
     for name, e in sorted(exp.items()):
-        f = (logs / name / "trainer_state.json") if logs else None
+        f = (logs / name / rundir.TRAINER_STATE) if logs else None
         if f is None or not f.is_file():
             missing.append(name)
             continue
@@ -191,9 +192,7 @@ def false_alarms(case: Case, diagnosis: Sequence[Mapping[str, Any]]) -> list[str
 
 def agreement(case: Case, diagnosis: Sequence[Mapping[str, Any]]) -> tuple[str, bool]:
     """(the doctor's top finding in words, whether it agrees with the case's expectation)."""
-    from musique_rl.diagnostics.doctor import top_finding
-
-    top = top_finding(diagnosis)
+    top = next((d for d in diagnosis if d["flagged"]), None)
     e = case.expected
     if top is None:
         return "clean", e.verdict == HEALTHY
@@ -205,9 +204,10 @@ def agreement(case: Case, diagnosis: Sequence[Mapping[str, Any]]) -> tuple[str, 
 
 
 def diagnose(case: Case) -> list[dict[str, Any]]:
-    from musique_rl.diagnostics.doctor import diagnose_metrics
+    """The case's diagnosis as diagnosis.json holds it (what every consumer of a run reads)."""
+    from musique_rl.doctor.diagnose import diagnose_metrics
 
-    return diagnose_metrics(case.histories, case.params)
+    return diagnose_metrics(case.histories, case.params).to_json()
 
 
 def evaluate(cases: Sequence[Case]) -> list[dict[str, Any]]:
@@ -234,7 +234,8 @@ def alarm_rates(rows: Sequence[Mapping[str, Any]]) -> tuple[int, Counter, dict[s
 
 # ---------------------------------------------------------------- report
 def report(rows: Sequence[Mapping[str, Any]], missing: Sequence[str], public_logs: Path | None) -> int:
-    from musique_rl.diagnostics.doctor import triage_table
+    from musique_rl.doctor.diagnosis import Diagnosis
+    from musique_rl.doctor.report import triage_table
 
     n, count, where = alarm_rates(rows)
     healthy = [r for r in rows if r["case"].expected.healthy]
@@ -270,7 +271,7 @@ def report(rows: Sequence[Mapping[str, Any]], missing: Sequence[str], public_log
         print(f"  not run (log not in {where_logs}): {', '.join(missing)}")
 
     print("\nThe doctor's own triage table of the foreign logs")
-    print(triage_table([(r["case"].name, r["diagnosis"]) for r in foreign]))
+    print(triage_table([(r["case"].name, Diagnosis.from_json(r["diagnosis"])) for r in foreign]))
     bad = sum(bool(r["false_alarms"]) for r in healthy) + sum(not r["agree"] for r in foreign)
     return 0 if bad == 0 else 1
 

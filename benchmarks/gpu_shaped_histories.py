@@ -50,6 +50,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from musique_rl.base import rundir  # noqa: E402  (after the path: this checkout's)
+
 ROOT = Path(__file__).resolve().parent.parent
 TEMPLATES = ROOT / "tests" / "fixtures" / "healthy_runs"
 OUT = ROOT / "tests" / "fixtures" / "gpu_shaped"
@@ -58,7 +60,7 @@ Row = dict[str, Any]
 
 
 def read_rows(d: Path) -> tuple[list[Row], dict[str, Any]]:
-    rows = [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = rundir.read_metrics_log(d / rundir.METRICS_LOG)
     params = json.loads((d / "params.json").read_text()) if (d / "params.json").is_file() else {}
     # the trainer's summary row (train_runtime...) is no training step: keep it out of the shapes
     return [r for r in rows if "train_runtime" not in r], params
@@ -216,14 +218,14 @@ def write(out: Path, templates: Path) -> list[str]:
     written = []
     for name, s in shapes().items():
         tdir = templates / s["template"]
-        if not (tdir / "metrics.jsonl").is_file():
+        if not (tdir / rundir.METRICS_LOG).is_file():
             print(f"{name}: template {tdir} missing, skipped", file=sys.stderr)
             continue
         rows, params = read_rows(tdir)
         new = s["make"](rows)
         d = out / name
         d.mkdir(parents=True, exist_ok=True)
-        (d / "metrics.jsonl").write_text("".join(json.dumps(_rounded(r)) + "\n" for r in new))
+        (d / rundir.METRICS_LOG).write_text("".join(json.dumps(_rounded(r)) + "\n" for r in new))
         (d / "params.json").write_text(json.dumps({**params, **s["params"]}, indent=1, sort_keys=True) + "\n")
         expected[name] = {**s["expected"], "template": str(tdir.relative_to(ROOT) if tdir.is_relative_to(ROOT) else tdir)}
         written.append(name)

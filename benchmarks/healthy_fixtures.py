@@ -21,6 +21,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from musique_rl.base import rundir  # noqa: E402  (after the path: this checkout's)
 
 OUT = ROOT / "tests" / "fixtures" / "healthy_runs"
 
@@ -28,16 +29,16 @@ OUT = ROOT / "tests" / "fixtures" / "healthy_runs"
 def compact(run_dir: Path, out: Path, name: str | None = None) -> Path:
     import yaml
 
-    from musique_rl.env.config import flatten
+    from musique_rl.base.config_base import flatten
 
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = rundir.read_metrics_log(run_dir / rundir.METRICS_LOG)
     if not any("train_runtime" in r for r in rows):
         raise SystemExit(f"{run_dir}: the run did not finish (no summary row in metrics.jsonl)")
-    cfg = yaml.safe_load((run_dir / ".hydra" / "config.yaml").read_text()) or {}
+    cfg = yaml.safe_load((run_dir / rundir.CONFIG).read_text()) or {}
     params = {k: v for k, v in flatten(cfg).items() if not isinstance(v, dict)}
     d = out / (name or run_dir.name)
     d.mkdir(parents=True, exist_ok=True)
-    (d / "metrics.jsonl").write_text("".join(json.dumps(
+    (d / rundir.METRICS_LOG).write_text("".join(json.dumps(
         {k: (float(f"{v:.6g}") if isinstance(v, float) and math.isfinite(v) else v) for k, v in r.items()}) + "\n"
         for r in rows))
     (d / "params.json").write_text(json.dumps({k: str(v) for k, v in params.items()}, indent=1, sort_keys=True) + "\n")
@@ -53,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         name, _, path = spec.rpartition("=")
         r = Path(path)
         d = compact(r, args.out, name or None)
-        print(f"{r} -> {d} ({(d / 'metrics.jsonl').stat().st_size / 1024:.0f} KB)")
+        print(f"{r} -> {d} ({(d / rundir.METRICS_LOG).stat().st_size / 1024:.0f} KB)")
     return 0
 
 

@@ -33,8 +33,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # this checkout's musique_rl, not whichever one the venv's editable install points at
-
-from musique_rl.env.registry import Registry  # noqa: E402  (after the path: this checkout's package)
+from musique_rl.base import rundir  # noqa: E402  (after the path: this checkout's)
+from musique_rl.base.registry import Registry  # noqa: E402  (after the path: this checkout's package)
 
 TABLE_KEY = "heldout-faults"  # docs/diagnostics.md's generated section
 TABLE_COMMAND = "python benchmarks/heldout_faults.py --table --write docs/diagnostics.md"
@@ -255,7 +255,7 @@ def cell(uri: str, run_id: str | None) -> tuple[str, str]:
     run = client.get_run(run_id)
     top, verdict = run.data.tags.get("diagnosis", "<none>"), ""
     try:
-        with open(client.download_artifacts(run_id, "diagnosis.json")) as fh:
+        with open(client.download_artifacts(run_id, rundir.DIAGNOSIS)) as fh:
             diag = json.load(fh)
         flagged = [d for d in diag if d["flagged"]]
         verdict = f"{flagged[0]['check']}: {flagged[0]['verdict']}" if flagged else "no flagged finding"

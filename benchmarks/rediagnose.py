@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     from mlflow.tracking import MlflowClient
     from record import git_commit  # benchmarks/record.py
 
-    from musique_rl.diagnostics.doctor import diagnose_run, top_flagged, write_diagnosis
+    from musique_rl.doctor.diagnose import diagnose_run, write_diagnosis
 
     judge = git_commit()
 
@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
         # which doctor judged the run (the run's own git_commit tag says which code trained it)
         client.set_tag(run.info.run_id, "diagnosis_commit", judge)
         n += 1
-        print(f"{run.info.run_id} {run.data.tags.get('mlflow.runName', '')}: {top_flagged(diag)}", flush=True)
+        print(f"{run.info.run_id} {run.data.tags.get('mlflow.runName', '')}: {diag.top_hypothesis}", flush=True)
     print(f"{n} runs re-diagnosed in {args.tracking_uri}")
     return 0
 

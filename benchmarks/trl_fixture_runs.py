@@ -39,6 +39,8 @@ import sqlite3
 import tempfile
 from pathlib import Path
 
+from musique_rl.base import rundir  # noqa: E402  (after the path: this checkout's)
+
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "fixtures" / "trl_runs"
 WARM_START = ROOT / "musique_rl" / "warm_starts" / "tiny-63a36f167c47"  # the arith warm start
@@ -123,7 +125,7 @@ LEGACY_RUNS = ("healthy_seed1", "lr_to_zero")
 def dataset():
     from datasets import Dataset
 
-    from musique_rl.env.arith import generate_records
+    from musique_rl.env.arith_records import generate_records
     from musique_rl.env.tasks.arith import SYSTEM_PROMPT as ARITH_SYSTEM_PROMPT
 
     recs = generate_records("train", PROMPTS_PER_STEP * STEPS, seed=0)
@@ -175,7 +177,7 @@ def run_one(name: str, store: str) -> str | None:
         run_id = mlflow.last_active_run().info.run_id if name in MLFLOW_RUNS and not LEGACY else None
         ckpt = f"checkpoint-{trainer.state.global_step}"
         (out / ckpt).mkdir()
-        shutil.copy(Path(tmp) / ckpt / "trainer_state.json", out / ckpt / "trainer_state.json")
+        shutil.copy(Path(tmp) / ckpt / rundir.TRAINER_STATE, out / ckpt / rundir.TRAINER_STATE)
     history = [e for e in trainer.state.log_history if "reward" in e]  # the closing train_runtime line left out
     _write_exports(out, history)
     return run_id

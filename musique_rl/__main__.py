@@ -1,5 +1,7 @@
 """``python -m musique_rl [overrides]``: compose the config and hand it to ``run``. Nothing else."""
 
+import sys
+
 import hydra
 from omegaconf import DictConfig
 
@@ -16,4 +18,10 @@ def main(cfg: DictConfig) -> float | None:
 
 
 if __name__ == "__main__":
+    # a key the schema lacks fails here, named with the key it is closest to, before Hydra composes
+    # (Hydra would say only "Key 'top_nn' not in 'EnvSchema'")
+    unknown = schema.unknown_keys(sys.argv[1:])
+    if unknown:
+        print("config error: unknown key\n  " + "\n  ".join(unknown), file=sys.stderr)
+        sys.exit(1)
     main()

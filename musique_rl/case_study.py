@@ -31,7 +31,8 @@ from typing import Any
 
 import numpy as np
 
-from musique_rl import rundir
+from musique_rl.base import rundir
+from musique_rl.base.catalogue import H02_ATTENTION_COVERAGE, H06_LOGP_GAP_MEAN
 
 log = logging.getLogger(__name__)
 
@@ -245,9 +246,9 @@ def _history(path: Path) -> dict[str, list[tuple[int, float]]]:
 
 def doctor_on(job: Job) -> dict[str, Any]:
     """The doctor's diagnosis of one run: from its MLflow run when it has one (as a user runs
-    ``python -m musique_rl.diagnostics.doctor <run>``; diagnosis.json is attached to it), else from
+    ``python -m musique_rl.doctor <run>``; diagnosis.json is attached to it), else from
     the job's metrics.jsonl and config."""
-    from musique_rl.diagnostics import doctor
+    from musique_rl.doctor import diagnose as doctor
 
     run_id, uri = (job.metrics or {}).get("mlflow/run_id"), (job.metrics or {}).get("mlflow/uri")
     diagnosis, source = None, rundir.METRICS_LOG
@@ -260,11 +261,10 @@ def doctor_on(job: Job) -> dict[str, Any]:
             log.warning("doctor on MLflow run %s failed (%s); reading %s/metrics.jsonl", run_id, exc, job.job_dir)
     if diagnosis is None:
         diagnosis = doctor.diagnose_metrics(_history(job.job_dir / rundir.METRICS_LOG), job.params)
-    flagged = [d for d in diagnosis if d["flagged"]]
-    top = flagged[0] if flagged else None
-    return {"arm": job.arm, "seed": job.seed, "source": source, "top": top["hypothesis"] if top else "clean",
-            "top_check": top["check"] if top else "", "top_verdict": top["verdict"] if top else "",
-            "flagged": list(dict.fromkeys(d["hypothesis"] for d in flagged))}
+    top = diagnosis.top
+    return {"arm": job.arm, "seed": job.seed, "source": source, "top": diagnosis.top_hypothesis,
+            "top_check": top.check if top else "", "top_verdict": top.verdict if top else "",
+            "flagged": list(dict.fromkeys(f.hypothesis for f in diagnosis.flagged))}
 
 
 def claims(summaries: dict[str, dict], verdicts: dict[str, dict], doctor: list[dict], seeds: list[int]) -> list[dict]:
@@ -352,12 +352,12 @@ def draw(arms: dict[str, dict[int, Job]], out_dir: Path) -> dict[str, Path]:
                                        "multi-turn MuSiQue: training reward per arm (defect on: flat; cure: learns)"),
         ARITH_PNG: plot_reward_curves(curves(("arith_defect", "arith_shuffled")), plots_dir / ARITH_PNG,
                                       "single-turn control task: training reward, defect on"),
-        GAP_PNG: plot_reward_curves(curves(("defect", "cure"), "h06/logp_gap_mean"), plots_dir / GAP_PNG,
+        GAP_PNG: plot_reward_curves(curves(("defect", "cure"), H06_LOGP_GAP_MEAN), plots_dir / GAP_PNG,
                                     "the doctor's key instrument: trainer vs sampler log-prob gap",
-                                    ylabel="h06/logp_gap_mean (nats a token)"),
-        COVERAGE_PNG: plot_reward_curves(curves(("defect", "cure"), "h02/attention_coverage"), plots_dir / COVERAGE_PNG,
+                                    ylabel=f"{H06_LOGP_GAP_MEAN} (nats a token)"),
+        COVERAGE_PNG: plot_reward_curves(curves(("defect", "cure"), H02_ATTENTION_COVERAGE), plots_dir / COVERAGE_PNG,
                                          "share of the context the trainer attends to",
-                                         ylabel="h02/attention_coverage"),
+                                         ylabel=H02_ATTENTION_COVERAGE),
     }
     return {k: v for k, v in drawn.items() if v is not None}
 
@@ -449,7 +449,7 @@ def _observed(o: dict[str, Any]) -> str:
         parts.append(f"Measured here: TRL's mean importance weight (`sampling/importance_sampling_ratio/mean`, median "
                      f"over steps and seeds) is {w['defect']:.3g} with the defect and {w['cure']:.3g} without")
     if "defect" in gap and "cure" in gap:
-        parts.append(f"the trainer/sampler log-prob gap at the first step (`h06/logp_gap_mean`) is {gap['defect']:.3g} "
+        parts.append(f"the trainer/sampler log-prob gap at the first step (`{H06_LOGP_GAP_MEAN}`) is {gap['defect']:.3g} "
                      f"vs {gap['cure']:.2g} nats a token")
     if o.get("defect_curves_identical") is not None:
         parts.append("the training-reward curves of the six defect arms are "
@@ -479,7 +479,7 @@ def observations(arms: dict[str, dict[int, Job]]) -> dict[str, Any]:
     for arm in ("defect", "cure"):
         if (w := median_of(arm, "sampling/importance_sampling_ratio/mean")) is not None:
             out["importance_weight"][arm] = w
-        if (g := median_of(arm, "h06/logp_gap_mean", first=True)) is not None:
+        if (g := median_of(arm, H06_LOGP_GAP_MEAN, first=True)) is not None:
             out["logp_gap_first_step"][arm] = g
     seeds = set.intersection(*(set(arms.get(a, {})) for a in FLAT_ARMS)) if all(a in arms for a in FLAT_ARMS) else set()
     if seeds:

@@ -61,7 +61,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from musique_rl import (
+from musique_rl.base import (
     rundir,  # the run directory's file names (imports nothing heavy: this runs before the wheels are checked)
 )
 
@@ -176,7 +176,7 @@ def machine() -> dict[str, Any]:
         out.update(gpu=torch.cuda.get_device_name(0), gpu_memory_gib=round(props.total_memory / 2**30, 1),
                    gpus=torch.cuda.device_count())
     else:
-        from musique_rl.core.warm_start import machine as where
+        from musique_rl.core.warm_start_builder import machine as where
 
         out.update(gpu="none", cpu=where()["cpu"])
     return out

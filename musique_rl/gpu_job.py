@@ -63,7 +63,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from musique_rl import rundir
+from musique_rl.base import rundir
 
 # the process and port rules the trainer (RL core) applies too; here re-exported for the topology
 from musique_rl.core.devices import ROLE_ENV, free_port, resolve_vllm_mode, visible_gpus  # noqa: F401

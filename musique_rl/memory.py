@@ -202,7 +202,7 @@ def probe_inputs(micro: int, prompt_tokens: int, completion_tokens: int, vocab: 
     tokens on all but the first episode, so attention takes the masked path real batches take)."""
     import torch
 
-    from musique_rl.diagnostics.ledger import Source
+    from musique_rl.instruments.ledger import Source
 
     g = torch.Generator().manual_seed(0)
     prompt_ids = torch.randint(3, vocab, (micro, prompt_tokens), generator=g)

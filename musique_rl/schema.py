@@ -8,6 +8,11 @@ Only keys the code reads live here; ``???`` (MISSING) marks values an option fil
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
+import types
+import typing
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -16,7 +21,17 @@ from typing import Any, ClassVar, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from musique_rl import rundir
+from musique_rl.base import rundir
+from musique_rl.base.config_base import (
+    CONF_DIR,
+    LAUNCHERS_DIR,
+    POSITIVE,
+    SWEEPS_DIR,
+    UNIT_OPEN_CLOSED,
+    ConfigValueError,
+    ReadOnly,
+    at_least,
+)
 from musique_rl.core import config as core_config
 from musique_rl.core.config import (  # noqa: F401  (the groups' types and enums, as schema.<name>)
     Backend,
@@ -32,27 +47,14 @@ from musique_rl.core.config import (  # noqa: F401  (the groups' types and enums
     VllmMode,
 )
 from musique_rl.core.faults import FAULTS
-from musique_rl.diagnostics.config import DiagnosticsConfig
 from musique_rl.env import config as env_config
 from musique_rl.env.answer_formats import ANSWER_FORMATS
-from musique_rl.env.config import (  # noqa: F401
-    CONF_DIR,
-    LAUNCHERS_DIR,
-    POSITIVE,
-    SWEEPS_DIR,
-    UNIT_OPEN_CLOSED,
-    ArithConfig,
-    ConfigValueError,
-    ReadOnly,
-    RetrievalScope,
-    RewardConfig,
-    SyntheticConfig,
-    at_least,
-)
+from musique_rl.env.config import ArithConfig, RetrievalScope, RewardConfig, SyntheticConfig  # noqa: F401
 from musique_rl.env.policies import POLICIES
 from musique_rl.env.retrieval import RETRIEVERS
 from musique_rl.env.tasks import TASKS
 from musique_rl.env.tool_formats import TOOL_FORMATS
+from musique_rl.instruments.config import DiagnosticsConfig
 
 
 # ---------------------------------------------------------------- enums (allowed values)
@@ -61,7 +63,7 @@ class Mode(StrEnum):
     eval = "eval"
 
 
-# Plug-ins: their names come from the registry where each is written (musique_rl/env/registry.py).
+# Plug-ins: their names come from the registry where each is written (musique_rl/base/registry.py).
 Policy = POLICIES.choices("Policy", __name__, extra=("model",))  # model = the configured LLM; the rest scripted
 Retriever = RETRIEVERS.choices("Retriever", __name__)  # env.retriever's allowed values: env/retrieval.py
 Fault = FAULTS.choices("Fault", __name__)  # planted defects (docs/failure_modes.md), proving the instruments only
@@ -87,7 +89,7 @@ class Priority(StrEnum):
 
 
 # ---------------------------------------------------------------- groups
-# Each layer declares the groups it reads (env/config.py, core/config.py, diagnostics/config.py),
+# Each layer declares the groups it reads (env/config.py, core/config.py, instruments/config.py),
 # naming a plug-in as a str; here each plug-in field is narrowed to its registry's enum, so a typo
 # fails at composition naming the allowed values. Named ``*Schema`` to keep them apart from the
 # layers' own ``EnvConfig`` / ``ModelConfig``, which they extend.
@@ -189,7 +191,7 @@ def job_config(cfg: DictConfig | Config) -> Config:
 
 # ---------------------------------------------------------------- values that cannot work
 # The types above refuse a wrong type or name; each group's ``RULES`` (in its class: env/config.py,
-# core/config.py, diagnostics/config.py, here) refuse a well-typed value no job can run with.
+# core/config.py, instruments/config.py, here) refuse a well-typed value no job can run with.
 def validate(cfg: DictConfig) -> None:
     """Refuse values of the composed config that cannot work (every group's ``RULES`` and
     ``relations``), naming each dotted key, before any data or model is loaded. Hydra composes
@@ -198,6 +200,53 @@ def validate(cfg: DictConfig) -> None:
     problems = Config.problems(cfg)
     if problems:
         raise ConfigValueError("config values that cannot work:\n  " + "\n  ".join(problems))
+
+
+def _fields(cls: type) -> dict[str, Any]:
+    """{field name: its type} of a config dataclass, Optional unwrapped."""
+    out = {}
+    for name, hint in typing.get_type_hints(cls).items():
+        if name in {f.name for f in dataclasses.fields(cls)}:
+            args = [a for a in typing.get_args(hint) if a is not type(None)]
+            out[name] = args[0] if typing.get_origin(hint) in (typing.Union, types.UnionType) and len(args) == 1 else hint
+    return out
+
+
+def unknown_keys(argv: Sequence[str]) -> list[str]:
+    """``key: no such key ... (did you mean X?)`` for each command-line override that sets a key the
+    schema does not have, read from the schema's types alone: no composition, no model, nothing of
+    torch, so a typo fails at once (``python -m musique_rl env.top_nn=3``). Overrides that add
+    (``+``), delete (``~``) or choose a config group's option are left to Hydra, which checks them
+    as it composes; so is anything it cannot parse."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import OverrideType
+
+    candidates = [a for a in argv if "=" in a and not a.startswith("-")]
+    try:
+        overrides = OverridesParser.create().parse_overrides(candidates)
+    except Exception:  # Hydra's own words for a malformed override are better than a guess
+        return []
+    groups = {p.name for p in CONF_DIR.iterdir() if p.is_dir()}
+    out = []
+    for o in overrides:
+        key = o.key_or_group
+        if o.type is not OverrideType.CHANGE or key.startswith("hydra") or "/" in key or o.package:
+            continue
+        node: Any = Config
+        for depth, part in enumerate(parts := key.split(".")):
+            fields = _fields(node)
+            if part not in fields:
+                if depth == 0 and part in groups:
+                    break  # a config group the schema does not hold (+hypothesis, +case): Hydra's to check
+                where = ".".join(parts[:depth]) or "the config"
+                near = difflib.get_close_matches(part, list(fields), n=1, cutoff=0.6)
+                hint = f" (did you mean {near[0]}?)" if near else f" (its keys: {', '.join(sorted(fields))})"
+                out.append(f"{key}: {where} has no key {part!r}{hint}")
+                break
+            node = fields[part]
+            if not (isinstance(node, type) and dataclasses.is_dataclass(node)):
+                break  # a value, a list or a mapping (reward.weights.<component>): Hydra checks the rest
+    return out
 
 
 def _arm(control: Any, treatment: Any, *, _root_: Any) -> Any:
@@ -211,7 +260,7 @@ def _arm(control: Any, treatment: Any, *, _root_: Any) -> Any:
     return treatment if str(arm) == "treatment" else control
 
 
-# CONF_DIR (env/config.py) is where every config lookup starts from (entrypoint, tools, tests): the
+# CONF_DIR (base/config_base.py) is where every config lookup starts from (entrypoint, tools, tests): the
 # configs are package data, so a wheel installed anywhere finds them. A user's own configs go on
 # top with Hydra's `--config-dir DIR` (searched first), never by editing this tree. Two groups live
 # outside conf/, in the top-level folders a user looks in (sweeps/, launchers/hydra/), and are

@@ -167,7 +167,7 @@ def large_model_dir(root: Path, cuda: bool, tokenizer_dir: str | Path | None = N
 def run_case(case: Case, steps: int | None, extra: list[str], root: Path, cuda: bool) -> Row:
     import torch
 
-    from musique_rl.core.warm_start import WarmStartGateError
+    from musique_rl.core.warm_start_builder import WarmStartGateError
     from musique_rl.job import train as train_mod
 
     n = int(steps or case.steps)
@@ -275,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if a.steps is not None and a.steps < 1:
         p.error("--steps must be >= 1")
-    from musique_rl.core.warm_start import machine
+    from musique_rl.core.warm_start_builder import machine
 
     m = machine()
     device = f"{m['device']} (torch {m['torch']})" if cuda else f"CPU {m['cpu']}, {m['torch_threads']} torch threads"

@@ -1,7 +1,7 @@
 """``python -m musique_rl.warm_start``: build, gate and ship the tiny model's warm starts.
 
 The command (``make warm-start`` = ``--ship``): composes the config, then calls the builder in
-musique_rl/core/warm_start.py (SFT on noisy-oracle episodes, the quality gate, the cache). Here,
+musique_rl/core/warm_start_builder.py (SFT on noisy-oracle episodes, the quality gate, the cache). Here,
 in the experiment layer, because composing a config is the experiment layer's job.
 """
 
@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from musique_rl.core import tiny_model
-from musique_rl.core.warm_start import WarmStartGateError, _build_into, ensure
+from musique_rl.core.warm_start_builder import WarmStartGateError, build_into, ensure
 
 # The warm starts committed to musique_rl/warm_starts/ (`make warm-start`), each as overrides of
 # conf/train.yaml: the default's and the arith control task's (env=arith; its key follows
@@ -45,7 +45,7 @@ def ship(force: bool = False) -> list[Path]:
         key = f"tiny-{tiny_model.build_key(cfg)}"
         if force or not (root / key / "build.json").exists():
             print(f"building the shipped warm start for {name}: {key}", flush=True)
-            _build_into(cfg, root, key)
+            build_into(cfg, root, key)
         paths.append(root / key)
     for old in root.glob("tiny-*"):
         if old not in paths:
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
             paths = ship(force=a.force)
         else:
             cfg = compose_config(a.overrides)
-            paths = [_build_into(cfg, Path(a.out), f"tiny-{tiny_model.build_key(cfg)}") if a.out else ensure(cfg)]
+            paths = [build_into(cfg, Path(a.out), f"tiny-{tiny_model.build_key(cfg)}") if a.out else ensure(cfg)]
     except WarmStartGateError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

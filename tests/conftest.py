@@ -108,7 +108,7 @@ def warm_tiny(tiny_cfg):
     """(model, tokenizer) of the default tiny model's warm start (shipped in musique_rl/warm_starts/).
     Tests must not modify it: deep-copy the model before training it."""
     from musique_rl.core.models import load_model
-    from musique_rl.core.warm_start import ensure
+    from musique_rl.core.warm_start_builder import ensure
 
     return load_model(tiny_cfg, warm_start=ensure(tiny_cfg))
 

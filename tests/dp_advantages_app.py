@@ -64,7 +64,7 @@ def main(out: Path) -> None:
     scripted = ScriptedRollout()
     tr.rollout_func = scripted.rollout_func
     tr.musique_engine = scripted
-    tr._token_sources = lambda batch, width: torch.zeros((len(tr._last_rewards) // state.num_processes, width), dtype=torch.long)
+    tr._token_sources = lambda batch, width: torch.zeros((len(batch.rewards) // state.num_processes, width), dtype=torch.long)
     tr.model.train()
     batch = next(iter(tr.get_train_dataloader()))
     output = tr._generate_and_score_completions(batch)

@@ -33,7 +33,7 @@ def main(out: Path, rank0_only: bool) -> None:
 
     from musique_rl.core import generation
     from musique_rl.core.models import load_model
-    from musique_rl.core.warm_start import ensure
+    from musique_rl.core.warm_start_builder import ensure
     from musique_rl.env.data import load_records
     from musique_rl.env.retrieval import build_retriever
     from musique_rl.job.train import held_out_eval

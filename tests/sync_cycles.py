@@ -19,7 +19,7 @@ import torch
 from fake_vllm import FakeEngine, Recorder, fake_llm_class
 
 from musique_rl.core import weight_sync
-from musique_rl.diagnostics.sync import BaseChecksum
+from musique_rl.instruments.sync import BaseChecksum
 
 
 def lora_model(model: torch.nn.Module, lora_cfg, dtype: torch.dtype, *, copy_model: bool = True) -> torch.nn.Module:

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 from conftest import job_cfg
 
-from musique_rl.env import arith, policies, prompts, rewards
+from musique_rl.env import arith_records as arith
+from musique_rl.env import policies, prompts, rewards
 from musique_rl.env.data import InvalidRecordError, load_records, parse_spec, validate_record
 from musique_rl.env.tasks import arith as arith_task
 
@@ -174,30 +175,30 @@ def test_the_arith_warm_start_is_shipped_gated_and_unaltered(arith_cfg):
     """As the default's: failing here after a change to the arith prompt, generator or recipe means
     `make warm-start` and commit musique_rl/warm_starts/."""
     from musique_rl import warm_start as command
-    from musique_rl.core import tiny_model, warm_start
+    from musique_rl.core import tiny_model, warm_start_builder
 
     key = tiny_model.build_key(arith_cfg)
     path = tiny_model.locate(arith_cfg, key)
     assert path is not None and path.parent == tiny_model.SHIPPED_DIR, f"no shipped arith warm start tiny-{key}"
     report = json.loads((path / "build.json").read_text())
     assert report["gate_passed"] and set(report["gate"]) == {"arith"} and report["gate_shapes"] == ["arith"]
-    assert warm_start.gate_failures(report["gate"], report["gate_shapes"]) == []
+    assert warm_start_builder.gate_failures(report["gate"], report["gate_shapes"]) == []
     assert tiny_model.weights_hash(path) == report["weights_hash"]
     assert key in [tiny_model.build_key(command.compose_config(o)) for o in command.SHIPPED_CONFIGS.values()]
     tok = tiny_model.load_tokenizer(path / "tokenizer")
     top = 2 * int(arith_cfg.env.arith.max_operand)
     assert all(len(tok.encode(f" {n}", add_special_tokens=False)) == 1 for n in range(top + 1))  # one token a number
-    assert warm_start.provenance(arith_cfg, path)["warm_start/gate/arith/sampled_em"] == report["gate"]["arith"]["sampled_em"]
+    assert warm_start_builder.provenance(arith_cfg, path)["warm_start/gate/arith/sampled_em"] == report["gate"]["arith"]["sampled_em"]
 
 
 def test_the_arith_gate_fails_with_its_numbers():
-    from musique_rl.core import warm_start
+    from musique_rl.core import warm_start_builder
 
-    assert warm_start.gate_failures({"arith": {"sampled_em": 0.5, "pass8": 0.95, "greedy_em": 0.9}}) == []
-    weak = warm_start.gate_failures({"arith": {"sampled_em": 0.1, "pass8": 0.3, "greedy_em": 0.2}})
+    assert warm_start_builder.gate_failures({"arith": {"sampled_em": 0.5, "pass8": 0.95, "greedy_em": 0.9}}) == []
+    weak = warm_start_builder.gate_failures({"arith": {"sampled_em": 0.1, "pass8": 0.3, "greedy_em": 0.2}})
     assert any("sampled answer EM 0.100 outside [0.3, 0.65]" in f for f in weak)
     assert any("pass@8 0.300 < pass@1 0.100 + 0.25" in f for f in weak)
-    flat = warm_start.gate_failures({"arith": {"sampled_em": 0.5, "pass8": 0.9, "greedy_em": 0.55}})
+    flat = warm_start_builder.gate_failures({"arith": {"sampled_em": 0.5, "pass8": 0.9, "greedy_em": 0.55}})
     assert flat == ["arith: greedy answer EM 0.550 < sampled 0.500 + 0.15"]
 
 

@@ -1,13 +1,13 @@
-"""The compact console line and metrics.jsonl (musique_rl/job/console.py, written through musique_rl/rundir.py), and the per-step bounds."""
+"""The compact console line and metrics.jsonl (musique_rl/job/console.py, written through musique_rl/base/rundir.py), and the per-step bounds."""
 
 from __future__ import annotations
 
 import json
 from types import SimpleNamespace
 
-from musique_rl.diagnostics.bounds import out_of_bounds
+from musique_rl.base.rundir import start_metrics_log as start_metrics_file
+from musique_rl.doctor.bounds import out_of_bounds
 from musique_rl.job.console import StepLog
-from musique_rl.rundir import start_metrics_log as start_metrics_file
 
 
 def test_the_line_names_only_what_is_out_of_bounds():

@@ -11,7 +11,8 @@ from musique_rl.schema import EnvSchema
 
 
 def env(**kw):
-    return OmegaConf.merge(OmegaConf.structured(EnvSchema(data="x")), kw)
+    """A typed env group (it checks its own values when built, as a job's is)."""
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(EnvSchema(data="x")), kw))
 
 
 def write_jsonl(path, records):
@@ -110,8 +111,8 @@ def test_noise_rate_keeps_supporting_and_drops_distractors_at_the_rate(real_reco
     assert all(sum(p["is_supporting"] for p in r["paragraphs"]) == len(r["question_decomposition"]) for r in half)
     # paragraph ids are the original idx (the model's citations stay meaningful)
     assert any(r["paragraphs"][-1]["idx"] != len(r["paragraphs"]) - 1 for r in half)
-    with pytest.raises(ValueError, match="env.noise_rate"):
-        load_records(path, env(noise_rate=1.5), seed=1)
+    with pytest.raises(ValueError, match=r"noise_rate=1.5: must be in \[0, 1\]"):
+        env(noise_rate=1.5)  # refused by the env group itself, before any record is read
 
 
 def test_max_paragraphs_caps_distractors_only(toy_record, tmp_path):

@@ -3,21 +3,25 @@
 from __future__ import annotations
 
 import math
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from musique_rl.diagnostics import Instruments, Source
-from musique_rl.diagnostics.advantages import advantage_stats
-from musique_rl.diagnostics.episodes import episode_shape
-from musique_rl.diagnostics.kl import kl_stats
-from musique_rl.diagnostics.ledger import attention_coverage, sources_tensor, token_ledger
-from musique_rl.diagnostics.preflight import learnability, warning
-from musique_rl.diagnostics.reward_signal import reward_component_stats
-from musique_rl.diagnostics.sync import BaseChecksum, lora_b_norm, model_scorer, parity
-from musique_rl.diagnostics.truncation import episode_truncation, has_answer
-from musique_rl.diagnostics.updates import UpdateMeter
+from musique_rl.core.instrumentation import LossPass, ScoredBatch
+from musique_rl.env.episode import EpisodeSummary, StopReason
+from musique_rl.instruments.advantages import advantage_stats
+from musique_rl.instruments.episodes import episode_shape
+from musique_rl.instruments.kl import kl_stats
+from musique_rl.instruments.ledger import Source, attention_coverage, sources_tensor, token_ledger
+from musique_rl.instruments.preflight import learnability, warning
+from musique_rl.instruments.reward_signal import reward_component_stats
+from musique_rl.instruments.suite import Instruments
+from musique_rl.instruments.sync import BaseChecksum, lora_b_norm, model_scorer, parity
+from musique_rl.instruments.truncation import episode_truncation, has_answer
+from musique_rl.instruments.updates import UpdateMeter
 
 G = 8
 A, T, P = Source.ASSISTANT, Source.TOOL, Source.TEMPLATE
@@ -115,12 +119,11 @@ def test_kl_on_tool_tokens_and_flipped_sign():
     assert "h03/kl_negative_share" not in start and start["h03/kl_model_mean"] == 0.0
 
 
-def _episode(stop, answer=True, dropped=0, in_ctx=True, calls=2, errors=0):
+def _episode(stop, answer=True, dropped=0, in_ctx=True, calls=2, errors=0) -> EpisodeSummary:
     last = "<think>x</think><cite>1</cite><answer>Paris</answer>" if answer else "<tool_call>{}</tool_call>"
-    return {"id": "2hop__1", "stop_reason": stop, "num_turns": 3, "tool_calls": calls, "tool_errors": errors,
-            "dropped_tool_results": dropped, "question_in_context": in_ctx,
-            "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "<answer>first</answer>"},
-                         {"role": "tool", "content": "doc"}, {"role": "assistant", "content": last}]}
+    messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "<answer>first</answer>"},
+                {"role": "tool", "content": "doc"}, {"role": "assistant", "content": last}]
+    return EpisodeSummary("2hop__1", messages, StopReason(stop), 3, calls, errors, dropped, in_ctx)
 
 
 def test_truncation_counts_caps_drops_and_missing_answers():
@@ -257,7 +260,7 @@ def test_instruments_observe_batch_covers_every_prefix_and_logs_a_view():
     ins = Instruments(num_generations=G, trajectory_views=2, artifact_logger=lambda t, f: pages.__setitem__(f, t),
                       max_prompt_tokens=5, max_completion_tokens=100)
     b = batch()
-    m = ins.observe_batch(**b, step=0)
+    m = ins.observe_batch(ScoredBatch(**b, step=0))
     prefixes = {k.split("/")[0] for k in m}
     assert {"h01", "h02", "h04", "h05", "h07", "preflight"} <= prefixes
     assert all(isinstance(v, float) and not math.isnan(v) for v in m.values())
@@ -268,16 +271,16 @@ def test_instruments_observe_batch_covers_every_prefix_and_logs_a_view():
     probe = ins.probe_inputs()
     assert probe["input_ids"].shape == (8, 14) and probe["logits_to_keep"] == 9
     assert probe["mask"].sum() == 8 * 5  # assistant tokens only
-    ins.observe_batch(**batch(seed=1), step=1)
+    ins.observe_batch(ScoredBatch(**batch(seed=1), step=1))
     assert torch.equal(ins.probe_inputs()["input_ids"], probe["input_ids"])
     assert "trajectories/step_000001.html" not in pages  # views on the probe cadence (every 10)
-    assert "preflight/pass_rate_mean" not in ins.observe_batch(**batch(seed=2), step=2)  # once only
+    assert "preflight/pass_rate_mean" not in ins.observe_batch(ScoredBatch(**batch(seed=2), step=2))  # once only
 
 
 def test_instruments_parity_probe_with_scorers():
     ins = Instruments(num_generations=G, artifact_logger=None)
     assert ins.parity_probe(trainer=model_scorer(TinyLM())) == {}  # nothing observed yet
-    ins.observe_batch(**batch(), step=0)
+    ins.observe_batch(ScoredBatch(**batch(), step=0))
     torch.manual_seed(0)
     start, moved = TinyLM(), TinyLM()
     out = ins.parity_probe(trainer=model_scorer(moved), sampler=model_scorer(start), base=model_scorer(start))
@@ -292,17 +295,17 @@ def test_instruments_observe_loss_gap_kl_and_mask():
     loss_mask = b["completion_mask"] * b["tool_mask"]
     trainer_lp = b["sampling_logps"] + 0.05 * (b["token_sources"] == A)  # off by 0.05 nats on sampled tokens
     k3 = torch.rand_like(trainer_lp)
-    m = ins.observe_loss(per_token_logps=trainer_lp, loss_mask=loss_mask, sampling_logps=b["sampling_logps"],
-                         token_sources=b["token_sources"], per_token_kl=k3, kl_mask=b["completion_mask"],
-                         kl_penalty=0.04 * k3)
+    m = ins.observe_loss(LossPass(per_token_logps=trainer_lp, loss_mask=loss_mask, sampling_logps=b["sampling_logps"],
+                                  token_sources=b["token_sources"], per_token_kl=k3, kl_mask=b["completion_mask"],
+                                  kl_penalty=0.04 * k3))
     assert m["h06/logp_gap_mean"] == pytest.approx(0.05, rel=1e-4)
     assert m["h02/kl_mask_equals_loss_mask"] == 0.0 and m["h03/kl_env_tokens"] > 0
 
 
 def test_instruments_disabled_costs_nothing():
     ins = Instruments(num_generations=G, enabled=False)
-    assert ins.observe_batch(**batch()) == {}
-    assert ins.observe_loss(per_token_logps=torch.zeros(1, 1), loss_mask=torch.ones(1, 1)) == {}
+    assert ins.observe_batch(ScoredBatch(**batch())) == {}
+    assert ins.observe_loss(LossPass(per_token_logps=torch.zeros(1, 1), loss_mask=torch.ones(1, 1))) == {}
     assert ins.observe_update(update_norm=1.0, weight_norm=1.0) == {}
     assert not ins.should_probe(0)
 
@@ -322,7 +325,7 @@ def test_instruments_from_config_reads_the_schema():
 
 
 def test_callback_measures_an_optimizer_step():
-    from musique_rl.diagnostics.callback import InstrumentsCallback
+    from musique_rl.instruments.trainer_callback import InstrumentsCallback
 
     ins = Instruments(num_generations=G, artifact_logger=None)
     got: dict[str, float] = {}
@@ -342,27 +345,110 @@ def test_callback_measures_an_optimizer_step():
     assert logs["h08/grad_norm_before_clip"] == 3.0
 
 
-def test_a_new_instrument_is_one_registered_function_and_its_doctor_rule():
-    """The recipe of docs/architecture.md, done: a function registered as a per-batch instrument
-    reaches observe_batch's metrics, and a rule registered with @doctor.rule reads it back."""
-    from musique_rl.diagnostics import doctor
-    from musique_rl.diagnostics.batch import BATCH_INSTRUMENTS, Batch
+# The recipe of docs/architecture.md, "A hypothesis", as its worked example writes it: h09 asks whether
+# long completions decide the reward; its yaml, its metric and Hypothesis in the catalogue, its instrument
+# (a registered per-batch function) and its rule.
+H09_YAML = """# @package _global_
+# H09 long completions | priority low
+hypothesis:
+  id: h09
+  title: Long completions
+  priority: low
+  claim: Completions that run long decide the reward.
+  control: env.max_tokens_per_turn=256
+  treatment: env.max_tokens_per_turn=128
+  metric: train/reward_gain
+  direction: increase
+  min_effect: 0.02
+env:
+  max_tokens_per_turn: ${arm:256,128}
+"""
+H09_CATALOGUE = {
+    "# ---- policy change: KL to start, entropy\n": (
+        "# ---- h09: long completions\n"
+        'H09_LONG_SHARE = _m("h09/long_share", "share of episodes", "inputs", "instruments/long_completions.py")\n'),
+    '    Hypothesis("preflight", "signal"),': (
+        '    Hypothesis("h09", "inputs", "completion lengths per episode are not in TRL\'s logs; run `+hypothesis=h09`"),\n'
+        '    Hypothesis("preflight", "signal"),'),
+}
+H09_INSTRUMENT = """from musique_rl.base.catalogue import H09_LONG_SHARE
+from musique_rl.instruments.batch import BATCH_INSTRUMENTS, Batch
 
-    @BATCH_INSTRUMENTS.register("test long completions")
-    def long_completions(b: Batch) -> dict[str, float]:
-        return {"h04/test_long_share": float((b.completion_mask.sum(dim=1) > 4).float().mean())}
 
-    @doctor.rule
-    def _test_rule(m, params):
-        share = [v for _, v in m.get("h04/test_long_share", [])]
-        return [doctor.Finding("h04", "test_long", bool(share) and share[-1] > 0.5, 1.0 if share and share[-1] > 0.5 else 0.0,
-                               "completions are long", {"h04/test_long_share": share[-1] if share else float("nan")})]
+@BATCH_INSTRUMENTS.register("long completions")
+def long_completions(b: Batch) -> dict[str, float]:
+    return {H09_LONG_SHARE: float((b.completion_mask.sum(dim=1) > 4).float().mean())}
+"""
+H09_RULE = """from musique_rl.base.catalogue import H09_LONG_SHARE
+from musique_rl.doctor.findings import judged, rule, values
+from musique_rl.doctor.step import Kind
 
-    try:
-        m = Instruments(num_generations=G, artifact_logger=None).observe_batch(**batch(), step=0)
-        assert m["h04/test_long_share"] == 1.0
-        top = doctor.diagnose_metrics({"h04/test_long_share": [(0, m["h04/test_long_share"])]})[0]
-        assert top["check"] == "test_long" and top["flagged"]
-    finally:
-        BATCH_INSTRUMENTS._items.pop("test long completions")
-        doctor.RULES.remove(_test_rule)
+LONG_MAX = 0.5  # more than half of the episodes long: the length, not the answer, decides
+
+
+@rule(stage="inputs", checks={"long_completions": Kind.SYMPTOM}, reads=(H09_LONG_SHARE,), needs=(H09_LONG_SHARE,),
+      thresholds=("LONG_MAX",))
+def _long_completions(m, params):
+    share = values(m.get(H09_LONG_SHARE))[-1]
+    return judged("h09", "long_completions", share > LONG_MAX, 1.0 + share, {f"{H09_LONG_SHARE} (last)": share},
+                  f"{share:.0%} of the completions run long.", "Completions are short.")
+"""
+
+
+def _h09_copy(root: Path, leave_out: str = "") -> Path:
+    from plugin_recipe import copy_package
+
+    copy_package(root)
+    (root / "conf" / "hypothesis" / "h09.yaml").write_text(H09_YAML)
+    cat = root / "musique_rl" / "base" / "catalogue.py"
+    text = cat.read_text()
+    for anchor, added in H09_CATALOGUE.items():
+        if leave_out == "hypothesis" and "Hypothesis(" in added:
+            continue
+        assert anchor in text, anchor
+        text = text.replace(anchor, added + anchor.lstrip() if anchor.startswith("#") else added, 1)
+    cat.write_text(text)
+    if leave_out != "instrument":
+        (root / "musique_rl" / "instruments" / "long_completions.py").write_text(H09_INSTRUMENT)
+    if leave_out != "rule":
+        (root / "musique_rl" / "doctor" / "stages" / "completion_length.py").write_text(H09_RULE)
+    return root
+
+
+def _run(root: Path, script: str):
+    import os
+    import subprocess
+
+    head = (f"import sys\nsys.path.append({str(Path(__file__).resolve().parent)!r})\nimport musique_rl\n"
+            f"assert musique_rl.__file__.startswith({str(root)!r})\n")
+    return subprocess.run([sys.executable, "-c", head + script], cwd=root, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(root)}, timeout=300)
+
+
+def test_a_new_hypothesis_is_its_yaml_its_instrument_and_its_rule(tmp_path):
+    """Done in a copy of the package: the instrument's metric reaches observe_batch, the doctor's rule
+    reads it back, and the pieces check finds nothing missing; leave any piece out and it says which."""
+    script = f"""
+import torch
+from pathlib import Path
+from contract_pieces import missing_pieces
+from musique_rl.doctor.diagnose import diagnose_metrics
+from musique_rl.instruments.suite import Instruments
+torch.manual_seed(0)
+n = 2 * {G}
+from musique_rl.core.instrumentation import ScoredBatch
+m = Instruments(num_generations={G}, artifact_logger=None).observe_batch(ScoredBatch(
+    rewards=torch.rand(n), advantages=torch.zeros(n), prompt_mask=torch.ones(n, 5, dtype=torch.long),
+    completion_mask=torch.ones(n, 9, dtype=torch.long), step=0))
+top = diagnose_metrics({{"h09/long_share": [(0, m["h09/long_share"])]}})[0]
+print("measured", m["h09/long_share"], "judged", top.hypothesis, top.check, top.stage, top.flagged)
+print("missing", missing_pieces(Path("conf")))
+"""
+    out = _run(_h09_copy(tmp_path / "whole"), script)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "measured 1.0 judged h09 long_completions inputs True" in out.stdout and "missing []" in out.stdout, out.stdout
+    check = 'from pathlib import Path\nfrom contract_pieces import missing_pieces\nprint(missing_pieces(Path("conf")))\n'
+    for piece, says in (("hypothesis", "no Hypothesis('h09'"), ("instrument", "which does not log H09_LONG_SHARE"),
+                        ("rule", "no doctor rule reads its metrics")):
+        out = _run(_h09_copy(tmp_path / f"no-{piece}", leave_out=piece), check)
+        assert out.returncode == 0 and says in out.stdout, (piece, out.stdout, out.stderr[-2000:])

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import torch
 
-from musique_rl.diagnostics.audit import RewardAudit, environment_integrity
-from musique_rl.diagnostics.doctor import diagnose_metrics, top_flagged
-from musique_rl.diagnostics.ledger import Source
-from musique_rl.diagnostics.sync import logp_gap, sampling_fit
+from musique_rl.doctor.diagnose import diagnose_metrics
 from musique_rl.env import rewards, tools
+from musique_rl.env.episode import EpisodeSummary
+from musique_rl.instruments.audit import RewardAudit, environment_integrity
+from musique_rl.instruments.ledger import Source
+from musique_rl.instruments.sync import logp_gap, sampling_fit
 from tests.test_doctor import clean, series, with_
 
 
@@ -44,7 +45,7 @@ def _episode(record, answer: str, doc_text: str | None = None):
     ids = tok.encode(call) + [1] + [5] + tok.encode(tool) + [5] + tok.encode(final) + [1]
     src = ([Source.ASSISTANT] * (len(call) + 1) + [Source.TEMPLATE] + [Source.TOOL] * len(tool) + [Source.TEMPLATE]
            + [Source.ASSISTANT] * (len(final) + 1))
-    return {"id": record["id"], "messages": msgs}, ids, [int(s) for s in src]
+    return EpisodeSummary(record["id"], msgs), ids, [int(s) for s in src]
 
 
 def _batch(record, answers):
@@ -63,7 +64,7 @@ def test_reward_audit_matches_honest_rewards_and_catches_shifted_ones(toy_record
     by_id = {toy_record["id"]: toy_record}
     answers = [toy_record["answer"], "wrong", toy_record["answer"], "nope"]
     eps, ids, srcs = _batch(toy_record, answers)
-    honest = torch.tensor([rewards.total(rewards.score_episode(toy_record, e["messages"]), rewards.n_hops(toy_record),
+    honest = torch.tensor([rewards.total(rewards.score_episode(toy_record, e.messages), rewards.n_hops(toy_record),
                                          reward_cfg) for e in eps])
     audit = RewardAudit(OmegaConf.create(OmegaConf.to_container(reward_cfg)), by_id, CharTokenizer(), audit_size=4)
     ok = audit(honest, eps, ids, srcs)
@@ -115,31 +116,31 @@ def test_a_gap_explained_by_sampling_settings_is_h06_and_one_that_is_not_stays_h
     fit = {"h06/fit_gap_trainer": [(0, 0.05)], "h06/fit_gap_best": [(0, 1e-6)],
            "h06/fit_temperature_factor": [(0, 0.7)], "h06/fit_top_p": [(0, 1.0)], "h06/fit_top_k": [(0, 0.0)]}
     diag = diagnose_metrics(with_({**gap, **fit}))
-    assert top_flagged(diag) == "h06" and diag[0]["check"] == "sampling_settings_differ"
+    assert diag.top_hypothesis == "h06" and diag[0].check == "sampling_settings_differ"
     unexplained = {**fit, "h06/fit_gap_best": [(0, 0.04)]}
-    assert top_flagged(diagnose_metrics(with_({**gap, **unexplained}))) == "h02"
+    assert (diagnose_metrics(with_({**gap, **unexplained}))).top_hypothesis == "h02"
 
 
 def test_audit_and_integrity_findings_name_h05_and_h04():
-    assert top_flagged(diagnose_metrics(with_({"h05/reward_audit_mismatch_share": series(lambda s: 0.5)}))) == "h05"
-    assert top_flagged(diagnose_metrics(with_({"h04/tool_results_altered_share": series(lambda s: 1.0)}))) == "h04"
+    assert (diagnose_metrics(with_({"h05/reward_audit_mismatch_share": series(lambda s: 0.5)}))).top_hypothesis == "h05"
+    assert (diagnose_metrics(with_({"h04/tool_results_altered_share": series(lambda s: 1.0)}))).top_hypothesis == "h04"
 
 
 def test_flat_run_with_nothing_flagged_says_cause_not_found_and_a_learning_run_stays_clean():
     flat = diagnose_metrics(with_({"reward": series(lambda s: 0.5 + 0.05 * ((-1) ** s))}))
-    assert top_flagged(flat) == "unexplained"
-    assert flat[0]["check"] == "flat_reward_cause_not_found" and "cause not found" in flat[0]["verdict"]
-    assert "Next:" in flat[0]["verdict"]
+    assert flat.top_hypothesis == "unexplained"
+    assert flat[0].check == "flat_reward_cause_not_found" and "cause not found" in flat[0].verdict
+    assert "Next:" in flat[0].verdict
     rising = diagnose_metrics(with_({"reward": series(lambda s: 0.4 + 0.02 * s + 0.03 * ((-1) ** s))}))
-    assert top_flagged(rising) == "clean"
+    assert rising.top_hypothesis == "clean"
     # a flagged instrument outranks and replaces the flat finding
     broken = diagnose_metrics(with_({"reward": series(lambda s: 0.5), "h01/amplification_max": series(lambda s: 3e6)}))
-    assert top_flagged(broken) == "h01" and not any(d["hypothesis"] == "unexplained" for d in broken)
+    assert broken.top_hypothesis == "h01" and not any(d.hypothesis == "unexplained" for d in broken)
     assert clean()  # the shared clean history has no reward series: nothing is said about a trend
 
 
 def test_sampling_fit_grid_equals_the_per_setting_reference():
-    from musique_rl.diagnostics.sync import _warped_logps
+    from musique_rl.instruments.sync import _warped_logps
 
     g = torch.Generator().manual_seed(1)
     logits = torch.randn(3, 10, 40, generator=g) * 2

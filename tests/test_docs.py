@@ -39,7 +39,7 @@ def test_the_readme_fits_on_a_few_screens_and_names_the_commands_users_and_ci_ru
     assert len(text.splitlines()) <= 150, "the README grows back into a lab notebook: move detail to docs/howto"
     ci = (ROOT / ".ci" / "run").read_text()
     assert "make test" in ci and "make test" in text, "CI runs the README's test command: keep it in both"
-    for command in ("make setup", "make train", "+hypothesis=h01", "make sweep", "musique_rl.diagnostics.doctor --run-dir",
+    for command in ("make setup", "make train", "+hypothesis=h01", "make sweep", "musique_rl.doctor --run-dir",
                     "make gpu-smoke", "musique_rl.gpu_job", "docs/STATUS.md", "make publish", "make setup-gpu",
                     "musique_rl.data fetch", "MUSIQUE_RL_DATA", "hydra/launcher=slurm", "env=musique"):
         assert command in text, command

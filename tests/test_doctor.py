@@ -8,7 +8,8 @@ import json
 import pytest
 
 from musique_rl.core.faults import FAULTS as FAULT_REGISTRY
-from musique_rl.diagnostics.doctor import diagnose_metrics, diagnose_run, main, top_flagged, write_diagnosis
+from musique_rl.doctor.cli import main
+from musique_rl.doctor.diagnose import diagnose_metrics, diagnose_run, write_diagnosis
 
 STEPS = 20
 
@@ -88,9 +89,9 @@ FINGERPRINTS = {
 
 def test_clean_history_flags_nothing():
     diag = diagnose_metrics(clean(), {"reward.weights.answer_em": "1.0"})
-    assert [d for d in diag if d["flagged"]] == []
-    assert top_flagged(diag) == "clean"
-    assert {d["hypothesis"] for d in diag} >= {f"h0{i}" for i in range(1, 9)}  # every hypothesis accounted for
+    assert [d for d in diag if d.flagged] == []
+    assert diag.top_hypothesis == "clean"
+    assert {d.hypothesis for d in diag} >= {f"h0{i}" for i in range(1, 9)}  # every hypothesis accounted for
 
 
 @pytest.mark.parametrize("fault", sorted(FINGERPRINTS))
@@ -98,25 +99,25 @@ def test_fault_fingerprint_names_its_hypothesis_first(fault):
     want, changes = FAULT_REGISTRY[fault].expected, FINGERPRINTS[fault]  # the finding its declaration expects
     diag = diagnose_metrics(with_(changes))
     top = diag[0]
-    assert top["flagged"] and top["hypothesis"] == want, diag[:3]
-    assert top["evidence"] and all(isinstance(v, float) for v in top["evidence"].values())
-    assert top["rank"] == 1 and top["verdict"]
+    assert top.flagged and top.hypothesis == want, diag[:3]
+    assert top.evidence and all(isinstance(v, float) for v in top.evidence.values())
+    assert top.rank == 1 and top.verdict
 
 
 def test_stale_sampler_verdict_uses_the_probe_words():
     diag = diagnose_metrics(with_(FINGERPRINTS["stale_sampler"]))
-    assert "sampler matches base, not trainer" in diag[0]["verdict"]
+    assert "sampler matches base, not trainer" in diag[0].verdict
 
 
 def test_answer_reward_rule_needs_answers_to_exist():
     # constant zero answer reward WITH no answers is truncation (h04), not a blind reward (h05)
     no_answers = with_({**FINGERPRINTS["first_turn_reward"], "h04/no_answer_share": series(lambda s: 0.9)})
-    assert not any(d["flagged"] and d["hypothesis"] == "h05" for d in diagnose_metrics(no_answers))
+    assert not any(d.flagged and d.hypothesis == "h05" for d in diagnose_metrics(no_answers))
 
 
 def test_missing_metrics_are_reported_as_no_data_not_as_healthy():
     diag = diagnose_metrics({"h08/update_weight_ratio": series(lambda s: 1e-3)})
-    nodata = {d["hypothesis"] for d in diag if d["check"] == "no_data"}
+    nodata = {d.hypothesis for d in diag if d.check == "no_data"}
     assert nodata == {"h01", "h02", "h03", "h04", "h05", "h06", "h07"}
 
 
@@ -146,14 +147,14 @@ def test_diagnosis_round_trips_through_mlflow_and_the_cli(store, capsys):
     bad = _log_run(uri, exp_id, with_(FINGERPRINTS["env_tokens_trained"]), "fault-env_tokens_trained-s1")
     good = _log_run(uri, exp_id, clean(), "clean-s1")
     diag = diagnose_run(bad, uri)
-    assert top_flagged(diag) == "h02"
+    assert diag.top_hypothesis == "h02"
     write_diagnosis(bad, diag, uri)
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(uri)
     with open(client.download_artifacts(bad, "diagnosis.json")) as fh:
         saved = json.load(fh)
-    assert saved[0]["hypothesis"] == "h02" and saved == diag
+    assert saved[0]["hypothesis"] == "h02" and saved == diag.to_json()
     assert client.get_run(bad).data.tags["diagnosis"] == "h02"
 
     assert main(["--run-id", good, "--tracking-uri", uri]) == 0
@@ -169,15 +170,15 @@ def test_diagnosis_round_trips_through_mlflow_and_the_cli(store, capsys):
 def test_an_answering_but_always_wrong_policy_is_not_a_blind_reward():
     wrong = with_({"h05/answer_em/constant_group_share": series(lambda s: 1.0),
                    "h05/answer_em/mean": series(lambda s: 0.0)})  # F1 still varies: the reward reads answers
-    assert not any(d["flagged"] for d in diagnose_metrics(wrong))
+    assert not any(d.flagged for d in diagnose_metrics(wrong))
 
 
 def test_preflight_warning_needs_the_trained_reward_to_confirm_it():
     hard = {"preflight/signal_share_forecast": [(0, 0.05)], "preflight/pass_rate_mean": [(0, 0.01)]}
     partial_credit = with_({**hard, "h01/signal_group_share": series(lambda s: 0.8)})
-    assert not any(d["flagged"] for d in diagnose_metrics(partial_credit))
+    assert not any(d.flagged for d in diagnose_metrics(partial_credit))
     no_signal = with_({**hard, "h01/signal_group_share": series(lambda s: 0.1)})
-    assert top_flagged(diagnose_metrics(no_signal)) == "preflight"
+    assert (diagnose_metrics(no_signal)).top_hypothesis == "preflight"
 
 
 def test_vanishing_importance_weights_are_ranked_as_the_consequence_of_a_blind_trainer():
@@ -194,11 +195,11 @@ def test_vanishing_importance_weights_are_ranked_as_the_consequence_of_a_blind_t
         "h06/lora_b_norm": series(lambda s: 0.0),
     })
     d = diagnose_metrics(m)
-    assert top_flagged(d) == "h02" and d[0]["check"] == "trainer_sampler_mismatch_at_start"
-    by_check = {x["check"]: x for x in d}
+    assert d.top_hypothesis == "h02" and d[0].check == "trainer_sampler_mismatch_at_start"
+    by_check = {x.check: x for x in d}
     for check in ("importance_weights_vanish", "updates_too_small", "lora_untrained"):
-        assert by_check[check]["flagged"] and "consequence of h02" in by_check[check]["verdict"]
-        assert by_check[check]["rank"] > 1
+        assert by_check[check].flagged and "consequence of h02" in by_check[check].verdict
+        assert by_check[check].rank > 1
 
 
 def test_vanishing_importance_weights_alone_are_the_cause_of_the_stillness():
@@ -208,10 +209,10 @@ def test_vanishing_importance_weights_alone_are_the_cause_of_the_stillness():
     m = with_({"sampling/importance_sampling_ratio/mean": series(lambda s: 0.01),
                "h08/update_weight_ratio": series(lambda s: 0.0)})
     d = diagnose_metrics(m)
-    found = {x["check"]: x for x in d if x["flagged"]}
-    assert "importance_weights_vanish" in found and found["importance_weights_vanish"]["hypothesis"] == "h06"
-    assert d[0]["check"] == "importance_weights_vanish" and d[0]["role"] == "cause"
-    assert found["updates_too_small"]["role"] == "consequence"
-    assert found["updates_too_small"]["explained_by"] == "h06 importance_weights_vanish"
-    assert "importance_weights_vanish" not in {x["check"] for x in diagnose_metrics(with_({
-        "sampling/importance_sampling_ratio/mean": series(lambda s: 1.0)})) if x["flagged"]}
+    found = {x.check: x for x in d if x.flagged}
+    assert "importance_weights_vanish" in found and found["importance_weights_vanish"].hypothesis == "h06"
+    assert d[0].check == "importance_weights_vanish" and d[0].role == "cause"
+    assert found["updates_too_small"].role == "consequence"
+    assert found["updates_too_small"].explained_by.name == "h06 importance_weights_vanish"
+    assert "importance_weights_vanish" not in {x.check for x in diagnose_metrics(with_({
+        "sampling/importance_sampling_ratio/mean": series(lambda s: 1.0)})) if x.flagged}

@@ -9,10 +9,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from musique_rl.diagnostics.chain import CHECKS, ORDER, STAGES, Kind, reason
-from musique_rl.diagnostics.doctor import diagnose_log, diagnose_metrics, format_diagnosis, main, top_flagged
-from musique_rl.diagnostics.findings import Finding
-from musique_rl.diagnostics.sources import open_source
+from musique_rl.doctor.chain import reason
+from musique_rl.doctor.cli import main
+from musique_rl.doctor.diagnose import diagnose_log, diagnose_metrics
+from musique_rl.doctor.findings import CHECK_DECLARATIONS, Finding
+from musique_rl.doctor.report import format_diagnosis
+from musique_rl.doctor.sources import open_source
+from musique_rl.doctor.step import ORDER, STAGES, Kind
 
 FIX = Path(__file__).resolve().parent / "fixtures" / "doctor"
 
@@ -22,18 +25,18 @@ def diagnose(name: str) -> list[dict]:
 
 
 def flagged(diag: list[dict]) -> list[dict]:
-    return [d for d in diag if d["flagged"]]
+    return [d for d in diag if d.flagged]
 
 
 # ---------------------------------------------------------------- the three false findings
 def test_healthy_float32_gpu_run_is_clean_despite_a_growing_gap_and_one_spike():
     diag = diagnose("f32_h200_healthy")
     assert flagged(diag) == [], format_diagnosis(diag)
-    spike = next(d for d in diag if d["check"] == "gradient_spikes")
-    assert spike["role"] == "note" and spike["evidence"]["worst spike step"] == 56
-    assert abs(spike["evidence"]["worst spike (x median before it)"] - 13.6) < 0.2
-    sync = next(d for d in diag if d["stage"] == "sampling" and d["hypothesis"] == "h06")
-    assert not sync["flagged"] and "weights not synced" not in sync["verdict"]
+    spike = next(d for d in diag if d.check == "gradient_spikes")
+    assert spike.role == "note" and spike.evidence["worst spike step"] == 56
+    assert abs(spike.evidence["worst spike (x median before it)"] - 13.6) < 0.2
+    sync = next(d for d in diag if d.stage == "sampling" and d.hypothesis == "h06")
+    assert not sync.flagged and "weights not synced" not in sync.verdict
 
 
 def test_the_same_growing_gap_is_withdrawn_as_numerics_when_only_parity_speaks():
@@ -44,41 +47,43 @@ def test_the_same_growing_gap_is_withdrawn_as_numerics_when_only_parity_speaks()
     m["h06/logp_gap_mean"] = [(s, v * 10) for s, v in m["h06/logp_gap_mean"]]
     params = {k: v for k, v in run.params.items() if k != "model.dtype"}
     diag = diagnose_metrics(m, params)
-    gap = next(d for d in diag if d["check"] == "gap_grows")
-    assert not gap["flagged"] and gap["role"] == "withdrawn"
-    assert "parity" in gap["reason"] and "numerics" in gap["reason"] and "train.backend=hf" in gap["reason"]
+    gap = next(d for d in diag if d.check == "gap_grows")
+    assert not gap.flagged and gap.role == "withdrawn"
+    assert "parity" in gap.reason and "numerics" in gap.reason and "train.backend=hf" in gap.reason
     assert "why withdrawn" in format_diagnosis(diag)
     # a probe that sees the sampler differ after an update keeps the claim
     m["h06/parity_sampler_trainer"] = [(1, 0.0), (11, 0.03)]
-    assert any(d["check"] == "gap_grows" and d["flagged"] for d in diagnose_metrics(m, params))
+    assert any(d.check == "gap_grows" and d.flagged for d in diagnose_metrics(m, params))
 
 
 def test_healthy_public_trl_run_with_one_spike_is_clean():
     diag = diagnose("trl_healthy_spike")
     assert flagged(diag) == [], format_diagnosis(diag)
-    assert next(d for d in diag if d["check"] == "gradient_spikes")["role"] == "note"
+    assert next(d for d in diag if d.check == "gradient_spikes").role == "note"
 
 
 def test_recurring_gradient_spikes_are_still_a_finding():
     run = open_source(str(FIX / "trl_healthy_spike"))
     m = dict(run.histories)
     m["grad_norm"] = [(s, v * (12 if s in (40, 70, 100) else 1)) for s, v in m["grad_norm"]]
-    assert any(d["check"] == "gradient_spikes" and d["flagged"] for d in diagnose_metrics(m, run.params))
+    assert any(d.check == "gradient_spikes" and d.flagged for d in diagnose_metrics(m, run.params))
 
 
 def test_zero_signal_run_names_the_upstream_cause_and_lists_the_stillness_as_its_consequences():
     diag = diagnose("qwen7b_tied")
     top = diag[0]
-    assert top["role"] == "cause" and top["rank"] == 1 and top["stage"] in ("inputs", "signal")
-    assert [d for d in diag if d["role"] == "cause"] == [top]  # one cause: everything else follows from it
-    by_check = {d["check"]: d for d in diag}
+    assert top.role == "cause" and top.rank == 1 and top.stage in ("inputs", "signal")
+    assert [d for d in diag if d.role == "cause"] == [top]  # one cause: everything else follows from it
+    by_check = {d.check: d for d in diag}
     for check in ("lora_untrained", "updates_too_small", "gradient_zero", "no_signal"):
         d = by_check[check]
-        assert d["flagged"] and d["role"] == "consequence" and d["cause_rank"] == 1, d
-        assert d["explained_by"] == f"{top['hypothesis']} {top['check']}"
-        assert d["verdict"].startswith(f"A consequence of {top['hypothesis']} {top['check']}")
-        assert d["rank"] > top["rank"]
-    assert set(top["consequences"]) >= {"h06 lora_untrained", "h08 updates_too_small"}
+        assert d.flagged and d.role == "consequence" and d.explained_by.rank == 1, d
+        assert d.explained_by is top and d.explained_by.name == f"{top.hypothesis} {top.check}"
+        assert d.verdict.startswith(f"A consequence of {top.hypothesis} {top.check}")
+        assert d.rank > top.rank
+    assert {c.name for c in diag.consequences_of(top)} >= {"h06 lora_untrained", "h08 updates_too_small"}
+    saved = diag.to_json()[0]  # diagnosis.json names them
+    assert saved["role"] == "cause" and set(saved["consequences"]) >= {"h06 lora_untrained", "h08 updates_too_small"}
     # the text a user reads: the cause, then its consequences indented under it
     text = format_diagnosis(diag).splitlines()
     assert "CAUSE" in text[0] and all("consequence" in line for line in text[2:6])
@@ -87,9 +92,9 @@ def test_zero_signal_run_names_the_upstream_cause_and_lists_the_stillness_as_its
 def test_warm_up_is_not_a_learning_rate_too_small():
     diag = diagnose("realmodel_warmup_3steps")
     assert flagged(diag) == [], format_diagnosis(diag)
-    assert not any("raise the learning rate" in d["verdict"].lower() for d in diag)
-    upd = next(d for d in diag if d["check"] == "updates_too_small")
-    assert upd["role"] == "note" and "warm-up" in upd["verdict"]
+    assert not any("raise the learning rate" in d.verdict.lower() for d in diag)
+    upd = next(d for d in diag if d.check == "updates_too_small")
+    assert upd.role == "note" and "warm-up" in upd.verdict
 
 
 def test_after_the_warm_up_tiny_updates_are_still_found():
@@ -100,14 +105,14 @@ def test_after_the_warm_up_tiny_updates_are_still_found():
         m[key] += [(s, 1e-5) for s in range(4, 16)]
     m["h08/update_weight_ratio"] += [(s, 1e-6) for s in range(4, 16)]
     diag = diagnose_metrics(m, run.params)
-    assert top_flagged(diag) == "h08" and diag[0]["check"] == "updates_too_small"
+    assert diag.top_hypothesis == "h08" and diag[0].check == "updates_too_small"
 
 
 def test_steps_without_any_group_signal_do_not_count_against_the_learning_rate():
     """A step on which every group tied has no gradient: the update size is judged on the steps at
     the scheduled rate that had a signal, and not on fewer than MIN_UPDATE_STEPS of them (the 6-step
     Qwen2.5 stand-in run: 3 steps at rate, 2 of them tied, was told to raise the learning rate)."""
-    from musique_rl.diagnostics.stages.update import MIN_UPDATE_STEPS
+    from musique_rl.doctor.stages.update import MIN_UPDATE_STEPS
 
     run = open_source(str(FIX / "realmodel_warmup_3steps"))
     m = {k: list(v) for k, v in run.histories.items()}
@@ -117,20 +122,21 @@ def test_steps_without_any_group_signal_do_not_count_against_the_learning_rate()
     # every group tied on all but two of the steps at the scheduled rate
     m["h01/zero_std_share"] = [(s, 0.5 if s in (5, 9) else 1.0) for s in range(1, 16)]
     diag = diagnose_metrics(m, run.params)
-    upd = next(d for d in diag if d["check"] == "updates_too_small")
-    assert not upd["flagged"] and upd["role"] == "note" and f"at least {MIN_UPDATE_STEPS}" in upd["verdict"]
-    assert not any("raise the learning rate" in d["verdict"].lower() for d in diag if d["flagged"])
+    upd = next(d for d in diag if d.check == "updates_too_small")
+    assert not upd.flagged and upd.role == "note" and f"at least {MIN_UPDATE_STEPS}" in upd.verdict
+    assert not any("raise the learning rate" in d.verdict.lower() for d in diag if d.flagged)
     # with signal on enough of those steps, the same tiny updates are the update stage's again
     m["h01/zero_std_share"] = [(s, 0.5 if s % 2 else 1.0) for s in range(1, 16)]
     diag = diagnose_metrics(m, run.params)
-    assert next(d for d in diag if d["check"] == "updates_too_small")["flagged"]
+    assert next(d for d in diag if d.check == "updates_too_small").flagged
 
 
 # ---------------------------------------------------------------- the mechanism
 def test_every_declared_check_sits_in_a_stage_of_the_chain():
     assert [s.name for s in STAGES][:2] == ["inputs", "sampling"] and STAGES[-1].name == "policy"
-    for check, (stage, kind) in CHECKS.items():
-        assert stage in ORDER and isinstance(kind, Kind), check
+    assert len(CHECK_DECLARATIONS) >= 60
+    for check, decl in CHECK_DECLARATIONS.items():
+        assert decl.stage in ORDER and isinstance(decl.kind, Kind), check
     for s in STAGES:
         assert all(ORDER[t] > ORDER[s.name] for t in s.starves), s  # a stage starves only what is downstream
 
@@ -143,36 +149,42 @@ def test_a_defect_downstream_is_never_a_consequence_and_strong_proof_outranks_an
     budget = _f("budgets_binding", 2.3)  # inputs, symptom
     env_tokens = _f("env_tokens_in_loss", 3.4)  # loss, defect: nothing upstream puts tool tokens in the loss
     spikes = _f("gradient_spikes", 1.2)  # gradient, symptom: explained by any upstream failure
-    ordered, roles = reason([spikes, budget, env_tokens])
-    assert [f.check for f in ordered] == ["env_tokens_in_loss", "budgets_binding", "gradient_spikes"]
-    assert roles[id(env_tokens)].role == roles[id(budget)].role == "cause"
-    assert roles[id(spikes)].role == "consequence" and roles[id(spikes)].explained_by is budget
+    diag = reason([spikes, budget, env_tokens])
+    assert [f.check for f in diag] == ["env_tokens_in_loss", "budgets_binding", "gradient_spikes"]
+    assert [f.rank for f in diag] == [1, 2, 3]
+    assert diag.find("env_tokens_in_loss").role == diag.find("budgets_binding").role == "cause"
+    assert diag.find("gradient_spikes").role == "consequence"
+    assert diag.find("gradient_spikes").explained_by is diag.find("budgets_binding")
 
 
 def test_starved_findings_need_a_starving_cause_and_chains_resolve_to_their_root():
     mismatch = _f("trainer_sampler_mismatch_at_start", 2.9)  # sampling, defect
     weights = _f("importance_weights_vanish", 2.5)  # loss, symptom that starves
     still = _f("updates_too_small", 2.9)  # update, starved
-    ordered, roles = reason([still, weights, mismatch])
-    assert ordered[0] is mismatch
-    assert roles[id(weights)].explained_by is mismatch
-    assert roles[id(still)].explained_by is mismatch and roles[id(still)].via is weights
+    diag = reason([still, weights, mismatch])
+    assert diag[0].check == "trainer_sampler_mismatch_at_start"
+    assert diag.find("importance_weights_vanish").explained_by is diag[0]
+    # its root cause, reached through the starving finding that directly explains it
+    assert diag.find("updates_too_small").explained_by is diag[0]
+    assert "(through hx importance_weights_vanish)" in diag.find("updates_too_small").verdict
     # a non-starving upstream finding does not explain a starved one
     amp = _f("std_amplification", 2.5)  # signal, defect, does not starve
-    _, roles = reason([amp, still])
-    assert roles[id(still)].role == "cause"
+    assert reason([amp, still]).find("updates_too_small").role == "cause"
     # unless the rule says this one finding starves (e.g. budgets binding on every episode)
     budget = _f("budgets_binding", 2.3, starves=True)
-    _, roles = reason([budget, still])
-    assert roles[id(still)].explained_by is budget
+    diag = reason([budget, still])
+    assert diag.find("updates_too_small").explained_by is diag.find("budgets_binding")
 
 
-def test_an_undeclared_rule_is_a_cause_in_its_hypothesis_stage():
+def test_a_finding_no_rule_declares_sits_in_its_hypothesis_stage():
+    """A rule cannot emit an undeclared check (tests/test_doctor_declarations.py); the no-data findings
+    the doctor adds itself take their hypothesis's stage from the catalogue."""
     new = _f("some_new_check", 2.0, hyp="h05")
-    ordered, roles = reason([new])
-    assert roles[id(new)].role == "cause"
+    placed = reason([new])[0]
+    assert placed.role == "cause" and placed.stage == "reward"
     d = diagnose_metrics({})
-    assert all(x["role"] == "no_data" for x in d if x["check"] == "no_data")
+    assert {x.stage for x in d if x.hypothesis == "h07"} == {"environment"}
+    assert all(x.role == "no_data" for x in d if x.check == "no_data")
 
 
 # ---------------------------------------------------------------- where --from writes
@@ -199,9 +211,9 @@ def test_from_writes_one_result_per_input_and_never_over_another(tmp_path, monke
 
 def test_docs_show_the_chain_and_the_worked_example_as_the_code_has_them():
     docs = (Path(__file__).resolve().parents[1] / "docs" / "diagnostics.md").read_text()
-    from musique_rl.diagnostics.chain import stage_table
+    from musique_rl.doctor.tables import stage_table
 
-    assert stage_table() in docs, "regenerate the chain table in docs/diagnostics.md (command beside it)"
+    assert stage_table() in docs, "regenerate the chain table: python -m musique_rl.doctor.tables --write docs/diagnostics.md"
     assert format_diagnosis(diagnose("qwen7b_tied"), show_ok=False) in docs, "re-run the worked example's command"
 
 
@@ -210,11 +222,11 @@ def test_a_kl_at_start_read_after_updates_is_withdrawn():
     from tests.test_doctor import clean
 
     late = {"kl": [(s, 0.02) for s in range(10, 200, 10)]}
-    d = next(x for x in diagnose_metrics({**clean(), **late}, {"loss.beta": "0.04"}) if x["check"] == "kl_at_start")
-    assert d["role"] == "withdrawn" and "step 10" in d["reason"]
+    d = next(x for x in diagnose_metrics({**clean(), **late}, {"loss.beta": "0.04"}) if x.check == "kl_at_start")
+    assert d.role == "withdrawn" and "step 10" in d.reason
     first = {"kl": [(s, 0.02) for s in range(1, 200, 10)]}
-    d = next(x for x in diagnose_metrics({**clean(), **first}, {"loss.beta": "0.04"}) if x["check"] == "kl_at_start")
-    assert d["flagged"] and d["role"] == "cause"
+    d = next(x for x in diagnose_metrics({**clean(), **first}, {"loss.beta": "0.04"}) if x.check == "kl_at_start")
+    assert d.flagged and d.role == "cause"
 
 
 def test_inside_one_stage_a_defect_explains_its_symptom_and_two_defects_stay_causes():
@@ -222,15 +234,16 @@ def test_inside_one_stage_a_defect_explains_its_symptom_and_two_defects_stay_cau
     grows = _f("gap_grows", 2.4)  # sampling, symptom
     lr0 = _f("learning_rate_zero", 3.0)  # update, defect that starves
     still = _f("updates_too_small", 2.9)  # update, starved
-    _, roles = reason([grows, stale, still, lr0])
-    assert roles[id(grows)].explained_by is stale and roles[id(still)].explained_by is lr0
+    diag = reason([grows, stale, still, lr0])
+    assert diag.find("gap_grows").explained_by is diag.find("sampler_serves_base")
+    assert diag.find("updates_too_small").explained_by is diag.find("learning_rate_zero")
     audit, blind = _f("reward_audit", 3.3), _f("answer_reward_blind", 2.5)  # reward, two defects
-    _, roles = reason([audit, blind])
-    assert roles[id(audit)].role == roles[id(blind)].role == "cause"
+    diag = reason([audit, blind])
+    assert diag.find("reward_audit").role == diag.find("answer_reward_blind").role == "cause"
 
 
 def test_each_stage_gets_a_health_verdict_and_a_foreign_log_shows_fewer_stages():
-    from musique_rl.diagnostics.doctor import stage_health
+    from musique_rl.doctor.report import stage_health
 
     tied = {h["stage"]: h for h in stage_health(diagnose("qwen7b_tied"))}
     assert tied["inputs"]["health"] == "cause" and "budgets_binding" in tied["inputs"]["checks"]
@@ -246,7 +259,7 @@ def test_a_policy_that_never_moves_at_the_scheduled_rate_is_found_and_warm_up_is
 
     lr = {"h08/learning_rate": [(s, 1e-3) for s in range(20)]}
     still = diagnose_metrics({**clean(), **lr, "h08/kl_to_start": [(0, 0.0), (10, 0.0)]})
-    assert any(d["check"] == "policy_still" and d["flagged"] for d in still)
+    assert any(d.check == "policy_still" and d.flagged for d in still)
     warm = {"h08/learning_rate": [(s, 1e-4 * s) for s in range(3)], "h08/kl_to_start": [(0, 0.0), (2, 0.0)]}
     d = diagnose_metrics({**clean(), **warm}, {"loss.learning_rate": "1e-3", "loss.warmup_steps": "10"})
-    assert not any(x["check"] == "policy_still" and x["flagged"] for x in d)
+    assert not any(x.check == "policy_still" and x.flagged for x in d)

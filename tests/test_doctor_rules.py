@@ -8,18 +8,21 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from musique_rl.diagnostics.advantages import advantage_stats
-from musique_rl.diagnostics.doctor import GAP_ABS_MIN, LOGP_GAP_MAX, diagnose_metrics, top_flagged
-from musique_rl.diagnostics.episodes import episode_shape
-from musique_rl.diagnostics.floor import mismatch_floor
-from musique_rl.diagnostics.reward_signal import reward_component_stats
-from musique_rl.diagnostics.sync import _warped_logps, sampling_fit
-from musique_rl.diagnostics.updates import update_metrics
+from musique_rl.base.catalogue import LOGP_GAP_MAX
+from musique_rl.doctor.context import GAP_ABS_MIN
+from musique_rl.doctor.diagnose import diagnose_metrics
+from musique_rl.env.episode import EpisodeSummary, StopReason
+from musique_rl.instruments.advantages import advantage_stats
+from musique_rl.instruments.episodes import episode_shape
+from musique_rl.instruments.floor import mismatch_floor
+from musique_rl.instruments.reward_signal import reward_component_stats
+from musique_rl.instruments.sync import _warped_logps, sampling_fit
+from musique_rl.instruments.updates import update_metrics
 from tests.test_doctor import STEPS, series, with_
 
 
 def flagged(diag, check: str) -> bool:
-    return any(d["flagged"] and d["check"] == check for d in diag)
+    return any(d.flagged and d.check == check for d in diag)
 
 
 # ---------------------------------------------------------------- bf16 on a CPU
@@ -66,12 +69,12 @@ def test_the_floor_is_measured_per_precision_and_float32_sits_far_below_bf16():
 def test_the_floor_is_re_measured_at_every_probe_on_the_weights_of_that_moment():
     """A step-0 floor under-states what numerics give once the policy sharpens: every parity probe
     measures it again, on the current weights (bf16, where the floor is above round-off of the mean)."""
-    from musique_rl.diagnostics.instruments import Instruments
+    from musique_rl.instruments.suite import Instruments
 
     ids, mask, c, lm = _probe()
     model = _tiny_lm(torch.bfloat16)
     inst = Instruments(num_generations=2)
-    from musique_rl.diagnostics.floor import _full_forward
+    from musique_rl.instruments.floor import _full_forward
 
     sampled = _full_forward(model, ids, mask, c, 1.0)  # the sampler's own log-probs: the first probe fits settings too
     inst._probe = {"input_ids": ids, "attention_mask": mask, "logits_to_keep": c, "mask": lm, "sampling_logps": sampled}
@@ -92,14 +95,14 @@ def _gap(step0: float, floor: float | None) -> dict:
 def test_a_gap_is_judged_against_the_runs_own_floor():
     # a bf16 stack: a healthy 5e-3 gap sits within 10x its 2e-3 floor (the fixed 0.01 would pass it
     # too, but a 0.02 gap, also healthy on this floor, was a false alarm)
-    assert top_flagged(diagnose_metrics(_gap(0.012, 2e-3))) == "clean"
-    assert top_flagged(diagnose_metrics(_gap(0.012, None))) == "h02"  # no floor: the fixed 0.01
+    assert (diagnose_metrics(_gap(0.012, 2e-3))).top_hypothesis == "clean"
+    assert (diagnose_metrics(_gap(0.012, None))).top_hypothesis == "h02"  # no floor: the fixed 0.01
     # float32: a 2.5e-3 gap (a sampler 2% cooler) is far above a 2e-7 floor though below 0.01
     assert 2.5e-3 < LOGP_GAP_MAX
-    assert top_flagged(diagnose_metrics(_gap(2.5e-3, 2e-7))) == "h02"
-    assert top_flagged(diagnose_metrics(_gap(2.5e-3, None))) == "clean"
+    assert (diagnose_metrics(_gap(2.5e-3, 2e-7))).top_hypothesis == "h02"
+    assert (diagnose_metrics(_gap(2.5e-3, None))).top_hypothesis == "clean"
     # the absolute minimum: a floor of 1e-9 does not make 5e-6 of round-off a defect
-    assert top_flagged(diagnose_metrics(_gap(5e-6, 1e-9))) == "clean" and 5e-6 < GAP_ABS_MIN
+    assert (diagnose_metrics(_gap(5e-6, 1e-9))).top_hypothesis == "clean" and 5e-6 < GAP_ABS_MIN
 
 
 def test_a_growing_gap_is_judged_against_the_floor_too():
@@ -107,15 +110,15 @@ def test_a_growing_gap_is_judged_against_the_floor_too():
     grows = {"h06/logp_gap_mean": series(lambda s: 1e-6 * (1 + 400 * s)), "h06/logp_gap_floor": [(0, 2e-7)],
              "h06/parity_sampler_trainer": [(0, 0.0), (10, 5e-3)]}
     diag = diagnose_metrics(with_(grows))
-    assert top_flagged(diag) == "h06" and flagged(diag, "gap_grows")
-    assert top_flagged(diagnose_metrics(with_({**grows, "h06/logp_gap_floor": [(0, 2e-3)]}))) == "clean"
+    assert diag.top_hypothesis == "h06" and flagged(diag, "gap_grows")
+    assert (diagnose_metrics(with_({**grows, "h06/logp_gap_floor": [(0, 2e-3)]}))).top_hypothesis == "clean"
     # the same growth while every parity probe finds the sampler's log-probs equal to the trainer's:
     # the sampler cannot lag, so the sync claim is withdrawn, with the reason (numerics, not sync)
     same = diagnose_metrics(with_({**grows, "h06/parity_sampler_trainer": [(0, 0.0), (10, 0.0)]}),
                             {"train.backend": "hf"})
-    assert top_flagged(same) == "clean"
-    gone = next(d for d in same if d["check"] == "gap_grows")
-    assert gone["role"] == "withdrawn" and "numerics" in gone["reason"] and "not a weight sync" in gone["reason"]
+    assert same.top_hypothesis == "clean"
+    gone = next(d for d in same if d.check == "gap_grows")
+    assert gone.role == "withdrawn" and "numerics" in gone.reason and "not a weight sync" in gone.reason
 
 
 def test_the_sampling_fit_finds_a_temperature_off_by_two_percent():
@@ -139,7 +142,7 @@ def test_advantages_that_do_not_describe_the_groups_are_a_proof():
     shifted = advantage_stats(rewards, adv.roll(1), 4, 0.05)  # advantages paired with the wrong samples
     assert shifted["h01/adv_group_sum_rel_max"] > 1e-2 or shifted["h01/adv_sign_mismatch_share"] > 0.1
     diag = diagnose_metrics(with_({k: series(lambda s, v=v: v) for k, v in shifted.items()}))
-    assert top_flagged(diag) == "h01" and diag[0]["check"] == "advantages_not_from_groups"
+    assert diag.top_hypothesis == "h01" and diag[0].check == "advantages_not_from_groups"
     assert not flagged(diagnose_metrics(with_({k: series(lambda s, v=v: v) for k, v in ok.items()})),
                        "advantages_not_from_groups")
 
@@ -151,15 +154,15 @@ def test_reward_components_that_contradict_each_other_are_a_proof():
     out = reward_component_stats(comps, torch.tensor([1.0, 0.5, 1.0, 0.0]), 2)
     assert out["h05/component_disagreement_share"] == 0.25  # episode 3: exact match with F1 0
     diag = diagnose_metrics(with_({"h05/component_disagreement_share": series(lambda s: 0.25)}))
-    assert top_flagged(diag) == "h05" and diag[0]["check"] == "components_disagree"
+    assert diag.top_hypothesis == "h05" and diag[0].check == "components_disagree"
 
 
 def test_kl_before_the_first_update_must_be_zero():
     kl = {"kl": series(lambda s: 0.05 + 0.001 * s)}
     diag = diagnose_metrics(with_(kl), {"loss.beta": "0.04"})
-    assert top_flagged(diag) == "h03" and diag[0]["check"] == "kl_at_start"
+    assert diag.top_hypothesis == "h03" and diag[0].check == "kl_at_start"
     healthy = {"kl": series(lambda s: 1e-7 + 0.001 * s)}
-    assert top_flagged(diagnose_metrics(with_(healthy), {"loss.beta": "0.04"})) == "clean"
+    assert (diagnose_metrics(with_(healthy), {"loss.beta": "0.04"})).top_hypothesis == "clean"
 
 
 def test_a_step_with_gradient_and_learning_rate_must_move_the_weights_within_adams_reach():
@@ -167,13 +170,13 @@ def test_a_step_with_gradient_and_learning_rate_must_move_the_weights_within_ada
             "h08/grad_norm_after_clip": series(lambda s: 0.1)}
     idle = {**base, "h08/update_norm": series(lambda s: 0.0 if s == 12 else 0.1)}
     diag = diagnose_metrics(with_(idle))
-    assert top_flagged(diag) == "h08" and diag[0]["check"] == "step_changed_nothing"
+    assert diag.top_hypothesis == "h08" and diag[0].check == "step_changed_nothing"
     # step 0: learning rate 0 (warmup), no movement expected, nothing flagged
     fine = {**base, "h08/update_norm": series(lambda s: 0.0 if s == 0 else 0.1)}
-    assert top_flagged(diagnose_metrics(with_(fine))) == "clean"
+    assert (diagnose_metrics(with_(fine))).top_hypothesis == "clean"
     assert update_metrics(update_norm=0.5, learning_rate=1e-3, trainable_elements=1e4)["h08/adam_step_ratio"] == 5.0
     far = {**fine, "h08/adam_step_ratio": series(lambda s: 40.0)}
-    assert diagnose_metrics(with_(far))[0]["check"] == "step_larger_than_adam"
+    assert diagnose_metrics(with_(far))[0].check == "step_larger_than_adam"
 
 
 # ---------------------------------------------------------------- field alarms
@@ -186,7 +189,7 @@ def test_entropy_collapse_and_gradient_spikes_are_read_from_trls_names():
     # recurring spikes are a finding
     one = diagnose_metrics(with_({"grad_norm": series(lambda s: 50.0 if s == 15 else 0.1 + 0.02 * (s % 3))}))
     assert not flagged(one, "gradient_spikes")
-    assert next(d for d in one if d["check"] == "gradient_spikes")["role"] == "note"
+    assert next(d for d in one if d.check == "gradient_spikes").role == "note"
     spike = diagnose_metrics(with_({"grad_norm": series(lambda s: 50.0 if s in (9, 13, 17) else 0.1 + 0.02 * (s % 3))}))
     assert flagged(spike, "gradient_spikes")
     zero = diagnose_metrics(with_({"grad_norm": series(lambda s: 0.0)}))
@@ -201,8 +204,8 @@ def test_spread_falling_before_the_mean_and_void_turns_are_alarms():
     assert flagged(diagnose_metrics(with_(falls)), "spread_falls_first")
     learns = {**falls, "reward": series(lambda s: 0.3 + 0.03 * s)}  # spread falls because the policy got it right
     assert not flagged(diagnose_metrics(with_(learns)), "spread_falls_first")
-    eps = [{"num_turns": 1, "tool_calls": 0, "stop_reason": "no_tool_call"}] * 3 + [
-        {"num_turns": 3, "tool_calls": 2, "stop_reason": "answer"}]
+    eps = [EpisodeSummary("q", num_turns=1, tool_calls=0, stop_reason=StopReason.NO_TOOL_CALL)] * 3 + [
+        EpisodeSummary("q", num_turns=3, tool_calls=2, stop_reason=StopReason.ANSWER)]
     shape = episode_shape(eps)
     assert shape["h07/void_episode_share"] == 0.75 and shape["h07/void_turn_share"] == 0.5
     diag = diagnose_metrics(with_({"h07/void_episode_share": series(lambda s: 0.05 + 0.03 * s)}))
@@ -213,7 +216,7 @@ def test_spread_falling_before_the_mean_and_void_turns_are_alarms():
 def test_a_short_run_that_rises_short_of_significance_is_too_short_to_judge_not_cause_not_found():
     import math
 
-    from musique_rl.diagnostics.trend import reward_trend
+    from musique_rl.doctor.trend import reward_trend
 
     # +0.08 over 20 steps in step-to-step noise like the tiny model's: p ~ 0.08 for a rise (the
     # issue's healthy bf16 run: +0.083 at p = 0.054)
@@ -221,16 +224,16 @@ def test_a_short_run_that_rises_short_of_significance_is_too_short_to_judge_not_
     rising = with_({"reward": [(s, 0.5 + 0.004 * s + noise[s]) for s in range(STEPS)]})
     assert 0.05 < reward_trend(rising)["p_rise"] < 0.2
     slow = diagnose_metrics(rising)
-    short = next(d for d in slow if d["hypothesis"] == "unexplained")
-    assert short["check"] == "too_short_to_judge" and not short["flagged"] and top_flagged(slow) == "clean"
-    assert short["evidence"]["detectable gain (80% power)"] > short["evidence"]["reward gain (fitted)"] > 0
+    short = next(d for d in slow if d.hypothesis == "unexplained")
+    assert short.check == "too_short_to_judge" and not short.flagged and slow.top_hypothesis == "clean"
+    assert short.evidence["detectable gain (80% power)"] > short.evidence["reward gain (fitted)"] > 0
     flat = diagnose_metrics(with_({"reward": [(s, 0.5 - 0.001 * s + noise[s]) for s in range(STEPS)]}))
-    assert top_flagged(flat) == "unexplained" and flat[0]["check"] == "flat_reward_cause_not_found"
-    assert "would have been detected" in flat[0]["verdict"]
+    assert flat.top_hypothesis == "unexplained" and flat[0].check == "flat_reward_cause_not_found"
+    assert "would have been detected" in flat[0].verdict
 
 
 def test_the_live_console_bounds_the_gap_by_the_same_floor_as_the_doctor():
-    from musique_rl.diagnostics.bounds import out_of_bounds
+    from musique_rl.doctor.bounds import out_of_bounds
 
     assert out_of_bounds({"h06/logp_gap_mean": 0.012}) == ["h06/logp_gap_mean=0.012"]
     assert out_of_bounds({"h06/logp_gap_mean": 0.012}, floor=2e-3) == []

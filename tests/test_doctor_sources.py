@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from musique_rl.diagnostics import sources
-from musique_rl.diagnostics.doctor import diagnose_log, main, top_finding
+from musique_rl.doctor import sources
+from musique_rl.doctor.cli import main
+from musique_rl.doctor.diagnose import diagnose_log
 
 FIX = Path(__file__).resolve().parent / "fixtures" / "trl_runs"
 HEALTHY = ("healthy_seed1", "healthy_seed2", "healthy_kl")
@@ -34,20 +35,20 @@ def diagnosis(name: str, reader=sources.read_trainer_state) -> list[dict]:
 
 
 def flagged(diag: list[dict]) -> list[tuple[str, str]]:
-    return [(d["hypothesis"], d["check"]) for d in diag if d["flagged"]]
+    return [(d.hypothesis, d.check) for d in diag if d.flagged]
 
 
 @pytest.mark.parametrize("name", HEALTHY)
 def test_healthy_trl_runs_are_clean(name):
     diag = diagnosis(name)
     assert flagged(diag) == [], flagged(diag)
-    assert top_finding(diag) is None
+    assert diag.top is None
 
 
 @pytest.mark.parametrize("name", sorted(NAMED))
 def test_each_defect_the_log_can_show_is_the_top_finding(name):
-    top = top_finding(diagnosis(name))
-    assert top is not None and (top["hypothesis"], top["check"]) == NAMED[name], top
+    top = (diagnosis(name)).top
+    assert top is not None and (top.hypothesis, top.check) == NAMED[name], top
 
 
 def test_truncation_ranks_above_what_it_causes():
@@ -57,8 +58,8 @@ def test_truncation_ranks_above_what_it_causes():
     ranked = flagged(diag)
     assert ranked[0] == ("h04", "completions_truncated")
     for d in diag[1:]:
-        if d["flagged"]:
-            assert "consequence" in d["verdict"].lower(), d
+        if d.flagged:
+            assert "consequence" in d.verdict.lower(), d
 
 
 @pytest.mark.parametrize("name", sorted(UNSEEN))
@@ -66,7 +67,7 @@ def test_a_defect_trl_does_not_log_is_not_called_clean_silently(name):
     hyp, words = UNSEEN[name]
     diag = diagnosis(name)
     assert hyp not in {h for h, _ in flagged(diag)}  # nothing in the log names it ...
-    said = " ".join(d["verdict"] for d in diag if d["hypothesis"] == hyp)
+    said = " ".join(d.verdict for d in diag if d.hypothesis == hyp)
     assert words in said, said  # ... and the doctor says what would
 
 
@@ -77,7 +78,7 @@ def test_frozen_lora_shows_in_the_log_as_a_zero_gradient():
     assert min(v for _, v in sources.read_trainer_state(FIX / "healthy_seed1").histories["grad_norm"]) > 0
 
 
-# The rule that reads grad_norm == 0 is the field alarm `gradient_zero` (diagnostics/stages/gradient.py). Its reward
+# The rule that reads grad_norm == 0 is the field alarm `gradient_zero` (doctor/stages/gradient.py). Its reward
 # even "rises" at p = 0.044 by chance, so the flat-reward rule cannot be what names it.
 def test_frozen_lora_is_flagged():
     diag = diagnosis("frozen_lora")
@@ -124,7 +125,7 @@ def test_mlflow_run_of_transformers_callback(tmp_path):
     run = sources.open_source(f"mlflow:{ids['truncated']}", uri)
     assert run.name == "truncated" and run.params["max_completion_length"] == "6"
     assert run.histories["reward"] == sources.read_trainer_state(FIX / "truncated").histories["reward"]
-    assert top_finding(diagnose_log(run))["check"] == "completions_truncated"
+    assert (diagnose_log(run)).top.check == "completions_truncated"
     assert sources.open_source(f"runs:/{ids['healthy_seed1']}/model", uri).name == "healthy_seed1"
     with pytest.raises(sources.SourceError, match="0123456789abcdef"):
         sources.open_source("mlflow:0123456789abcdef", uri)
@@ -138,8 +139,8 @@ def test_a_trl_0_16_log_reads_in_todays_names():
     assert "rewards/answer_correct/mean" in healthy.histories and "clip_ratio/region_mean" in healthy.histories
     assert any("pre-0.17" in n for n in healthy.notes)
     assert flagged(diagnose_log(healthy)) == []
-    top = top_finding(diagnose_log(sources.open_source(str(FIX / "trl0161_lr_to_zero"))))
-    assert (top["hypothesis"], top["check"]) == NAMED["lr_to_zero"]
+    top = (diagnose_log(sources.open_source(str(FIX / "trl0161_lr_to_zero")))).top
+    assert (top.hypothesis, top.check) == NAMED["lr_to_zero"]
 
 
 def test_a_current_name_wins_over_its_legacy_twin():
@@ -239,7 +240,8 @@ def test_every_training_run_writes_its_diagnosis(tmp_path, tracked):
         return
     from mlflow.tracking import MlflowClient
 
-    from musique_rl.diagnostics.doctor import diagnosis_tags
+    from musique_rl.doctor.diagnosis import Diagnosis
+    from musique_rl.doctor.report import diagnosis_tags
 
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     run = client.get_run(summary["mlflow/run_id"])
@@ -248,5 +250,5 @@ def test_every_training_run_writes_its_diagnosis(tmp_path, tracked):
     assert run.data.metrics["train/reward_gain"] == pytest.approx(summary["train/reward_gain"], nan_ok=True)
     with open(client.download_artifacts(run.info.run_id, "diagnosis.json")) as fh:
         assert json.load(fh) == diag
-    assert diagnosis_tags(diag).items() <= run.data.tags.items()
+    assert diagnosis_tags(Diagnosis.from_json(diag)).items() <= run.data.tags.items()
     assert "plots/reward_curves.png" in [a.path for a in client.list_artifacts(run.info.run_id, "plots")]

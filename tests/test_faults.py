@@ -10,9 +10,9 @@ import torch
 from omegaconf import OmegaConf
 from plugin_recipe import assert_printed, run_in_copy
 
+from musique_rl.base.config_base import flatten
 from musique_rl.core import faults
 from musique_rl.core.faults import FAULTS, Fault
-from musique_rl.env.config import flatten
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -61,7 +61,7 @@ trainer = build_trainer(cfg, model, tok, records, build_retriever(cfg.env, recor
                         rewards.RewardFunction(cfg.reward, by_id), "out", fault=faults.of(cfg))
 trainer.model.train()
 trainer._generate_and_score_completions(next(iter(trainer.get_train_dataloader())))
-print("REWARDS:", bool((trainer._last_rewards >= 1.0).all()))
+print("REWARDS:", bool((trainer.last_batch.rewards >= 1.0).all()))
 '''
 
 

@@ -125,10 +125,14 @@ def test_frozen_copy_never_sees_updates_even_after_trl_patches_forward(raw_tiny)
 
 
 def test_bad_sampling_settings_name_the_key():
-    with pytest.raises(ValueError, match="train.temperature"):
-        SamplingSettings(temperature=0.0, stop_ids=[1]).check()
-    with pytest.raises(ValueError, match="train.top_p"):
-        SamplingSettings(top_p=1.5, stop_ids=[1]).check()
+    """Temperature, top-p and top-k are the train group's to refuse (core/config.py); what only the
+    tokenizer knows, a stop id, the settings check themselves."""
+    from musique_rl.core.config import TrainSettings
+
+    with pytest.raises(ValueError, match=r"temperature=0.0: must be > 0[\s\S]*top_p=1.5: must be in \(0, 1\]"):
+        TrainSettings(temperature=0.0, top_p=1.5)
+    with pytest.raises(ValueError, match="at least one stop token id"):
+        SamplingSettings(stop_ids=[]).check()
 
 
 def test_vllm_backend_needs_the_trainer(tiny_cfg, raw_tiny):

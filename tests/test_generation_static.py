@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from musique_rl.core.generation import HFGenerator, SamplingSettings, StaticGenerator, build_generator
-from musique_rl.diagnostics.context import FLOOR_MULTIPLE, GAP_ABS_MIN
-from musique_rl.diagnostics.floor import _full_forward, mismatch_floor
+from musique_rl.doctor.context import FLOOR_MULTIPLE, GAP_ABS_MIN
+from musique_rl.instruments.floor import _full_forward, mismatch_floor
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # on a GPU machine the decode step is a CUDA graph
 
@@ -38,7 +38,7 @@ def _contexts(tok, n=4):
 
 
 def _trainer_logps(model, contexts, samples, temperature):
-    """The trainer's log-probs of every sampled id (TRL's path, diagnostics/floor.py ``_full_forward``:
+    """The trainer's log-probs of every sampled id (TRL's path, instruments/floor.py ``_full_forward``:
     one batched forward, prompts left-padded, completions right-padded, logits / T), the probe tensors
     the doctor's floor is measured on, and the mask of sampled ids."""
     width_p = max(map(len, contexts))
@@ -65,7 +65,7 @@ def _trainer_logps(model, contexts, samples, temperature):
 def test_static_logprobs_are_the_trainers_within_the_dtypes_floor(warm_tiny, dtype):
     """Uneven contexts with their own limits: every sampled id's log-prob equals the trainer's
     scoring of the same sequence within the doctor's threshold for this run's own floor
-    (h06/logp_gap_floor measured on these sequences, diagnostics/floor.py); float32 to 1e-4."""
+    (h06/logp_gap_floor measured on these sequences, instruments/floor.py); float32 to 1e-4."""
     model, tok = warm_tiny
     model = _on_device(model, dtype)
     temperature = 0.8

@@ -12,7 +12,7 @@ import torch
 
 from musique_rl.core import trainer as trainer_mod
 from musique_rl.core.importance import importance_metrics, importance_weights
-from musique_rl.diagnostics.doctor import diagnose_metrics
+from musique_rl.doctor.diagnose import diagnose_metrics
 from tests.test_trainer import _batch, _cfg, _trainer
 
 
@@ -33,8 +33,10 @@ def test_the_metrics_of_a_hand_made_batch():
     tok = importance_metrics(gaps, torch.zeros_like(gaps), mask, "token_mask", 0.95, 3.0)
     assert tok["h06/is_masked_token_share"] == pytest.approx(1 / 5)  # exp(-0.1) = 0.905 < 0.95
     assert tok["h06/is_masked_seq_share"] == 0  # no sequence lost every token
-    with pytest.raises(ValueError, match="train.importance_sampling='sequence_clip'"):
-        importance_weights(gaps, gaps, mask, "sequence_clip", None, 3.0)
+    from musique_rl.core.config import ImportanceSampling
+
+    with pytest.raises(ValueError, match="'sequence_clip' is not a valid ImportanceSampling"):
+        ImportanceSampling("sequence_clip")  # the config's type refuses a mode TRL does not have
 
 
 @pytest.mark.parametrize("mode", ["sequence_mask", "token_truncate"])
@@ -92,8 +94,8 @@ def _series(v):
 def test_the_doctor_flags_a_large_masked_share_with_its_threshold():
     flagged = diagnose_metrics({"h06/is_masked_seq_share": _series(0.35), "h06/is_ess": _series(0.26)},
                                {"train.importance_sampling": "sequence_mask"})
-    hit = [f for f in flagged if f["check"] == "importance_sampling_masks_sequences"]
-    assert hit and hit[0]["flagged"] and hit[0]["hypothesis"] == "h06"
-    assert "35%" in hit[0]["verdict"] and "threshold 20%" in hit[0]["verdict"] and "sequence_mask" in hit[0]["verdict"]
+    hit = [f for f in flagged if f.check == "importance_sampling_masks_sequences"]
+    assert hit and hit[0].flagged and hit[0].hypothesis == "h06"
+    assert "35%" in hit[0].verdict and "threshold 20%" in hit[0].verdict and "sequence_mask" in hit[0].verdict
     calm = diagnose_metrics({"h06/is_masked_seq_share": _series(0.05)}, {})
-    assert not [f for f in calm if f["check"] == "importance_sampling_masks_sequences" and f["flagged"]]
+    assert not [f for f in calm if f.check == "importance_sampling_masks_sequences" and f.flagged]

@@ -1,12 +1,14 @@
 """The package's layers import only downward, and nothing imports in a circle.
 
 Layers, bottom to top (docs/architecture.md draws them):
-  rundir.py     what a run (and sweep) directory holds, its names, writing and reading: a contract
-                every layer reads, so it imports nothing of the package
+  base/         the contracts every layer reads, so they import nothing of the package outside base/:
+                the run directory (rundir: its names, writing and reading), the metric catalogue,
+                the config base (ReadOnly, Rule, CONF_DIR, flatten, overlay) and the plug-in registry
   env/          the environment: data, synthetic worlds, retrieval, tools, parsing, rewards,
                 prompts, scripted policies, the plug-in registry
   core/         the RL core: models, generation, rollouts, the trainer, warm starts, faults, devices
-  diagnostics/  instruments and the doctor
+  instruments/  what is measured during a run
+  doctor/       what is judged from it
   the rest      the experiment layer, itself ordered in parts (``EXPERIMENT_PARTS``) along the data
                 flow of a job: the typed config, the warm start and memory plan, tracking (MLflow),
                 the GPU topology, the job, the verdict over a sweep's jobs, the sweep that calls the
@@ -22,7 +24,7 @@ import ast
 from pathlib import Path
 
 PKG = Path(__file__).resolve().parent.parent / "musique_rl"
-LAYERS = ("rundir", "env", "core", "diagnostics", "experiment")
+LAYERS = ("base", "env", "core", "instruments", "doctor", "experiment")
 # The experiment layer's parts, bottom to top: each holds the modules named (a package: all of it).
 EXPERIMENT_PARTS = (
     ("config", ("musique_rl.schema",)),
@@ -47,7 +49,7 @@ MODULES = {module_name(p): p for p in PKG.rglob("*.py")}
 
 def layer(module: str) -> str:
     parts = module.split(".")
-    return parts[1] if len(parts) > 1 and parts[1] in LAYERS[:4] else "experiment"
+    return parts[1] if len(parts) > 1 and parts[1] in LAYERS[:-1] else "experiment"
 
 
 def part(module: str) -> str | None:
@@ -117,15 +119,20 @@ def test_every_experiment_module_has_its_part():
 
 
 def test_the_run_dir_contract_sits_at_the_bottom():
-    """musique_rl/rundir.py imports nothing of the package, and the names of a run directory are
+    """musique_rl/base/rundir.py imports nothing of the package, and the names of a run directory are
     written nowhere else (a second reader of metrics.jsonl is how two torn-line policies came about)."""
-    assert GRAPH["musique_rl.rundir"] == set()
+    assert GRAPH["musique_rl.base.rundir"] == set()
+    assert all(t.startswith("musique_rl.base") for m, targets in GRAPH.items() if layer(m) == "base" for t in targets)
     import re
 
-    literal = re.compile(r"""["'](metrics\.jsonl|metrics\.json|diagnosis\.json|launch\.json|jobs\.json)["']""")
-    spread = sorted(f"{m}: {hit.group(0)}" for m, path in MODULES.items() if m != "musique_rl.rundir"
-                    for hit in literal.finditer(path.read_text()))
-    assert not spread, "run-dir file names spelled outside musique_rl/rundir.py:\n" + "\n".join(spread)
+    literal = re.compile(r"""["'](metrics\.jsonl|metrics\.json|diagnosis\.json|launch\.json|jobs\.json|verdict\.json"""
+                         r"""|status\.md|trainer_state\.json)["']""")
+    # the package, the launcher plugin and the benchmarks (which read and write run dirs too); the
+    # snapshot script reads its names through the doctor's sources, whichever layout a checkout has
+    others = [*sorted((PKG.parent / "hydra_plugins").rglob("*.py")), *sorted((PKG.parent / "benchmarks").glob("*.py"))]
+    files = {m: path for m, path in MODULES.items() if m != "musique_rl.base.rundir"} | {str(p): p for p in others}
+    spread = sorted(f"{m}: {hit.group(0)}" for m, path in files.items() for hit in literal.finditer(path.read_text()))
+    assert not spread, "run-dir file names spelled outside musique_rl/base/rundir.py:\n" + "\n".join(spread)
 
 
 def test_no_import_circle():
@@ -164,10 +171,10 @@ def test_no_import_circle():
 
 
 def test_the_layers_are_packages_and_hold_what_they_say():
-    for name in ("env", "core", "diagnostics"):
+    for name in ("base", "env", "core", "instruments", "doctor"):
         assert (PKG / name / "__init__.py").is_file()
     assert {"musique_rl.env.retrieval", "musique_rl.env.rewards", "musique_rl.env.policies"} <= set(MODULES)
-    assert {"musique_rl.core.trainer", "musique_rl.core.rollout", "musique_rl.core.warm_start"} <= set(MODULES)
+    assert {"musique_rl.core.trainer", "musique_rl.core.rollout", "musique_rl.core.warm_start_builder"} <= set(MODULES)
 
 
 def test_the_model_modules_only_build_and_load():
@@ -181,7 +188,7 @@ def test_the_model_modules_only_build_and_load():
 
 
 def test_the_warm_start_builder_sits_above_rollouts_and_nothing_below_imports_it():
-    assert {"musique_rl.core.rollout", "musique_rl.core.tiny_model"} <= GRAPH["musique_rl.core.warm_start"]
+    assert {"musique_rl.core.rollout", "musique_rl.core.tiny_model"} <= GRAPH["musique_rl.core.warm_start_builder"]
     for m, targets in GRAPH.items():
         if layer(m) == "env" or m in ("musique_rl.core.rollout", "musique_rl.core.generation", "musique_rl.core.models"):
-            assert "musique_rl.core.warm_start" not in targets, m
+            assert "musique_rl.core.warm_start_builder" not in targets, m

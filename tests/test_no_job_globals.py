@@ -36,7 +36,9 @@ REGISTRIES = {
     "musique_rl.env.tasks:TASKS": "tasks, registered by Task.__init_subclass__ at import",
     "musique_rl.env.tool_formats:TOOL_FORMATS": "tool formats, registered by ToolFormat.__init_subclass__ at import",
     "musique_rl.env.answer_formats:ANSWER_FORMATS": "answer formats, registered by AnswerFormat.__init_subclass__ at import",
-    "musique_rl.diagnostics.findings:RULES": "the doctor's rules, appended by the @rule decorator at import",
+    "musique_rl.doctor.findings:RULES": "the doctor's rules, appended by the @rule decorator at import",
+    "musique_rl.base.catalogue:_DECLARED": "the metric declarations, appended by _m() while the catalogue imports",
+    "musique_rl.doctor.findings:CHECK_DECLARATIONS": "the checks the rules declare, filled by the @rule decorator at import",
 }
 
 # Functions that write os.environ: settings a library reads only from the environment, never a
@@ -54,7 +56,7 @@ ENV_WRITERS = {
 # Functions that assign attributes of imported library modules: process settings of a library, or
 # its state put back as it was.
 LIBRARY_SETTINGS = {
-    "musique_rl.core.warm_start:deterministic": "torch's fill_uninitialized_memory off while the warm start "
+    "musique_rl.core.warm_start_builder:deterministic": "torch's fill_uninitialized_memory off while the warm start "
                                                 "builds deterministically (a speed setting, not data)",
     "musique_rl.env.retrieval:import_pyserini_searcher": "jnius_config.add_options wrapped while pyserini starts "
                                                          "the JVM, restored in its finally",

@@ -1,4 +1,4 @@
-"""Point-of-use checks (diagnostics/loss_inputs.py): what the loss multiplies, read from its own
+"""Point-of-use checks (instruments/loss_inputs.py): what the loss multiplies, read from its own
 gradient against the rollout's references, on the tiny model. Each planted defect acts AFTER the
 older instruments' read point (inside the loss's inputs, or in TRL's loss itself) and is caught at
 steps 0-2; the clean run reads clean."""
@@ -13,10 +13,10 @@ from conftest import with_keys
 
 from musique_rl.core import faults
 from musique_rl.core import trainer as trainer_mod
-from musique_rl.diagnostics.instruments import Instruments
 from musique_rl.env import rewards
 from musique_rl.env.data import load_records
 from musique_rl.env.retrieval import build_retriever
+from musique_rl.instruments.suite import Instruments
 
 
 def _cfg(tiny_cfg, overrides: dict):
@@ -52,27 +52,19 @@ def _histories(seen: dict[str, list[float]]) -> dict[str, list[tuple[int, float]
     return {k: list(enumerate(v)) for k, v in seen.items()}
 
 
-# The point-of-use rules, in their stage modules (diagnostics/stages/, the sections "at the point of use").
+# The point-of-use rules, in their stage modules (doctor/stages/, the sections "at the point of use").
 POINT_OF_USE_RULES = ("_advantages_paired", "_loss_mask_and_normaliser", "_kl_acts", "_sampling_diverse",
                       "_scorers_agree")
 
 
-def _point_of_use_source() -> str:
-    """The stage modules' "at the point of use" sections: where those rules and their thresholds live."""
-    from musique_rl.diagnostics.stages import loss, reward, sampling
-
-    return "".join(open(m.__file__).read().split("# ---------------------------------------------------------------- at the point of use")[1]
-                   for m in (loss, sampling, reward))
-
-
 def _flagged(seen, params=None) -> set[str]:
     """The point-of-use rules' flagged checks on a run's metrics."""
-    from musique_rl.diagnostics.findings import RULES
+    from musique_rl.doctor.findings import RULES
 
     mine = set(POINT_OF_USE_RULES)
     out = set()
     for r in RULES:
-        if r.__name__ in mine:
+        if r.fn.__name__ in mine:
             out |= {f.check for f in r(_histories(seen), params or {}) if f.flagged}
     return out
 
@@ -235,7 +227,7 @@ def test_a_sampler_that_does_not_sample_is_caught(tiny_cfg, warm_tiny, tmp_path,
 
 # ---------------------------------------------------------------- the reference and the declarations
 def test_reference_advantages_equal_the_trainers_formula():
-    from musique_rl.diagnostics.loss_inputs import reference_advantages
+    from musique_rl.instruments.loss_inputs import reference_advantages
 
     torch.manual_seed(0)
     r = torch.rand(16)
@@ -246,24 +238,26 @@ def test_reference_advantages_equal_the_trainers_formula():
 
 
 def test_every_point_of_use_rule_has_its_place_in_the_chain():
-    """Each check the point-of-use rules can name is declared with the chain's other checks (stage and
-    kind); the metrics they read are in the catalogue (tests/test_catalogue.py reads the stage modules)."""
-    import re
+    """Each rule reading a point-of-use metric (instruments/loss_inputs.py, instruments/scorer_overlap.py)
+    declares its stage and the kind of each check it can name, and reads only declared metrics."""
+    from musique_rl.doctor import diagnose  # noqa: F401  (every rule registered)
+    from musique_rl.doctor.findings import RULES
 
-    from musique_rl.diagnostics import catalogue, chain
-
-    src = _point_of_use_source()
-    checks = set(re.findall(r'(?:check|c) = "([a-z_]+)"', src)) | set(re.findall(r'h0\d", "([a-z_]+)"', src))
-    assert checks and checks <= set(chain.CHECKS), checks - set(chain.CHECKS)
-    assert all(catalogue.lookup(k) is not None for k in re.findall(r'"(h0\d/[a-z_]+)"', src))
+    point_of_use = [r for r in RULES if any(m.producer in ("instruments/loss_inputs.py", "instruments/scorer_overlap.py")
+                                            for m in r.needs)]
+    names = {c for r in point_of_use for c in r.checks}
+    assert {"advantages_not_paired_in_loss", "loss_trains_env_tokens", "kl_penalty_not_applied",
+            "scorers_disagree_on_overlap", "sampling_not_diverse"} <= names, names
+    assert all(r.stage in ("loss", "reward", "sampling") for r in point_of_use)
 
 
 def test_overlapping_scorers_disagree_when_one_reads_another_turn(toy_record):
     """An episode that cites every document it was shown: citation recall >= retrieval recall. A
     citation scorer that reads the first turn (a tool call, no citation) breaks it."""
-    from musique_rl.diagnostics.batch import Batch
-    from musique_rl.diagnostics.scorer_overlap import citation_retrieval_overlap
-    from musique_rl.diagnostics.stages.reward import _scorers_agree
+    from musique_rl.doctor.stages.reward import _scorers_agree
+    from musique_rl.env.episode import EpisodeSummary
+    from musique_rl.instruments.batch import Batch
+    from musique_rl.instruments.scorer_overlap import citation_retrieval_overlap
 
     docs = "\n\n".join(f"Document ID: {p['idx']}\n# {p['title']}\n{p['paragraph_text']}"
                         for p in toy_record["paragraphs"] if p["idx"] in (1, 4))
@@ -277,7 +271,7 @@ def test_overlapping_scorers_disagree_when_one_reads_another_turn(toy_record):
     def share(components):
         batch = Batch(num_generations=2, near_zero_std=0.05, rewards=torch.zeros(2), advantages=torch.zeros(2),
                       prompt_mask=torch.ones(2, 1), completion_mask=torch.ones(2, 1), loss_mask=torch.ones(2, 1),
-                      episodes=[{"messages": msgs}] * 2,
+                      episodes=[EpisodeSummary(toy_record["id"], msgs)] * 2,
                       reward_components={k: [v, v] for k, v in components.items()})
         return citation_retrieval_overlap(batch)
 

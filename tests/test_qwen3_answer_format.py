@@ -156,7 +156,7 @@ def test_qwen3_episodes_are_token_exact_under_its_own_template_and_score_the_ans
     """Across tool turns: the ids the trainer scores are the ids sampled, equal to the messages rendered
     by TRL's training twin of Qwen3's template (the one sampling and training use) AND by Qwen3's own
     shipped template with enable_thinking; no decoy inside a block ends an episode or is scored."""
-    from musique_rl.diagnostics.audit import RewardAudit
+    from musique_rl.instruments.audit import RewardAudit
 
     tok = qwen3_tok
     cfg, records, engine, episodes, trained = _qwen3_episodes(tok)
@@ -187,7 +187,7 @@ def test_qwen3_episodes_are_token_exact_under_its_own_template_and_score_the_ans
     # the reward audit re-decodes the trained ids in the same format and agrees with the reward used
     import torch
 
-    from musique_rl.diagnostics.ledger import sources_tensor
+    from musique_rl.instruments.ledger import sources_tensor
 
     width = max(len(ep.completion_ids) for ep in episodes)
     completion = torch.tensor([ep.completion_ids + [tok.pad_token_id] * (width - len(ep.completion_ids))
@@ -196,7 +196,7 @@ def test_qwen3_episodes_are_token_exact_under_its_own_template_and_score_the_ans
     used = torch.tensor([rewards.total(rewards.score_episode(by_id[e["id"]], e["messages"]),
                                        rewards.n_hops(by_id[e["id"]]), rewards.as_spec(cfg.reward)) for e in dicts])
     audit = RewardAudit(cfg.reward, by_id, tok, audit_size=len(dicts))(
-        used, dicts, completion, sources_tensor([ep.sources for ep in episodes], width))
+        used, [ep.summary() for ep in episodes], completion, sources_tensor([ep.sources for ep in episodes], width))
     assert audit["h05/reward_audit_checked"] == len(dicts) and audit["h05/reward_audit_mismatch"] == 0
 
 

@@ -17,11 +17,11 @@ import torch
 
 from musique_rl.core.generation import HFGenerator, SamplingSettings, sampling_settings, stop_ids
 from musique_rl.core.rollout import ChatTokens, RolloutEngine
-from musique_rl.diagnostics.audit import RewardAudit, environment_integrity
-from musique_rl.diagnostics.doctor import diagnose_metrics
-from musique_rl.diagnostics.ledger import sources_tensor
+from musique_rl.doctor.diagnose import diagnose_metrics
 from musique_rl.env import policies, prompts, rewards
 from musique_rl.env.retrieval import build_retriever
+from musique_rl.instruments.audit import RewardAudit, environment_integrity
+from musique_rl.instruments.ledger import sources_tensor
 from tests import tokenizer_fixtures as tf
 from tests.conftest import TEST_OVERRIDES, job_cfg, with_keys
 from tests.scripted import ScriptedGenerator, sampled_runs
@@ -151,23 +151,24 @@ def test_rollouts_are_token_exact_and_every_tool_result_is_labelled_tool(standin
     sources = sources_tensor([ep.sources for ep in episodes], width)
     by_id = {r["id"]: r for r in records}
     dicts = [ep.as_dict() for ep in episodes]
-    integrity = environment_integrity(dicts, by_id, tok, completion, sources)
+    summaries = [ep.summary() for ep in episodes]  # what the instruments read
+    integrity = environment_integrity(summaries, by_id, tok, completion, sources)
     assert integrity["h04/tool_results_checked"] == n_results and integrity["h04/tool_results_altered"] == 0
     used = torch.tensor([rewards.total(rewards.score_episode(by_id[e["id"]], e["messages"]),
                                        rewards.n_hops(by_id[e["id"]]), rewards.as_spec(cfg.reward)) for e in dicts])
     assert float(used.mean()) > 0.5  # the oracle's answers are right: the tokenizer did not break them
-    audit = RewardAudit(cfg.reward, by_id, tok, audit_size=len(dicts))(used, dicts, completion, sources)
+    audit = RewardAudit(cfg.reward, by_id, tok, audit_size=len(dicts))(used, summaries, completion, sources)
     assert audit["h05/reward_audit_mismatch"] == 0
     # the doctor, given these metrics for a few steps, raises no h04 alarm
     history = {k: [(s, v) for s in (1, 2, 3)] for k, v in {**integrity, **audit}.items()}
-    flagged = [(f["hypothesis"], f["check"]) for f in diagnose_metrics(history) if f["flagged"]]
+    flagged = [(f.hypothesis, f.check) for f in diagnose_metrics(history) if f.flagged]
     assert ("h04", "tool_results_altered") not in flagged and not any(h == "h05" for h, _ in flagged)
 
     # an altered tool result is still caught on the same tokenizer
     victim = next(i for i, s in enumerate(episodes[0].sources) if s == "tool")
     altered = completion.clone()
     altered[0, victim + 3] += 1
-    assert environment_integrity(dicts[:1], by_id, tok, altered[:1], sources[:1])["h04/tool_results_altered"] == 1
+    assert environment_integrity(summaries[:1], by_id, tok, altered[:1], sources[:1])["h04/tool_results_altered"] == 1
 
 
 def test_qwen3s_shipped_template_is_refused_with_a_clear_error(standins):
@@ -351,7 +352,7 @@ def _scripted_model_dir(spec, tok) -> object:
 def test_a_healthy_run_on_the_standin_is_diagnosed_without_an_h04_alarm(standins, spec, tmp_path):
     """``model=<config> model.name_or_path=<dir>``: the project's own loading, HF backend, 3 steps. Every
     tool result is checked and none is altered, and the doctor raises no h04 / h05 alarm."""
-    from musique_rl.diagnostics.doctor import diagnose_metrics
+    from musique_rl.doctor.diagnose import diagnose_metrics
     from musique_rl.job.train import train
 
     tok = _tok(standins, spec)
@@ -373,7 +374,7 @@ def test_a_healthy_run_on_the_standin_is_diagnosed_without_an_h04_alarm(standins
         for k, v in r.items():
             if isinstance(v, int | float) and k != "step":
                 history.setdefault(k, []).append((r["step"], float(v)))
-    flagged = [(f["hypothesis"], f["check"]) for f in diagnose_metrics(history) if f["flagged"]]
+    flagged = [(f.hypothesis, f.check) for f in diagnose_metrics(history) if f.flagged]
     print(f"{spec.name}: tool results checked {sum(r['h04/tool_results_checked'] for r in rows):.0f}, altered "
           f"{sum(r['h04/tool_results_altered'] for r in rows):.0f}; flagged {flagged}")
     # what this degenerate policy really does (answers 'unknown', some turns cut) may be flagged; what

@@ -24,7 +24,8 @@ from pathlib import Path
 import pytest
 from conftest import TEST_OVERRIDES, compose_cfg
 
-from musique_rl import rundir, schema
+from musique_rl import schema
+from musique_rl.base import rundir
 from musique_rl.job import launch
 from musique_rl.schema import CONF_DIR
 from musique_rl.tracking import store as tracking_store

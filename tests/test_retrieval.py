@@ -16,7 +16,8 @@ needs_lucene = pytest.mark.skipif(not HAS_LUCENE, reason="lucene extra not insta
 
 
 def env(**kw):
-    return OmegaConf.merge(OmegaConf.structured(EnvSchema(data="x")), kw)
+    """A typed env group (it checks its own values and their relations when built, as a job's is)."""
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(EnvSchema(data="x")), kw))
 
 
 def ids(docs):
@@ -67,8 +68,8 @@ def test_default_corpus_is_every_loaded_paragraph(toy_record):
 
 
 def test_config_errors_name_the_key(toy_record):
-    with pytest.raises(ValueError, match="env.scope=corpus"):
-        build_retriever(env(retriever="lucene", scope="question"), [toy_record])
+    with pytest.raises(ValueError, match="retriever=lucene searches a corpus-wide index: set scope=corpus"):
+        env(retriever="lucene", scope="question")  # a relation of the env group, refused before any index
     with pytest.raises(FileNotFoundError, match="env.corpus"):
         build_retriever(env(retriever="bm25", scope="corpus", corpus="/nonexistent.json"), [toy_record])
 

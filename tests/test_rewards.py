@@ -142,9 +142,15 @@ def test_shuffle_permutes_totals_within_the_call_reproducibly(toy_record):
 
 
 def test_unknown_weight_names_the_key():
-    bad = OmegaConf.merge(COMBINED, {"weights": {"answer_emm": 1.0}})
-    with pytest.raises(ValueError, match="reward.weights.answer_emm"):
-        RewardFunction(bad, {})
+    from musique_rl import schema
+
+    bad = OmegaConf.merge(OmegaConf.structured(schema.RewardConfig), COMBINED, {"weights": {"answer_emm": 1.0}})
+    with pytest.raises(ValueError, match="weights.answer_emm: unknown reward component"):
+        OmegaConf.to_object(bad)  # the reward group refuses it when built
+    # in a composed job's config, schema.validate names it by its dotted key, before any compute
+    assert schema.RewardConfig.problems(bad, "reward.") == [
+        "reward.weights.answer_emm: unknown reward component; choose from ['answer_em', 'answer_f1', "
+        "'retrieval_recall', 'retrieval_precision', 'citation_recall', 'citation_precision', 'citation_f1', 'format']"]
 
 
 def compose_reward(name):

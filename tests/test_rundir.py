@@ -1,4 +1,4 @@
-"""The run directory's one contract (musique_rl/rundir.py): one torn-line policy for metrics.jsonl,
+"""The run directory's one contract (musique_rl/base/rundir.py): one torn-line policy for metrics.jsonl,
 whichever module reads it, and the summary / jobs files read back as written."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import logging
 
 import pytest
 
-from musique_rl import rundir
-from musique_rl.diagnostics import sources
-from musique_rl.tracking.plots import save_reward_curves
+from musique_rl.base import rundir
+from musique_rl.doctor import sources
+from musique_rl.tracking.reward_curves import save_reward_curves
 from musique_rl.verdict.load import read_metrics as verdict_summary
 from musique_rl.verdict.plots import reward_history
 from musique_rl.verdict.sweep import VerdictError

@@ -48,18 +48,23 @@ def test_splits_are_disjoint_and_deterministic():
     assert synthetic.generate_records("validation", 100, seed=4) != val
 
 
+def test_bad_arguments_name_the_culprit():
+    with pytest.raises(ValueError, match="split"):
+        synthetic.generate_records(split="test", n=2, seed=0)
+
+
 @pytest.mark.parametrize(
     "kwargs,culprit",
     [
-        ({"split": "test"}, "split"),
-        ({"hops": [1]}, "env.synthetic.hops"),
-        ({"hops": [3], "num_paragraphs": 3}, "env.synthetic.num_paragraphs"),
+        ({"hops": [1]}, r"hops=\[1\]: must be hop counts the generator writes, each 2, 3 or 4"),
+        ({"hops": [3], "num_paragraphs": 3}, "num_paragraphs=3: must exceed the largest hop count 3"),
     ],
 )
-def test_bad_arguments_name_the_culprit(kwargs, culprit):
-    args = {"split": "train", "n": 2, "seed": 0, **kwargs}
+def test_the_synthetic_group_refuses_what_the_generator_cannot_write(kwargs, culprit):
+    from musique_rl.env.config import SyntheticConfig
+
     with pytest.raises(ValueError, match=culprit):
-        synthetic.generate_records(**args)
+        SyntheticConfig(**kwargs)
 
 
 def test_every_plausible_mistake_retrieves_a_real_wrong_paragraph(train_records):

@@ -106,7 +106,7 @@ def test_each_task_answers_for_its_prompt_tools_and_rewards(toy_record):
 
 
 def test_every_task_declares_a_complete_warm_start():
-    """What core/warm_start.py reads of a task: a shape per gate, bounds the gate can check, and the
+    """What core/warm_start_builder.py reads of a task: a shape per gate, bounds the gate can check, and the
     SFT recipe's required shapes among the task's shapes."""
     for task in TASKS.values():
         setting = task.warm_start()  # conf/warm_start/<task>.yaml, through its schema

@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import with_keys
 
-from musique_rl.core import tiny_model, warm_start
+from musique_rl.core import tiny_model, warm_start_builder
 from musique_rl.env import prompts
 from musique_rl.env.rewards import score_episode
 from musique_rl.env.tasks import musique
@@ -58,7 +58,7 @@ def test_warm_start_rows_are_the_chat_template_token_for_token(raw_tiny):
     _, tok, _, episodes, envs = raw_tiny
     assert {bool(e.supporting_in_prompt) for e in envs} == {True, False}  # both task forms are taught
     for messages, env in list(zip(episodes, envs, strict=True))[:40]:
-        ids, mask = warm_start.episode_tokens(tok, env, messages)
+        ids, mask = warm_start_builder.episode_tokens(tok, env, messages)
         full = list(tok.apply_chat_template(messages, tools=prompts.tool_schemas(env) or None, tokenize=True, return_dict=False))
         assert full[: len(ids)] == ids and len(mask) == len(ids)
         trained = tok.decode([t for t, m in zip(ids, mask, strict=True) if m])
@@ -109,7 +109,7 @@ def test_the_default_warm_start_is_shipped_gated_and_unaltered(tiny_cfg):
         f"no shipped warm start tiny-{key}: run `make warm-start` and commit musique_rl/warm_starts/"
     )
     report = json.loads((path / "build.json").read_text())
-    assert report["gate_passed"] and warm_start.gate_failures(report["gate"], report["gate_shapes"]) == []
+    assert report["gate_passed"] and warm_start_builder.gate_failures(report["gate"], report["gate_shapes"]) == []
     assert set(report["gate"]) == {"tool", "single_step"}  # both episode shapes (h07) are measured
     assert tiny_model.weights_hash(path) == report["weights_hash"]
     from musique_rl import warm_start as command  # the CLI: compose_config and the shipped list
@@ -121,9 +121,9 @@ def test_the_default_warm_start_is_shipped_gated_and_unaltered(tiny_cfg):
 
 def test_loading_the_shipped_warm_start_builds_nothing(tiny_cfg, warm_tiny, tmp_path, monkeypatch):
     cfg = with_keys(tiny_cfg, {"model.tiny.cache_dir": str(tmp_path)})  # an empty cache: a bare machine
-    monkeypatch.setattr(warm_start, "build", lambda *a: pytest.fail("a shipped warm start must not be rebuilt"))
+    monkeypatch.setattr(warm_start_builder, "build", lambda *a: pytest.fail("a shipped warm start must not be rebuilt"))
     t = time.time()
-    path = warm_start.ensure(cfg)
+    path = warm_start_builder.ensure(cfg)
     model, tok = tiny_model.load_tiny(path)
     assert time.time() - t < 15 and not list(tmp_path.iterdir())
     x = torch.tensor([tok.encode("Question: Who is")])
@@ -138,7 +138,7 @@ def test_warm_start_is_decent_but_improvable(tiny_cfg, warm_tiny):
 
     model, tok = warm_tiny
     recs = load_records(tiny_cfg.env.eval_data, tiny_cfg.env, 3)[:16]
-    n = warm_start.measure(tiny_cfg, model, tok, recs, shapes=["tool"])["tool"]
+    n = warm_start_builder.measure(tiny_cfg, model, tok, recs, shapes=["tool"])["tool"]
     assert 0.30 <= n["sampled_em"] <= 0.80, n
     assert n["greedy_em"] >= 0.65, n
     assert n["pass8"] >= n["sampled_em"] + 0.2, n
@@ -150,25 +150,25 @@ def test_a_run_refuses_a_shape_whose_gate_failed(tiny_cfg, warm_tiny):
     cfg = tiny_cfg
     report = json.loads((tiny_model.locate(cfg) / "build.json").read_text())
     assert set(report["shape_passed"]) == {"tool", "single_step"} and report["shape_passed"]["tool"]
-    assert warm_start.provenance(cfg)["warm_start/hash"] == report["weights_hash"]
+    assert warm_start_builder.provenance(cfg)["warm_start/hash"] == report["weights_hash"]
     cfg = with_keys(cfg, {"env.supporting_in_prompt": True})
     if report["shape_passed"]["single_step"]:
-        assert warm_start.provenance(cfg)["warm_start/hash"] == report["weights_hash"]
+        assert warm_start_builder.provenance(cfg)["warm_start/hash"] == report["weights_hash"]
     else:
-        with pytest.raises(warm_start.WarmStartGateError, match="'single_step' episodes"):
-            warm_start.provenance(cfg)
+        with pytest.raises(warm_start_builder.WarmStartGateError, match="'single_step' episodes"):
+            warm_start_builder.provenance(cfg)
 
 
 def test_gate_names_each_failing_criterion():
     ok = {"sampled_em": 0.55, "pass8": 0.95, "greedy_em": 0.9}
-    assert warm_start.gate_failures({"tool": ok, "single_step": ok}) == []
-    bad = warm_start.gate_failures({"tool": {"sampled_em": 0.22, "pass8": 0.4, "greedy_em": 0.22}, "single_step": ok})
+    assert warm_start_builder.gate_failures({"tool": ok, "single_step": ok}) == []
+    bad = warm_start_builder.gate_failures({"tool": {"sampled_em": 0.22, "pass8": 0.4, "greedy_em": 0.22}, "single_step": ok})
     assert bad == [
         "tool: sampled answer EM 0.220 outside [0.4, 0.7]",
         "tool: greedy answer EM 0.220 < 0.8",
         "tool: pass@8 0.400 < pass@1 0.220 + 0.3",
     ]
-    assert warm_start.gate_failures({"single_step": {**ok, "sampled_em": 0.9, "pass8": 1.0}})[0].startswith(
+    assert warm_start_builder.gate_failures({"single_step": {**ok, "sampled_em": 0.9, "pass8": 1.0}})[0].startswith(
         "single_step: sampled answer EM 0.900 outside")
 
 
@@ -178,12 +178,12 @@ def test_a_warm_start_that_fails_its_gate_raises_with_the_numbers_and_saves_noth
     cfg = with_keys(tiny_cfg, {"model.tiny.sft_records": 40, "model.tiny.sft_max_rounds": 2,
                                "model.tiny.cache_dir": str(tmp_path / "cache")})
     stages = []
-    monkeypatch.setattr(warm_start, "sft", lambda *a, **k: stages.append(k) or {"steps": 0})
+    monkeypatch.setattr(warm_start_builder, "sft", lambda *a, **k: stages.append(k) or {"steps": 0})
     weak = {"sampled_em": 0.22, "pass8": 0.4, "greedy_em": 0.22}
-    monkeypatch.setattr(warm_start, "measure", lambda *a, **k: {"tool": weak, "single_step": weak})
+    monkeypatch.setattr(warm_start_builder, "measure", lambda *a, **k: {"tool": weak, "single_step": weak})
     monkeypatch.setattr(tiny_model, "SHIPPED_DIR", tmp_path / "shipped")
-    with pytest.raises(warm_start.WarmStartGateError, match=r"greedy answer EM 0.220 < 0.8.*Numbers per round"):
-        warm_start.ensure(cfg)
+    with pytest.raises(warm_start_builder.WarmStartGateError, match=r"greedy answer EM 0.220 < 0.8.*Numbers per round"):
+        warm_start_builder.ensure(cfg)
     scale = cfg.model.tiny.sft_extra_lr_scale
     assert len(stages) == 3 and [s["lr"] for s in stages[1:]] == [stages[0]["lr"] * scale] * 2
     assert tiny_model.locate(cfg) is None  # nothing a job could load
@@ -205,11 +205,11 @@ def test_concurrent_jobs_build_a_missing_warm_start_once(tiny_cfg, raw_tiny, tmp
         (out / "build.json").write_text("{}")
         return {}
 
-    monkeypatch.setattr(warm_start, "build", fake_build)
+    monkeypatch.setattr(warm_start_builder, "build", fake_build)
     monkeypatch.setattr(tiny_model, "SHIPPED_DIR", tmp_path / "shipped")  # nothing shipped for these settings
     cfg = with_keys(tiny_cfg, {"model.tiny.cache_dir": str(tmp_path / "cache")})
     results = []
-    threads = [threading.Thread(target=lambda: results.append(warm_start.ensure(cfg))) for _ in range(3)]
+    threads = [threading.Thread(target=lambda: results.append(warm_start_builder.ensure(cfg))) for _ in range(3)]
     for t in threads:
         t.start()
     for t in threads:
@@ -223,7 +223,7 @@ def test_concurrent_jobs_build_a_missing_warm_start_once(tiny_cfg, raw_tiny, tmp
 def test_two_builds_on_one_machine_give_the_same_weights(tiny_cfg, tmp_path):
     """The build is deterministic on one machine (one thread, deterministic kernels, fixed seeds),
     and a rebuild passes the gate: `make warm-start` reproduces what is shipped, on this kind of CPU."""
-    a = warm_start.build(tiny_cfg, tmp_path / "a" / "tiny-x")
-    b = warm_start.build(tiny_cfg, tmp_path / "b" / "tiny-x")
+    a = warm_start_builder.build(tiny_cfg, tmp_path / "a" / "tiny-x")
+    b = warm_start_builder.build(tiny_cfg, tmp_path / "b" / "tiny-x")
     assert a["gate_passed"] and b["gate_passed"]
     assert a["weights_hash"] == b["weights_hash"] and a["gate"] == b["gate"]

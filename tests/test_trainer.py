@@ -87,12 +87,12 @@ def test_advantages_equal_trls_own_on_a_real_batch(tiny_cfg, warm_tiny, tmp_path
     torch.manual_seed(0)
     tr = _trainer(_cfg(tiny_cfg, {"train.num_generations": 8, "train.prompts_per_step": 4}), copy.deepcopy(model), tok, tmp_path)
     out = _batch(tr)
-    ours = trainer_mod.group_advantages(tr._last_rewards, 8, "group", 1e-4)
+    ours = trainer_mod.group_advantages(tr.last_batch.rewards, 8, "group", 1e-4)
     assert torch.allclose(out["advantages"], ours, atol=1e-6)
     tr._adv_epsilon = 0.5
     torch.manual_seed(0)
     out = _batch(tr)
-    assert torch.allclose(out["advantages"], trainer_mod.group_advantages(tr._last_rewards, 8, "group", 0.5))
+    assert torch.allclose(out["advantages"], trainer_mod.group_advantages(tr.last_batch.rewards, 8, "group", 0.5))
 
 
 # ---------------------------------------------------------------- parity and masks
@@ -122,7 +122,7 @@ def test_step0_trainer_logprobs_equal_the_samplers(tiny_cfg, warm_tiny, tmp_path
     assert gap.max() < 1e-4, gap.max()
     # loss-bearing tokens are exactly the assistant tokens of the ledger (the rollout's token labels;
     # the trainer attaches them to the batch only when instruments read them)
-    from musique_rl.diagnostics.ledger import Source, sources_tensor
+    from musique_rl.instruments.ledger import Source, sources_tensor
 
     sources = sources_tensor([ep.sources for ep in rolled], loss_mask.shape[1])
     assert torch.equal(loss_mask.cpu(), sources == int(Source.ASSISTANT))  # the batch is on the model's device
@@ -131,7 +131,7 @@ def test_step0_trainer_logprobs_equal_the_samplers(tiny_cfg, warm_tiny, tmp_path
 def test_blind_context_fault_breaks_parity(tiny_cfg, warm_tiny, tmp_path):
     """The planted fault (attention mask = loss mask) makes the trainer score tokens without the
     prompt and tool results: the step-0 parity check that catches it must see a large gap."""
-    from musique_rl.diagnostics import Instruments
+    from musique_rl.instruments.suite import Instruments
 
     model, tok = warm_tiny
     cfg = _cfg(tiny_cfg, {"fault": "blind_context"})

@@ -5,8 +5,8 @@ healthy counterpart so a rule that fires on everything (or nothing) fails."""
 
 from __future__ import annotations
 
-from musique_rl.diagnostics.doctor import diagnose_metrics
-from musique_rl.diagnostics.stages.sampling import LOGP_DIFF_MAX
+from musique_rl.doctor.diagnose import diagnose_metrics
+from musique_rl.doctor.stages.sampling import LOGP_DIFF_MAX
 
 
 def steps(values):
@@ -14,7 +14,7 @@ def steps(values):
 
 
 def checks(m, params=None):
-    return {(d["hypothesis"], d["check"]) for d in diagnose_metrics(m, params or {}) if d["flagged"]}
+    return {(d.hypothesis, d.check) for d in diagnose_metrics(m, params or {}) if d.flagged}
 
 
 def test_sampler_trainer_difference_at_start_and_drifting():
@@ -30,7 +30,7 @@ def test_sampler_trainer_difference_at_start_and_drifting():
 def test_our_instrument_for_the_same_defect_silences_the_trl_name_rule():
     """Our runs log TRL's metrics too: with our h06 gap instrument present, one finding, not two."""
     m = {"sampling/sampling_logp_difference/mean": steps([0.3] * 20), "h06/logp_gap_mean": steps([0.3] * 20)}
-    flagged = [d["check"] for d in diagnose_metrics(m, {}) if d["flagged"]]
+    flagged = [d.check for d in diagnose_metrics(m, {}) if d.flagged]
     assert "sampler_trainer_differ_at_start" not in flagged
     assert any(c in flagged for c in ("trainer_sampler_mismatch_at_start", "sampling_settings_differ"))
 
@@ -73,8 +73,8 @@ def test_a_saturated_reward_function_is_reported_but_not_flagged():
     """A format reward the policy always satisfies carries no signal and harms nothing."""
     m = {"rewards/format/mean": steps([1.0] * 10), "rewards/format/std": steps([0.0] * 10),
          "rewards/correct/mean": steps([0.5] * 10), "rewards/correct/std": steps([0.4] * 10)}
-    d = [d for d in diagnose_metrics(m, {}) if d["check"] == "reward_function_constant"]
-    assert d and not any(x["flagged"] for x in d) and "saturated" in d[0]["verdict"]
+    d = [d for d in diagnose_metrics(m, {}) if d.check == "reward_function_constant"]
+    assert d and not any(x.flagged for x in d) and "saturated" in d[0].verdict
 
 
 def test_our_budget_instrument_and_trls_clipped_ratio_report_one_truncation():
@@ -104,9 +104,9 @@ def test_a_flat_run_whose_policy_barely_moves_despite_signal_is_the_update_stage
             "frac_reward_zero_std": steps([0.0] * n), "grad_norm": steps([0.2 + rng.gauss(0, 0.02) for _ in range(n)]),
             "learning_rate": steps([1e-5] * n)}
     still = {**base, "kl": steps([0.001 + 0.00003 * i for i in range(n)])}
-    found = {d["check"]: d for d in diagnose_metrics(still, {}) if d["flagged"]}
-    assert list(found) == ["policy_barely_moves"] and found["policy_barely_moves"]["stage"] == "update"
-    assert "raise the learning rate" in found["policy_barely_moves"]["verdict"]
+    found = {d.check: d for d in diagnose_metrics(still, {}) if d.flagged}
+    assert list(found) == ["policy_barely_moves"] and found["policy_barely_moves"].stage == "update"
+    assert "raise the learning rate" in found["policy_barely_moves"].verdict
     # the policy moves (0.05 nats/token) and the reward stays flat: not an update problem
     moves = {**base, "kl": steps([0.0005 * i for i in range(n)])}
     assert ("unexplained", "flat_reward_cause_not_found") in checks(moves)
@@ -126,16 +126,16 @@ def test_a_first_logged_kl_the_updates_before_it_cannot_explain_stays_a_referenc
     rows = range(5, 205, 5)
     warm = {"kl": [(s, 0.3 if s == 5 else 0.1) for s in rows], "reward": [(s, 1.0 + 0.001 * s) for s in rows],
             "learning_rate": [(s, 5e-6 * min(1.0, s / 115)) for s in rows]}
-    d = next(x for x in diagnose_metrics(warm, {}) if x["check"] == "kl_at_start")
-    assert d["flagged"] and d["role"] == "cause" and "step 5" in d["verdict"]
+    d = next(x for x in diagnose_metrics(warm, {}) if x.check == "kl_at_start")
+    assert d.flagged and d.role == "cause" and "step 5" in d.verdict
     # the same first KL after 4 steps at the peak rate (up to 4 x 0.1 nats/token): theirs, withdrawn
     peak = {**warm, "learning_rate": [(s, 5e-6) for s in rows]}
-    d = next(x for x in diagnose_metrics(peak, {}) if x["check"] == "kl_at_start")
-    assert not d["flagged"] and d["role"] == "withdrawn" and "peak-rate step" in d["reason"]
+    d = next(x for x in diagnose_metrics(peak, {}) if x.check == "kl_at_start")
+    assert not d.flagged and d.role == "withdrawn" and "peak-rate step" in d.reason
     # and a small first KL after warm-up steps is the updates' own: withdrawn as well
     small = {**warm, "kl": [(s, 0.005) for s in rows]}
-    d = next(x for x in diagnose_metrics(small, {}) if x["check"] == "kl_at_start")
-    assert not d["flagged"]
+    d = next(x for x in diagnose_metrics(small, {}) if x.check == "kl_at_start")
+    assert not d.flagged
 
 
 def test_a_zero_gradient_while_groups_differ_is_a_proof_that_outranks_truncation():
@@ -144,11 +144,11 @@ def test_a_zero_gradient_while_groups_differ_is_a_proof_that_outranks_truncation
          "completions/clipped_ratio": steps([0.32] * n), "completions/mean_length": steps([304] * n),
          "completions/mean_terminated_length": steps([269] * n), "reward": steps([0.55] * n)}
     diag = diagnose_metrics(m, {})
-    assert diag[0]["check"] == "gradient_zero" and diag[0]["severity"] >= 3
+    assert diag[0].check == "gradient_zero" and diag[0].severity >= 3
     # every group tied on those steps: the zero gradient is the ties' consequence, not a proof
     tied = diagnose_metrics({**m, "frac_reward_zero_std": steps([1.0] * n)}, {})
-    g = next(d for d in tied if d["check"] == "gradient_zero")
-    assert g["severity"] < 1 and g["role"] == "consequence"
+    g = next(d for d in tied if d.check == "gradient_zero")
+    assert g.severity < 1 and g.role == "consequence"
 
 
 def test_a_component_that_drifts_down_by_a_sliver_is_no_trade():
@@ -164,9 +164,9 @@ def test_a_component_that_drifts_down_by_a_sliver_is_no_trade():
 
 def test_a_non_finite_gradient_norm_is_said():
     m = {"grad_norm": steps([0.5] * 10 + [float("nan")] + [0.5] * 10)}
-    d = next(x for x in diagnose_metrics(m, {}) if x["check"] == "gradient_not_finite")
-    assert d["role"] == "note" and "step 11" in d["verdict"]
-    assert not any(x["check"] == "gradient_not_finite" for x in diagnose_metrics({"grad_norm": steps([0.5] * 21)}, {}))
+    d = next(x for x in diagnose_metrics(m, {}) if x.check == "gradient_not_finite")
+    assert d.role == "note" and "step 11" in d.verdict
+    assert not any(x.check == "gradient_not_finite" for x in diagnose_metrics({"grad_norm": steps([0.5] * 21)}, {}))
 
 
 def test_a_constant_non_zero_task_reward_is_not_saturated_and_harmless():
@@ -176,10 +176,10 @@ def test_a_constant_non_zero_task_reward_is_not_saturated_and_harmless():
            "rewards/format_reward_func/std": steps([0.05] * 10)}
     task = {"rewards/correctness_reward_func/mean": steps([0.5] * 10),
             "rewards/correctness_reward_func/std": steps([0.0] * 10)}
-    d = [x for x in diagnose_metrics({**fmt, **task}, {}) if x["check"] == "reward_function_constant"]
-    assert d[0]["flagged"] and "correctness_reward_func" in d[0]["verdict"] and "format_reward_func" in d[0]["verdict"]
+    d = [x for x in diagnose_metrics({**fmt, **task}, {}) if x.check == "reward_function_constant"]
+    assert d[0].flagged and "correctness_reward_func" in d[0].verdict and "format_reward_func" in d[0].verdict
     swapped = {"rewards/strict_format_reward_func/mean": steps([0.5] * 10),
                "rewards/strict_format_reward_func/std": steps([0.0] * 10),
                "rewards/correctness_reward_func/mean": steps([0.3 + 0.01 * i for i in range(10)]),
                "rewards/correctness_reward_func/std": steps([0.4] * 10)}
-    assert not any(x["flagged"] for x in diagnose_metrics(swapped, {}) if x["check"] == "reward_function_constant")
+    assert not any(x.flagged for x in diagnose_metrics(swapped, {}) if x.check == "reward_function_constant")

@@ -21,10 +21,11 @@ from conftest import TEST_OVERRIDES, compose_cfg, job_cfg, with_keys
 from sync_cycles import drift_of, engine_sync, expected_weights, frozen, lora_model, run_cycles
 from trl.generation.vllm_generation import VLLMGeneration
 
+from musique_rl.base.catalogue import CHECKSUM_DRIFT_MAX
 from musique_rl.core import weight_sync
 from musique_rl.core.weight_sync import ExactLoraSync
-from musique_rl.diagnostics.doctor import CHECKSUM_DRIFT_MAX, diagnose_metrics
-from musique_rl.diagnostics.sync import BaseChecksum
+from musique_rl.doctor.diagnose import diagnose_metrics
+from musique_rl.instruments.sync import BaseChecksum
 
 CYCLES = 40  # the record runs 1,000 (benchmarks/bench_lora_sync.py)
 
@@ -37,7 +38,7 @@ def lora_cfg():
 def _flagged(drift: float | None) -> list[str]:
     """The doctor's flagged h06 checks for a run whose base checksum read ``drift``."""
     diagnosis = diagnose_metrics({"h06/base_checksum_drift": [(1, drift)]})
-    return [d["check"] for d in diagnosis if d["flagged"] and d["hypothesis"] == "h06"]
+    return [d.check for d in diagnosis if d.flagged and d.hypothesis == "h06"]
 
 
 # ---------------------------------------------------------------- the pin on TRL
@@ -183,11 +184,11 @@ def test_trls_in_place_sync_is_named_base_drift_and_ours_is_clean(warm_tiny, tmp
         assert type(tr.vllm_generation) is (VLLMGeneration if fault != "none" else ExactLoraSync)
     drift, base, diagnosis = readings["inplace_merge_sync"]
     assert drift > CHECKSUM_DRIFT_MAX and base.drifted == 14
-    top = next(d for d in diagnosis if d["flagged"])
-    assert (top["hypothesis"], top["check"]) == ("h06", "base_drift")
+    top = next(d for d in diagnosis if d.flagged)
+    assert (top.hypothesis, top.check) == ("h06", "base_drift")
     drift, base, diagnosis = readings["none"]
     assert drift == 0.0 and base.drifted == 0
-    assert not any(d["flagged"] for d in diagnosis)
+    assert not any(d.flagged for d in diagnosis)
 
 
 # ---------------------------------------------------------------- in-process backends: the live adapter
@@ -244,8 +245,8 @@ def test_the_fault_run_on_the_hf_backend_is_diagnosed_base_drift_and_the_same_ru
     """The job end to end (``train``, the instruments, metrics.jsonl, the doctor) as bench_faults.py runs
     it on a CPU: +fault=inplace_merge_sync runs TRL's sync before each hf rollout; the doctor's top
     finding is h06 base_drift. The same bf16 LoRA run without the fault has an exactly-0 checksum."""
-    from musique_rl.diagnostics.doctor import diagnose_log
-    from musique_rl.diagnostics.sources import read_run_dir
+    from musique_rl.doctor.diagnose import diagnose_log
+    from musique_rl.doctor.sources import read_run_dir
     from musique_rl.job.train import train
 
     small = [*TEST_OVERRIDES, "train.max_steps=6", "train.prompts_per_step=2", "train.num_generations=4",
@@ -255,7 +256,7 @@ def test_the_fault_run_on_the_hf_backend_is_diagnosed_base_drift_and_the_same_ru
         train(job_cfg([*small, *overrides]), run_dir=tmp_path / fault)
         run = read_run_dir(tmp_path / fault)
         drift = [v for _, v in run.histories["h06/base_checksum_drift"]]
-        flagged = [(d["hypothesis"], d["check"]) for d in diagnose_log(run) if d["flagged"]]
+        flagged = [(d.hypothesis, d.check) for d in diagnose_log(run) if d.flagged]
         if fault == "none":
             assert drift and set(drift) == {0.0} and ("h06", "base_drift") not in flagged
         else:

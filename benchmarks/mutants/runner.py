@@ -105,7 +105,7 @@ def run_job(job: Path, variant: str, seed: int, site: Site | None, timeout: floa
 
 
 def read_facts(run_dir: Path, variant: str, seed: int, rc: int, error: str | None, seconds: float | None) -> RunFacts:
-    from musique_rl import rundir
+    from musique_rl.base import rundir
 
     rows = rundir.read_metrics_log(run_dir / rundir.METRICS_LOG) if run_dir.is_dir() else []
     rewards = [float(r["reward"]) for r in rows if "reward" in r and "step" in r]
@@ -145,7 +145,7 @@ def _compose_eval_records(variant: str, seed: int) -> tuple[dict, object]:
 def rescore(run_dir: Path, tag: str, variant: str, seed: int) -> list[float]:
     """The rewards of a run's stored held-out episodes, scored by this process's (unmutated) reward
     code; an episode of no held-out record scores 0. [] when the file is absent."""
-    from musique_rl import rundir
+    from musique_rl.base import rundir
     from musique_rl.env import rewards
 
     path = run_dir / rundir.episodes_file(tag)

@@ -1,5 +1,5 @@
 """The reviewed map from a mutated function to the pipeline stage it belongs to, in the doctor's
-stage names (musique_rl/diagnostics/chain.py ``STAGES``: inputs -> sampling -> environment -> reward
+stage names (musique_rl/doctor/step.py ``STAGES``: inputs -> sampling -> environment -> reward
 -> signal -> loss -> gradient -> update -> policy), one line of reason each.
 
 A key is ``<module>:<qualified name>``; a class's entry covers its methods unless a method has its
@@ -23,6 +23,7 @@ D, P, RT, TL, HM = ("musique_rl.env.data", "musique_rl.env.prompts", "musique_rl
 PA, RW, GE, RO, TR = ("musique_rl.env.parsing", "musique_rl.env.rewards", "musique_rl.core.generation",
                       "musique_rl.core.rollout", "musique_rl.core.trainer")
 MU = "musique_rl.env.tasks.musique"
+CF = "musique_rl.core.config"
 WS, IM, TRL, ADAM = ("musique_rl.core.weight_sync", "musique_rl.core.importance", "trl.trainer.grpo_trainer",
                      "torch.optim.adam")
 
@@ -38,7 +39,6 @@ STAGES: dict[str, tuple[str, str]] = {
     f"{D}:validate_record": ("inputs", "rejects malformed records"),
     f"{D}:hop_count": ("inputs", "a record's hop count"),
     f"{D}:_subsample_paragraphs": ("inputs", "which paragraphs a record keeps"),
-    f"{D}:_check_env": ("inputs", "the data settings' checks"),
     f"{D}:load_records": ("inputs", "the records a job trains and evaluates on"),
     f"{P}:build_messages": ("inputs", "the prompt messages the model is asked with"),
     f"{P}:tool_schemas": ("inputs", "the tool schemas the prompt offers"),
@@ -107,13 +107,15 @@ STAGES: dict[str, tuple[str, str]] = {
     f"{TR}:MusiqueGRPOTrainer._compute_loss": ("loss", "the loss call: its mask and KL coefficient"),
     f"{TR}:MusiqueGRPOTrainer._get_per_token_logps_and_entropies": ("loss", "the trainer's log-probs the loss reads"),
     f"{TR}:MusiqueGRPOTrainer._as_vllm": ("loss", "turns on TRL's importance-sampling weights in the loss"),
+    f"{TR}:MusiqueGRPOTrainer._kl_coefficient": ("loss", "the KL coefficient TRL's loss reads for the call"),
     f"{TR}:MusiqueGRPOTrainer._accumulation_steps": ("loss", "the divisor of a micro-batch's loss"),
     f"{TR}:importance_sampling_settings": ("loss", "the importance-sampling weights' settings"),
     f"{TRL}:GRPOTrainer._compute_loss": ("loss", "TRL's GRPO loss"),
     f"{TRL}:GRPOTrainer._get_per_token_logps_and_entropies": ("loss", "the trainer's per-token log-probs the loss reads"),
     # ---- gradient: the gradient of the loss
     f"{TR}:batch_layout": ("gradient", "micro-batches and accumulation steps: how the gradient is accumulated"),
-    f"{TR}:_divisors": ("gradient", "the batch split's divisors"),
+    f"{CF}:TrainSettings.validate": ("gradient", "the batch split over processes and micro-batches"),
+    f"{CF}:_divisors": ("gradient", "the batch split's divisors"),
     f"{TR}:num_processes": ("gradient", "the process count the batch split divides by"),
     f"{TR}:MusiqueGRPOTrainer.training_step": ("gradient", "the micro-batch's backward"),
     # ---- update: learning-rate schedule, optimizer step, adapter parameters
@@ -130,25 +132,28 @@ EXCLUDED: dict[str, str] = {
     f"{TR}:<module>": "constants of the trainer module (TRL pin, the epsilon sentinel): read by the tests, not the step",
     f"{TR}:check_trl_version": "version check",
     f"{TR}:BatchContext": "a record type the instruments read",
+    f"{TR}:ScoringPass": "a record type: what the hooks hand each other within one scoring pass",
+    f"{TR}:MusiqueGRPOTrainer._scoring_pass": "opens and closes the scoring pass's record (the instruments' captures)",
     f"{TR}:MusiqueGRPOTrainer": "class attributes: the checkpoint staging flag",
     f"{TR}:MusiqueGRPOTrainer.__init__": "wiring of the instruments, step clock and sampler object; mutants crash at start",
     f"{TR}:MusiqueGRPOTrainer.train": "installs the step clock",
     f"{TR}:MusiqueGRPOTrainer.merge_metrics": "the instruments' metrics into TRL's log",
-    f"{TR}:MusiqueGRPOTrainer._observe_batch": "an instrument call",
+    f"{TR}:MusiqueGRPOTrainer._scored_batch": "an instrument call (the scored batch they read)",
     f"{TR}:MusiqueGRPOTrainer._observe_importance_sampling": "an instrument call",
-    f"{TR}:MusiqueGRPOTrainer._remember_rollout": "an instrument call",
+    f"{TR}:MusiqueGRPOTrainer._rollout_reference": "an instrument call (the rollout the point-of-use checks remember)",
     f"{TR}:MusiqueGRPOTrainer._read_loss_probes": "an instrument call",
     f"{TR}:MusiqueGRPOTrainer._parity_probe": "an instrument call",
     f"{TR}:MusiqueGRPOTrainer._token_sources": "an instrument call",
     f"{TR}:MusiqueGRPOTrainer._get_output_dir": "checkpoint I/O",
     f"{TR}:MusiqueGRPOTrainer._save_checkpoint": "checkpoint I/O",
     f"{TR}:last_checkpoint": "checkpoint I/O (resume)",
-    f"{TR}:nearest_batch_settings": "an error message's suggestions",
+    f"{CF}:nearest_batch_settings": "an error message's suggestions",
     f"{TR}:vllm_context_length": "vLLM only",
     f"{TR}:vllm_settings": "vLLM only",
     f"{TR}:build_trainer": "wiring",
     f"{RO}:<module>": "module constants (source labels the instruments read)",
     f"{RO}:Episode.as_dict": "the episode dict's fields the rewards and instruments read; see Episode",
+    f"{RO}:Episode.summary": "the typed summary of the episode's fields the instruments read; see Episode",
     f"{GE}:Sample": "a record type",
     f"{GE}:Generator": "a protocol",
     f"{GE}:PagedGenerator": "a backend the default CPU job does not run",
@@ -170,7 +175,6 @@ EXCLUDED: dict[str, str] = {
     f"{PA}:final_text": "writes an answer for scripted policies and the warm start, not the RL step",
     f"{D}:missing_file": "an error message's text",
     f"{RW}:check_task": "a config check before compute",
-    f"{RW}:check_weights": "a config check before compute",
 }
 
 

@@ -57,6 +57,8 @@ TARGETS: tuple[Target, ...] = (
     Target("musique_rl.core.generation"),
     Target("musique_rl.core.rollout"),
     Target("musique_rl.core.trainer"),
+    # the batch split over processes and micro-batches (core/trainer.py batch_layout calls it)
+    Target("musique_rl.core.config", {"TrainSettings.validate": None, "_divisors": None, "nearest_batch_settings": None}),
     Target("musique_rl.core.weight_sync"),
     Target("musique_rl.core.importance"),
     Target("trl.trainer.grpo_trainer", {
@@ -72,9 +74,9 @@ TARGETS: tuple[Target, ...] = (
 )
 
 # Names that mark a statement as the instruments' (see the module docstring).
-INSTRUMENT_NAMES = ("instruments", "merge_metrics", "step_clock", "_loss_probe", "_loss_probes", "probe",
-                    "_parity_probe", "_observe_batch", "_remember_rollout", "_observe_importance_sampling",
-                    "_read_loss_probes", "_token_sources", "token_sources", "_captured_logps", "_last_attention")
+INSTRUMENT_NAMES = ("instruments", "merge_metrics", "step_clock", "_loss_probes", "probe",
+                    "_parity_probe", "_scored_batch", "_rollout_reference", "_observe_importance_sampling",
+                    "_read_loss_probes", "_token_sources", "token_sources", "captured_logps", "last_attention")
 
 
 def module_path(module: str) -> Path:

@@ -36,6 +36,7 @@ from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf, LocalQue
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import BaseSubmititLauncher
 from omegaconf import OmegaConf
 
+from musique_rl.base import rundir
 from musique_rl.sweep import jobs as sweep_jobs
 from musique_rl.tracking.redact import redact
 from musique_rl.tracking.store import scoped_environ
@@ -122,7 +123,7 @@ class _IsolatingLauncher(BaseSubmititLauncher):
             if before is not None and sorted(map(redact, before.overrides)) != sorted(map(redact, own)):  # jobs.json is redacted
                 raise ValueError(f"sweep.resume={sweep_dir}: job {num} ran {' '.join(before.overrides)!r} but would now run "
                                  f"{' '.join(own)!r}: resume with the sweep's own command (same overrides and grid)")
-            if (sweep_dir / str(num) / "metrics.json").exists():
+            if (sweep_dir / str(num) / rundir.SUMMARY).exists():
                 kept.append(sweep_jobs.JobRow(num, own, "SKIPPED", before.seconds if before else None))
             else:
                 run.append(params)

@@ -26,6 +26,8 @@ import shutil
 import struct
 from pathlib import Path
 
+from musique_rl.base import rundir
+
 log = logging.getLogger(__name__)
 
 STAGING = ".staging"
@@ -137,7 +139,7 @@ def problem(ckpt: str | Path) -> str | None:
     import torch
 
     ckpt = Path(ckpt)
-    state = ckpt / "trainer_state.json"
+    state = ckpt / rundir.TRAINER_STATE
     if not state.is_file():
         return f"{state} is missing (the save did not finish)"
     try:

@@ -16,16 +16,8 @@ from typing import ClassVar, List, Optional, Protocol
 
 from omegaconf import MISSING
 
-from musique_rl.env.config import (
-    PORT,
-    POSITIVE,
-    UNIT_CLOSED_OPEN,
-    UNIT_OPEN_CLOSED,
-    EnvConfig,
-    ReadOnly,
-    RewardConfig,
-    at_least,
-)
+from musique_rl.base.config_base import PORT, POSITIVE, UNIT_CLOSED_OPEN, UNIT_OPEN_CLOSED, ReadOnly, at_least
+from musique_rl.env.config import EnvConfig, RewardConfig
 
 # Enums whose values are their names (StrEnum's functional form gives each name as its value)
 Dtype = StrEnum("Dtype", ("auto", "float32", "bfloat16", "float16"))
@@ -186,13 +178,63 @@ class TrainSettings(ReadOnly):
 
     @classmethod
     def relations(cls, node, prefix: str) -> list[str]:
-        from musique_rl.env.config import config_value
+        from musique_rl.base.config_base import config_value
 
         lo, hi = config_value(node, "importance_sampling_clip_min"), config_value(node, "importance_sampling_clip_max")
         if lo is not None and hi is not None and lo >= hi:
             return [f"{prefix}importance_sampling_clip_min={lo} >= {prefix}importance_sampling_clip_max={hi}: "
                     "the kept ratios would be an empty range"]
         return []
+
+    def validate(self, world: int) -> int:
+        """The runtime check (verl's ``validate(n_gpus, batch)``): the batch must split over ``world``
+        trainer processes into whole groups, and each process's share into micro-batches of
+        ``micro_batch_size``; returns the micro-batch size. Raises naming the keys and the nearest
+        settings that work."""
+        P, G = self.prompts_per_step, self.num_generations
+        if P % world:  # each process must hold whole groups: P x G episodes over `world` = P / world groups each
+            raise ValueError(
+                f"train.prompts_per_step x train.num_generations = {P} x {G} = {P * G} episodes per step cannot be split "
+                f"into whole groups over {world} trainer processes (train.prompts_per_step must be a multiple of "
+                f"{world}). Nearest valid: {'; '.join(nearest_batch_settings(self, world))}"
+            )
+        local = P * G // world
+        # At most micro_batch_size episodes per pass: a model config's default (conf/model) may exceed a
+        # small batch, which then runs in one pass.
+        micro = local if self.micro_batch_size is None else min(self.micro_batch_size, local)
+        if micro < 1 or local % micro:
+            raise ValueError(
+                f"train.micro_batch_size={self.micro_batch_size}: must be >= 1 and divide the {local} episodes each of the "
+                f"{world} process(es) trains per step (train.prompts_per_step x train.num_generations / processes). "
+                f"Nearest valid: {'; '.join(nearest_batch_settings(self, world))}"
+            )
+        return micro
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def nearest_batch_settings(t: TrainSettings, world: int) -> list[str]:
+    """Settings closest to ``t``'s (the train group's) that ``batch_layout`` accepts on ``world`` processes, as config
+    overrides (what an error proposes): the nearest multiples of ``world`` for
+    ``train.prompts_per_step``, a ``train.micro_batch_size`` that divides each process's episodes,
+    and the process counts that divide the batch as it is."""
+    P, G = t.prompts_per_step, t.num_generations
+    mb = None if t.micro_batch_size is None else t.micro_batch_size
+    out = []
+    below, above = P // world * world, -(-P // world) * world
+    for p in dict.fromkeys(x for x in (P, below, above) if x >= world):
+        local = p * G // world
+        parts = [] if p == P else [f"train.prompts_per_step={p}"]
+        if p % world == 0:
+            if mb is not None and (mb < 1 or local % min(mb, local)):
+                parts.append(f"train.micro_batch_size={max(d for d in _divisors(local) if d <= max(mb, 1))}")
+            if parts:
+                out.append(" ".join(parts) + f" ({p * G // world} episodes per process)")
+    fits = [n for n in _divisors(P) if n <= max(world, 8)]
+    out.append(f"or {' / '.join(map(str, fits))} trainer processes with train.prompts_per_step={P}")
+    return out
 
 
 class JobConfig(Protocol):

@@ -1,9 +1,9 @@
 """Where a job's model lives, and the rule for every tensor handed to it.
 
 The rule, so that every job runs on a GPU as on a CPU: whoever hands a model a tensor moves it to that model's device
-(``diagnostics.sync.model_device``), and whoever reads a statistic back copies it to the CPU
+(``instruments.sync.model_device``), and whoever reads a statistic back copies it to the CPU
 explicitly (``.cpu()`` before ``float``/``tolist``). Rollouts (generation.HFGenerator), the parity
-probe (diagnostics.sync.model_scorer), the instruments (diagnostics.instruments: CPU copies of
+probe (instruments.sync.model_scorer), the instruments (instruments.suite: CPU copies of
 what they read) and the planted faults (trainer.py) follow it; ``python -m musique_rl.smoke``
 runs every fault and hypothesis arm on the GPU to keep it so.
 """

@@ -87,12 +87,8 @@ class SamplingSettings:
     stop_ids: list[int] = field(default_factory=list)
 
     def check(self) -> None:
-        if self.temperature <= 0:
-            raise ValueError(f"train.temperature={self.temperature}: must be > 0 (greedy decoding is greedy=True)")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"train.top_p={self.top_p}: must be in (0, 1]")
-        if self.top_k < 0:
-            raise ValueError(f"train.top_k={self.top_k}: must be >= 0 (0 = off)")
+        """The runtime fact the config cannot state: a stop id (the tokenizer's eos). Temperature, top-p
+        and top-k come from the train group, whose rules refuse values out of range (core/config.py)."""
         if not self.stop_ids:
             raise ValueError("generation needs at least one stop token id (the tokenizer's eos)")
 

@@ -16,15 +16,24 @@ import math
 
 import torch
 
-MODES = ("sequence_mask", "sequence_truncate", "token_mask", "token_truncate")
+from musique_rl.base.catalogue import (
+    H06_IS_CLIPPED_SHARE,
+    H06_IS_ESS,
+    H06_IS_MASKED_SEQ_SHARE,
+    H06_IS_MASKED_TOKEN_SHARE,
+)
+from musique_rl.core.config import ImportanceSampling
+
+# TRL's importance-sampling modes (the config's ImportanceSampling less its auto and off)
+MODES = tuple(m.value for m in ImportanceSampling if m not in (ImportanceSampling.auto, ImportanceSampling.off))
 
 
 def importance_weights(trainer_logps: torch.Tensor, sampling_logps: torch.Tensor, loss_mask: torch.Tensor,
                        mode: str, clip_min: float | None, clip_max: float | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights, outside): TRL's weights, (N, 1) for sequence modes and (N, T) for token modes, and
-    where the raw ratio fell outside [clip_min, clip_max] (zeroed or clamped)."""
-    if mode not in MODES:
-        raise ValueError(f"train.importance_sampling={mode!r}: expected one of {', '.join(MODES)}")
+    where the raw ratio fell outside [clip_min, clip_max] (zeroed or clamped). ``mode``: one of
+    sequence_mask, sequence_truncate, token_mask, token_truncate (core/config.py ImportanceSampling:
+    the schema refuses any other)."""
     mask = loss_mask.to(trainer_logps.dtype)
     diff = torch.nan_to_num((trainer_logps - sampling_logps) * mask, nan=0.0)
     if mode.startswith("sequence"):
@@ -63,8 +72,8 @@ def importance_metrics(trainer_logps: torch.Tensor, sampling_logps: torch.Tensor
     sq = float((w * w).sum())
     ess = float(w.sum()) ** 2 / (len(w) * sq) if sq > 0 else 0.0
     return {
-        "h06/is_masked_seq_share": float(masked_rows.sum()) / float(rows.sum()),
-        "h06/is_masked_token_share": float(zero.sum()) / float(mask.sum()),
-        "h06/is_clipped_share": float(out_units.double().mean()),
-        "h06/is_ess": ess,
+        H06_IS_MASKED_SEQ_SHARE: float(masked_rows.sum()) / float(rows.sum()),
+        H06_IS_MASKED_TOKEN_SHARE: float(zero.sum()) / float(mask.sum()),
+        H06_IS_CLIPPED_SHARE: float(out_units.double().mean()),
+        H06_IS_ESS: ess,
     }

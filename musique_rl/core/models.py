@@ -85,7 +85,7 @@ def resolve_attention(name: str, cuda: bool | None = None) -> str:
 
 def load_model(cfg: JobConfig, warm_start: Any = None) -> tuple[Any, Any]:
     """(model, tokenizer) for ``cfg.model``. The tiny model's warm start must exist (shipped, or built by
-    ``musique_rl.core.warm_start.ensure``, which jobs call first and whose result they pass as
+    ``musique_rl.core.warm_start_builder.ensure``, which jobs call first and whose result they pass as
     ``warm_start``, saving a second key computation): this layer loads, it does not train."""
     name = cfg.model.name_or_path
     if name == "tiny":

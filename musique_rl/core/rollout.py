@@ -49,6 +49,7 @@ from musique_rl.core.generation import Generator
 from musique_rl.env import parsing, prompts, tools
 from musique_rl.env.answer_formats import answer_format as answer_format_of
 from musique_rl.env.config import EnvConfig
+from musique_rl.env.episode import EpisodeSummary, StopReason
 
 log = logging.getLogger(__name__)
 
@@ -196,7 +197,7 @@ class Episode:
     tool_calls: int = 0
     tool_errors: int = 0
     dropped_tool_results: int = 0
-    stop_reason: str | None = None  # None while running
+    stop_reason: StopReason | None = None  # None while running
 
     @property
     def done(self) -> bool:
@@ -214,18 +215,14 @@ class Episode:
         self.logprobs += [0.0] * len(ids)
         self.sources += sources
 
+    def summary(self) -> EpisodeSummary:
+        """What the episode came to, typed (the instruments read it)."""
+        return EpisodeSummary(self.record["id"], self.messages, self.stop_reason, self.num_turns, self.tool_calls,
+                              self.tool_errors, self.dropped_tool_results, self.question_in_context)
+
     def as_dict(self) -> dict:
-        """The episode dict of docs/architecture.md (rewards, diagnostics, episodes.jsonl)."""
-        return {
-            "id": self.record["id"],
-            "messages": self.messages,
-            "stop_reason": self.stop_reason,
-            "num_turns": self.num_turns,
-            "tool_calls": self.tool_calls,
-            "tool_errors": self.tool_errors,
-            "dropped_tool_results": self.dropped_tool_results,
-            "question_in_context": self.question_in_context,
-        }
+        """The episode dict of docs/architecture.md (rewards, TRL's reward kwargs, episodes.jsonl)."""
+        return self.summary().as_dict()
 
 
 # ---------------------------------------------------------------- the batched multi-turn loop
@@ -286,17 +283,17 @@ class RolloutEngine:
         reply = message["content"]  # the answer and the calls are read from the reply, never the reasoning
         if not stopped:
             by_episode = limit < int(self.env.max_tokens_per_turn)
-            ep.stop_reason = "episode_budget" if by_episode else "turn_budget"
+            ep.stop_reason = StopReason.EPISODE_BUDGET if by_episode else StopReason.TURN_BUDGET
             return
         if parsing.extract_tag(reply, "answer") is not None:
-            ep.stop_reason = "answer"
+            ep.stop_reason = StopReason.ANSWER
             return
         calls = tools.parse_tool_calls(reply, self.fmt)
         if not calls:
-            ep.stop_reason = "no_tool_call"
+            ep.stop_reason = StopReason.NO_TOOL_CALL
             return
         if ep.num_turns >= int(self.env.max_turns):
-            ep.stop_reason = "max_turns"  # no turn left to read a result: the call is not executed
+            ep.stop_reason = StopReason.MAX_TURNS  # no turn left to read a result: the call is not executed
             return
         tool_messages = []
         for call in calls:
@@ -314,7 +311,7 @@ class RolloutEngine:
         room = int(self.env.max_completion_tokens) - len(ep.completion_ids)
         if len(env_ids) >= room:  # no room for the results AND at least one more sampled token
             ep.dropped_tool_results += len(tool_messages)
-            ep.stop_reason = "episode_budget"
+            ep.stop_reason = StopReason.EPISODE_BUDGET
             return
         ep.messages.extend(tool_messages)
         ep.add_environment(env_ids, sources, self.env_token_mask)

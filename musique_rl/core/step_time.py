@@ -55,7 +55,7 @@ STEP_TIME_METRICS: tuple[StepTimeMetric, ...] = (
     StepTimeMetric("time/backward_optimizer_s", "s", "the update: every micro-batch's loss forward and backward, "
                    "gradient clipping, the optimizer and scheduler steps"),
     StepTimeMetric("time/instruments_s", "s", "the diagnostics: every call the trainer makes on its Instruments "
-                   "(observe_batch, observe_loss, the parity probe, token sources) and the instruments' "
+                   "(after_scoring, observe_loss, the parity probe, token sources) and the instruments' "
                    "optimizer-step callback"),
     StepTimeMetric("time/other_s", "s", "what no section covered: the loop and other callbacks between on_step_begin "
                    "and on_step_end (the parts above plus this one add up to time/step_s)"),

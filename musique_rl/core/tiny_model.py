@@ -1,5 +1,5 @@
 """The embedded CPU model (``model=tiny``): a locally built tokenizer, a small Qwen2, and where its
-warm start lives. This module builds and loads; ``musique_rl/core/warm_start.py`` trains the warm start.
+warm start lives. This module builds and loads; ``musique_rl/core/warm_start_builder.py`` trains the warm start.
 
 Nothing is downloaded:
   1. a byte-level BPE tokenizer (HF ``tokenizers``) trained on rendered warm-start conversations,
@@ -33,8 +33,9 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from musique_rl.base.config_base import overlay
 from musique_rl.core.config import JobConfig, TinyModelConfig
-from musique_rl.env.config import EnvConfig, overlay
+from musique_rl.env.config import EnvConfig
 from musique_rl.env.tasks import DEFAULT_TASK, TASKS, Task, task_for
 
 log = logging.getLogger(__name__)

@@ -15,11 +15,13 @@ trainer's ``Generator``, musique_rl/core/rollout.py), which returns ``prompt_ids
     advantages with the same formula and our epsilon (``group_advantages``). Pinned to TRL 1.16.0:
     tests/test_trainer.py fails if TRL's formula or version changes.
   - ``_generate_and_score_completions``: also attaches per-token sources (assistant / tool /
-    template) and calls the diagnostics (``instruments.observe_batch``; parity probe after each
-    weight sync).
+    template) and hands the scored batch to the instruments (``instruments.after_scoring``, typed
+    records of core/instrumentation.py; parity probe after each weight sync).
+    TRL calls our hooks inside its own methods, so they hand each other state through two typed
+    objects: the batch's ``BatchContext`` and each scoring pass's ``ScoringPass``.
   - ``_compute_loss``: calls TRL's loss with the KL coefficient and mask the job's fault gives,
     and ``instruments.observe_loss``; arms the point-of-use probe (its advantages and reference
-    log-probs as gradient-reading leaves, diagnostics/loss_inputs.py), which ``training_step``
+    log-probs as gradient-reading leaves, instruments/loss_inputs.py), which ``training_step``
     reads once the micro-batch's backward has run.
   - ``_get_per_token_logps_and_entropies``: every forward pass of the trainer (loss, old and
     reference log-probs) gets the attention mask the job's fault gives (the planted
@@ -62,6 +64,13 @@ from musique_rl.core.generation import (
     sampling_settings,
 )
 from musique_rl.core.importance import importance_metrics
+from musique_rl.core.instrumentation import (
+    Instrumentation,
+    LossLayout,
+    LossPass,
+    RolloutReference,
+    ScoredBatch,
+)
 from musique_rl.core.rollout import Episode, RolloutEngine, env_token_mask
 from musique_rl.core.weight_sync import ExactLoraSync, adopt, detached, drain
 from musique_rl.env.config import EnvConfig
@@ -103,10 +112,8 @@ def group_advantages(
         std = nanstd(grouped, dim=1).repeat_interleave(num_generations)
     elif scale_rewards == "batch":
         std = nanstd(rewards).expand_as(rewards)
-    elif scale_rewards == "none":
+    else:  # "none" (loss.scale_rewards is a ScaleRewards: group, batch or none; the schema refuses any other)
         std = None
-    else:
-        raise ValueError(f"loss.scale_rewards={scale_rewards!r}: expected group, batch or none")
     if std is not None:
         advantages = advantages / (std + epsilon)
     return torch.nan_to_num(advantages, nan=0.0)
@@ -146,12 +153,28 @@ def importance_sampling_settings(t: TrainSettings) -> dict[str, Any]:
 class BatchContext:
     """What one generation batch hands from TRL's inner hooks to our code after them, in one typed
     object that lives for one ``_generate_and_score_completions`` call: the episodes our rollout
-    returned (this process's, in TRL's order) and TRL's rewards per function (gathered over every
-    process). TRL calls the hooks itself (rollout_func, _calculate_rewards) inside its 600-line
-    method, so they cannot return to us; they fill this instead, and we pass it on as an argument."""
+    returned (this process's, in TRL's order), TRL's rewards per function and the weighted totals
+    (both gathered over every process). TRL calls the hooks itself (rollout_func, _calculate_rewards)
+    inside its 600-line method, so they cannot return to us; they fill this instead, and we pass it
+    on as an argument. The trainer keeps the last one (``last_batch``)."""
 
     episodes: list[Episode] = dataclasses.field(default_factory=list)
     rewards_per_func: torch.Tensor | None = None
+    rewards: torch.Tensor | None = None  # (N_all,) the totals the advantages come from (NaN: unscorable)
+
+
+@dataclasses.dataclass
+class ScoringPass:
+    """What one scoring pass hands between TRL's hooks: the old/reference log-probs of a generation
+    batch, or one loss micro-batch. Opened where the pass starts (``_generate_and_score_completions``,
+    ``_compute_loss``), filled and read by ``_generate`` and ``_get_per_token_logps_and_entropies``
+    (TRL calls them inside its own methods, so they cannot take arguments from us), closed when the
+    pass ends."""
+
+    tool_mask: torch.Tensor | list | None = None  # the rows' env masks: the fault's attention mask reads them
+    probe: Any = None  # the micro-batch's point-of-use probe while TRL's loss runs (loss_inputs.py)
+    last_attention: torch.Tensor | None = None  # the attention mask the last forward pass used
+    captured_logps: torch.Tensor | None = None  # the per-token log-probs the last forward pass returned
 
 
 class MusiqueGRPOTrainer(GRPOTrainer):
@@ -173,7 +196,7 @@ class MusiqueGRPOTrainer(GRPOTrainer):
         adv_epsilon: float,
         fault: Fault,
         engine: Any,
-        instruments: Any = None,
+        instruments: Instrumentation | None = None,
         sampler_model: Any = None,
         base_model: Any = None,
         **trl_kwargs: Any,
@@ -183,6 +206,8 @@ class MusiqueGRPOTrainer(GRPOTrainer):
         # open sections (they time nothing outside a step). Every call on the instruments is theirs.
         self.step_clock = step_time.StepClock()
         self._batch: BatchContext | None = None  # the generation batch in progress (BatchContext)
+        self.last_batch: BatchContext | None = None  # the last generation batch, once scored
+        self._pass: ScoringPass | None = None  # the scoring pass in progress (ScoringPass)
         super().__init__(rollout_func=self._rollout, **trl_kwargs)
         # The weight sync: with vLLM, TRL's sync streams LoRA merged out of place (core/weight_sync.py: TRL's
         # own merges into the base and unmerges, which drifts a bf16 base); the planted fault
@@ -194,18 +219,13 @@ class MusiqueGRPOTrainer(GRPOTrainer):
         elif sync_class is not ExactLoraSync:
             self._detached_sync = detached(sync_class, self.model, self.accelerator)
         self.musique_engine = engine
-        self.instruments = None if instruments is None else step_time.TimedCalls(instruments, self.step_clock,
-                                                                                 "instruments")
+        self.instruments: Instrumentation | None = None if instruments is None else step_time.TimedCalls(
+            instruments, self.step_clock, "instruments")
         self._sampler_model = sampler_model  # None = the sampler is the trained model itself
         self._base_model = base_model  # frozen start (full fine-tuning), for the parity probe
         self._adv_epsilon = adv_epsilon
-        self._last_rewards: torch.Tensor | None = None
-        self._captured_logps: torch.Tensor | None = None
         self._fault = fault  # the job's planted fault's hooks (a clean run's leave everything as is)
-        self._scoring_tool_mask: torch.Tensor | list | None = None  # the rows' env masks while scoring passes run
-        self._last_attention: torch.Tensor | None = None  # the attention mask of the last scoring pass
-        self._loss_probe: Any = None  # the micro-batch's point-of-use probe while TRL's loss runs
-        self._loss_probes: list = []  # probes whose backward has not been read yet
+        self._loss_probes: list = []  # (probe, importance ratio) of micro-batches whose backward is not read yet
         # TRL applies its importance-sampling correction only with use_vllm; on the HF backend with a
         # mode set, _generate_and_score_completions and _compute_loss run with use_vllm raised.
         self._hf_is = musique_train.backend != "vllm" and musique_train.importance_sampling not in ("auto", "off")
@@ -301,8 +321,29 @@ class MusiqueGRPOTrainer(GRPOTrainer):
             drain(self._detached_sync)  # TRL's sync rule: once per optimizer step, before its rollout
             self._detached_synced_step = self.state.global_step
         result = super()._generate(prompts)
-        self._scoring_tool_mask = result[2]  # tool_mask lists (or None), one per completion
+        if self._pass is not None:
+            self._pass.tool_mask = result[2]  # tool_mask lists (or None), one per completion
         return result
+
+    @contextmanager
+    def _scoring_pass(self, **state: Any):
+        """One scoring pass's ``ScoringPass``, open while TRL's method runs."""
+        self._pass = ScoringPass(**state)
+        try:
+            yield self._pass
+        finally:
+            self._pass = None
+
+    @contextmanager
+    def _kl_coefficient(self, beta: float):
+        """TRL's loss reads the KL coefficient from ``self.beta``: the fault's coefficient (kl_flipped:
+        negated) takes its place for one call, and the configured one is back after it."""
+        configured = self.beta
+        self.beta = beta
+        try:
+            yield
+        finally:
+            self.beta = configured
 
     @contextmanager
     def _as_vllm(self):
@@ -323,11 +364,10 @@ class MusiqueGRPOTrainer(GRPOTrainer):
     def _generate_and_score_completions(self, inputs):
         batch = self._batch = BatchContext()
         try:
-            with self._as_vllm():
+            with self._as_vllm(), self._scoring_pass():
                 output = super()._generate_and_score_completions(inputs)
         finally:
             self._batch = None
-            self._scoring_tool_mask = None
         mode = "train" if self.model.training else "eval"
         num_generations = self.num_generations if mode == "train" else self.num_generations_eval
         rpf = batch.rewards_per_func
@@ -338,14 +378,16 @@ class MusiqueGRPOTrainer(GRPOTrainer):
         if self._adv_epsilon != TRL_EPSILON:
             advantages = group_advantages(rewards, num_generations, str(self.scale_rewards), self._adv_epsilon)
             output["advantages"] = advantages[local].to(output["advantages"].device)
-        self._last_rewards = rewards
+        batch.rewards = rewards
+        self.last_batch = batch
         self._observe_importance_sampling(output)
         if self.instruments is not None:
             width = output["completion_ids"].shape[1]
             output["token_sources"] = self._token_sources(batch, width).to(output["completion_ids"].device)
-            self._observe_batch(output, batch, rewards[local], num_generations)
-            if mode == "train":  # the reference the loss's inputs are checked against (loss_inputs.py)
-                self._remember_rollout(output, rewards, local)
+            # in training, the rollout is also the reference the loss's inputs are checked against (loss_inputs.py)
+            reference = self._rollout_reference(output, rewards, local) if mode == "train" else None
+            self.merge_metrics(self.instruments.after_scoring(self._scored_batch(output, batch, rewards[local]),
+                                                              reference))
             # After scoring, not before the rollout: the weights are still those the sampler was
             # synced to, and the first batch has supplied the probe sequences, so step 0 gets
             # its baseline too.
@@ -366,10 +408,11 @@ class MusiqueGRPOTrainer(GRPOTrainer):
             self.vllm_importance_sampling_clip_max))
 
     def _token_sources(self, batch: BatchContext, width: int) -> torch.Tensor:
-        """(N, width) diagnostics.Source codes of this process's completion tokens (PAD after)."""
+        """(N, width) instruments' Source codes of this process's completion tokens (PAD after)."""
         return self.instruments.token_sources([ep.sources for ep in batch.episodes], width)
 
-    def _observe_batch(self, output: dict, batch: BatchContext, rewards: torch.Tensor, num_generations: int) -> None:
+    def _scored_batch(self, output: dict, batch: BatchContext, rewards: torch.Tensor) -> ScoredBatch:
+        """This process's scored batch as the instruments read it (``rewards``: its rows' totals)."""
         episodes = [ep.as_dict() for ep in batch.episodes]
         reward_fn = self.reward_funcs[0]
         # the components behind the reward (RewardFunction.components); a reward without them, none
@@ -378,50 +421,41 @@ class MusiqueGRPOTrainer(GRPOTrainer):
         if comps and any(c is not None for c in comps):
             names = next(c for c in comps if c is not None).keys()
             components = {k: [float("nan") if c is None else c[k] for c in comps] for k in names}
-        metrics = self.instruments.observe_batch(
-            rewards=rewards.detach().cpu(),
-            advantages=output["advantages"].detach().cpu(),
-            prompt_mask=output["prompt_mask"].cpu(),
-            completion_mask=output["completion_mask"].cpu(),
-            tool_mask=output["tool_mask"].cpu() if "tool_mask" in output else None,
-            token_sources=output["token_sources"].cpu(),
-            episodes=episodes,
-            reward_components=components,
-            reward_errors=int(sum(1 for c in comps if c is None)),
-            prompt_ids=output["prompt_ids"].cpu(),
-            completion_ids=output["completion_ids"].cpu(),
-            sampling_logps=output["sampling_per_token_logps"].cpu()
-            if "sampling_per_token_logps" in output
-            else None,
-            trainer_logps=output["old_per_token_logps"].cpu() if "old_per_token_logps" in output else None,
-            step=int(self.state.global_step),
-        )
-        self.merge_metrics(metrics)
 
-    def _remember_rollout(self, output: dict, rewards: torch.Tensor, local: slice) -> None:
+        def cpu(key: str) -> torch.Tensor | None:
+            return output[key].detach().cpu() if key in output else None
+
+        return ScoredBatch(
+            rewards=rewards.detach().cpu(), advantages=cpu("advantages"), prompt_mask=cpu("prompt_mask"),
+            completion_mask=cpu("completion_mask"), tool_mask=cpu("tool_mask"), token_sources=cpu("token_sources"),
+            episodes=[ep.summary() for ep in batch.episodes], reward_components=components,
+            reward_errors=int(sum(1 for c in comps if c is None)), prompt_ids=cpu("prompt_ids"),
+            completion_ids=cpu("completion_ids"), sampling_logps=cpu("sampling_per_token_logps"),
+            trainer_logps=cpu("old_per_token_logps"), step=int(self.state.global_step))
+
+    def _rollout_reference(self, output: dict, rewards: torch.Tensor, local: slice) -> RolloutReference:
         device = output["completion_ids"].device
 
         def gather_sum(local_count: float) -> float:  # a count summed over the trainer processes
             return float(self.accelerator.gather(torch.tensor([local_count], device=device)).sum())
 
-        self.merge_metrics(self.instruments.remember_rollout(
+        return RolloutReference(
             rewards=rewards.detach().cpu(), local=local, prompt_ids=output["prompt_ids"].cpu(),
             completion_ids=output["completion_ids"].cpu(), token_sources=output["token_sources"].cpu(),
             gather_sum=gather_sum,
-            sampling_logps=output["sampling_per_token_logps"].cpu() if "sampling_per_token_logps" in output else None,
-        ))
+            sampling_logps=output["sampling_per_token_logps"].cpu() if "sampling_per_token_logps" in output else None)
 
     def _read_loss_probes(self) -> None:
         """Point-of-use metrics of the micro-batches whose backward has run (loss_inputs.py)."""
         probes, self._loss_probes = self._loss_probes, []
         for probe, is_ratio in probes:
-            self.merge_metrics(self.instruments.read_loss(
-                probe, accumulation=float(self.args.gradient_accumulation_steps),
+            self.merge_metrics(self.instruments.read_loss(probe, LossLayout(
+                accumulation=float(self.args.gradient_accumulation_steps),
                 num_processes=self.accelerator.num_processes, steps_per_generation=self.args.steps_per_generation,
                 max_completion_length=self.max_completion_length, is_ratio=is_ratio,
                 expect_full_mask=self.top_entropy_quantile >= 1.0 and self.off_policy_mask_threshold is None
                 and not self.mask_truncated_completions,
-            ), "train")
+            )), "train")
 
     def _parity_probe(self) -> None:
         """After the weight sync that preceded this rollout (and before the update that follows
@@ -442,7 +476,8 @@ class MusiqueGRPOTrainer(GRPOTrainer):
         self.merge_metrics(metrics)  # after train() is restored: merge_metrics files by model.training
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
-        tool_mask = self._scoring_tool_mask
+        scoring = self._pass or ScoringPass()  # a forward pass outside ours reads and keeps nothing
+        tool_mask = scoring.tool_mask
         if isinstance(tool_mask, list):  # during generation: TRL's unpadded lists, padded as TRL pads them
             from trl.trainer.utils import pad
 
@@ -450,13 +485,13 @@ class MusiqueGRPOTrainer(GRPOTrainer):
                             pad_to_multiple_of=self.pad_to_multiple_of)
         attention_mask = self._fault.attention_mask(attention_mask, logits_to_keep,
                                                     None if tool_mask is None else tool_mask.to(attention_mask.device))
-        self._last_attention = attention_mask
+        scoring.last_attention = attention_mask
         logps, entropies, aux = super()._get_per_token_logps_and_entropies(
             model, input_ids, attention_mask, logits_to_keep, *args, **kwargs
         )
-        self._captured_logps = logps
-        if self._loss_probe is not None:
-            self.instruments.watch_loss_logps(self._loss_probe, logps)
+        scoring.captured_logps = logps
+        if scoring.probe is not None:
+            self.instruments.watch_loss_logps(scoring.probe, logps)
         return logps, entropies, aux
 
     def _accumulation_steps(self) -> float:
@@ -474,28 +509,18 @@ class MusiqueGRPOTrainer(GRPOTrainer):
         completion_mask = inputs["completion_mask"]
         tool_mask = inputs.get("tool_mask")
         loss_mask = completion_mask if tool_mask is None else completion_mask * tool_mask
-        self._scoring_tool_mask = tool_mask  # for the scoring pass's attention mask
-        self._captured_logps = None
-        self._last_attention = None
-        beta = self.beta
         # TRL adds beta * KL to the per-token loss and normalises it with the policy loss (per
         # loss_type, across micro-batches): the fault's coefficient (kl_flipped: negated) takes its place.
-        applied_beta = self._fault.kl_beta(beta)
-        self.beta = applied_beta
-        self._loss_probe = probe
-        try:
-            with self._as_vllm():
-                loss = super()._compute_loss(model, inputs)
-        finally:
-            self.beta = beta
-            self._scoring_tool_mask = None
-            self._loss_probe = None
+        applied_beta = self._fault.kl_beta(self.beta)
+        with self._as_vllm(), self._kl_coefficient(applied_beta), self._scoring_pass(tool_mask=tool_mask,
+                                                                                     probe=probe) as scoring:
+            loss = super()._compute_loss(model, inputs)
         if probe is not None:
             applies_is = (self.use_vllm or self._hf_is) and self.vllm_importance_sampling_correction \
                 and self.loss_type != "vespo" and "importance_sampling_ratio" in inputs
             self._loss_probes.append((probe, inputs["importance_sampling_ratio"] if applies_is else None))
-        per_token_logps = self._captured_logps
-        attention = self._last_attention  # what the scoring pass attended to (blind under blind_context)
+        per_token_logps = scoring.captured_logps
+        attention = scoring.last_attention  # what the scoring pass attended to (blind under blind_context)
         if attention is None:
             attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
         per_token_kl = kl_mask = kl_penalty = None
@@ -513,20 +538,18 @@ class MusiqueGRPOTrainer(GRPOTrainer):
                     loss = loss + applied_beta * per_micro / self._accumulation_steps()
             kl_penalty = applied_beta * per_token_kl * kl_mask
         if self.instruments is not None and per_token_logps is not None:
-            self.merge_metrics(
-                self.instruments.observe_loss(
-                    per_token_logps=per_token_logps.detach(),
-                    loss_mask=loss_mask,
-                    sampling_logps=inputs.get("sampling_per_token_logps"),
-                    token_sources=inputs.get("token_sources"),
-                    per_token_kl=per_token_kl.detach() if per_token_kl is not None else None,
-                    kl_mask=kl_mask,
-                    kl_penalty=kl_penalty.detach() if kl_penalty is not None else None,
-                    attention_mask=attention,
-                    prompt_mask=inputs["prompt_mask"],
-                    completion_mask=completion_mask,
-                )
-            )
+            self.merge_metrics(self.instruments.observe_loss(LossPass(
+                per_token_logps=per_token_logps.detach(),
+                loss_mask=loss_mask,
+                sampling_logps=inputs.get("sampling_per_token_logps"),
+                token_sources=inputs.get("token_sources"),
+                per_token_kl=per_token_kl.detach() if per_token_kl is not None else None,
+                kl_mask=kl_mask,
+                kl_penalty=kl_penalty.detach() if kl_penalty is not None else None,
+                attention_mask=attention,
+                prompt_mask=inputs["prompt_mask"],
+                completion_mask=completion_mask,
+            )))
         return loss
 
 
@@ -548,50 +571,8 @@ def batch_layout(t: TrainSettings, world: int) -> tuple[int, int]:
     loss_type dapo (tokens of the whole batch), grpo and dr_grpo (equal micro-batches); bnpo
     normalises per micro-batch by definition (tests/test_trainer.py).
     """
-    P, G = t.prompts_per_step, t.num_generations
-    if P % world:  # each process must hold whole groups: P x G episodes over `world` = P / world groups each
-        raise ValueError(
-            f"train.prompts_per_step x train.num_generations = {P} x {G} = {P * G} episodes per step cannot be split "
-            f"into whole groups over {world} trainer processes (train.prompts_per_step must be a multiple of "
-            f"{world}). Nearest valid: {'; '.join(nearest_batch_settings(t, world))}"
-        )
-    local = P * G // world
-    # At most micro_batch_size episodes per pass: a model config's default (conf/model) may exceed a
-    # small batch, which then runs in one pass.
-    micro = local if t.micro_batch_size is None else min(t.micro_batch_size, local)
-    if micro < 1 or local % micro:
-        raise ValueError(
-            f"train.micro_batch_size={t.micro_batch_size}: must be >= 1 and divide the {local} episodes each of the "
-            f"{world} process(es) trains per step (train.prompts_per_step x train.num_generations / processes). "
-            f"Nearest valid: {'; '.join(nearest_batch_settings(t, world))}"
-        )
-    return micro, local // micro
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def nearest_batch_settings(t: TrainSettings, world: int) -> list[str]:
-    """Settings closest to ``t``'s (the train group's) that ``batch_layout`` accepts on ``world`` processes, as config
-    overrides (what an error proposes): the nearest multiples of ``world`` for
-    ``train.prompts_per_step``, a ``train.micro_batch_size`` that divides each process's episodes,
-    and the process counts that divide the batch as it is."""
-    P, G = t.prompts_per_step, t.num_generations
-    mb = None if t.micro_batch_size is None else t.micro_batch_size
-    out = []
-    below, above = P // world * world, -(-P // world) * world
-    for p in dict.fromkeys(x for x in (P, below, above) if x >= world):
-        local = p * G // world
-        parts = [] if p == P else [f"train.prompts_per_step={p}"]
-        if p % world == 0:
-            if mb is not None and (mb < 1 or local % min(mb, local)):
-                parts.append(f"train.micro_batch_size={max(d for d in _divisors(local) if d <= max(mb, 1))}")
-            if parts:
-                out.append(" ".join(parts) + f" ({p * G // world} episodes per process)")
-    fits = [n for n in _divisors(P) if n <= max(world, 8)]
-    out.append(f"or {' / '.join(map(str, fits))} trainer processes with train.prompts_per_step={P}")
-    return out
+    micro = t.validate(world)  # the runtime fact the schema cannot check: the processes the batch splits over
+    return micro, t.prompts_per_step * t.num_generations // world // micro
 
 
 def vllm_context_length(env: EnvConfig) -> int:
@@ -751,7 +732,7 @@ def build_trainer(
     output_dir: str | Path,
     *,
     fault: Fault,
-    instruments: Any = None,
+    instruments: Instrumentation | None = None,
     callbacks: list | None = None,
 ) -> Any:
     """The configured MusiqueGRPOTrainer, its rollout engine and generator bound. ``fault``: the

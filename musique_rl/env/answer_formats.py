@@ -33,8 +33,8 @@ from __future__ import annotations
 import re
 from typing import Any, ClassVar
 
+from musique_rl.base.registry import Registry
 from musique_rl.env.parsing import final_text
-from musique_rl.env.registry import Registry
 
 ANSWER_FORMATS = Registry("model.answer_format")
 

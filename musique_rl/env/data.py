@@ -9,7 +9,7 @@ slicing (``bdsaglam/musique,answerable,train[:256]``). Each part is one of
   default ``$MUSIQUE_RL_DATA``), else from the working directory;
 - ``<generator>,<name>,<split>``: a task's embedded generator (``Task.generator``,
   musique_rl/env/tasks/): ``synthetic`` (musique_rl/env/synthetic.py, ``env.synthetic`` sizes) or
-  ``arith`` (musique_rl/env/arith.py, ``env.arith`` settings; records without paragraphs, valid
+  ``arith`` (musique_rl/env/arith_records.py, ``env.arith`` settings; records without paragraphs, valid
   under ``env.task=arith``); split ``train`` gives ``num_train`` records, any other ``num_eval``.
 All parts are concatenated, validated, filtered (env.answerable_only, env.hops, env.noise_rate,
 env.max_paragraphs) and shuffled with the seed. ``load_records`` is the entry point.
@@ -247,19 +247,11 @@ def _subsample_paragraphs(rec: dict, env_cfg: EnvConfig, seed: int) -> dict:
     return {**rec, "paragraphs": kept}
 
 
-def _check_env(env_cfg: EnvConfig) -> None:
-    if not 0.0 <= env_cfg.noise_rate <= 1.0:
-        raise ValueError(f"env.noise_rate={env_cfg.noise_rate}: a probability of keeping a distractor, in [0, 1]")
-    if env_cfg.max_paragraphs is not None and env_cfg.max_paragraphs < 1:
-        raise ValueError(f"env.max_paragraphs={env_cfg.max_paragraphs}: must be >= 1 or null")
-
-
 def load_records(spec: str, env_cfg: EnvConfig, seed: int, stats: dict | None = None) -> list[dict]:
     """Load, validate, filter and shuffle the records of ``spec`` (module docstring).
 
     ``stats``, when given, is filled with counts: loaded, invalid, unanswerable, wrong_hops, kept.
     """
-    _check_env(env_cfg)
     raw: list[tuple[dict, str]] = []
     malformed = {"invalid": 0}  # lines of local files that are not JSON (skipped under env.skip_invalid)
     for part in parse_spec(spec):

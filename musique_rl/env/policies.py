@@ -22,39 +22,32 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from musique_rl.base.registry import Registry
 from musique_rl.env.config import EnvConfig
+from musique_rl.env.episode import EpisodeSummary, StopReason
 from musique_rl.env.parsing import final_text
 from musique_rl.env.prompts import build_messages
-from musique_rl.env.registry import Registry
 from musique_rl.env.tasks import task_for
 from musique_rl.env.tools import parse_tool_calls
 
 log = logging.getLogger(__name__)
 
 
-def _episode(record: dict, messages: list[dict], stop_reason: str, tool_calls: int, tool_errors: int) -> dict:
-    return {
-        "id": record["id"],
-        "messages": messages,
-        "stop_reason": stop_reason,
-        "num_turns": sum(m["role"] == "assistant" for m in messages),
-        "tool_calls": tool_calls,
-        "tool_errors": tool_errors,
-        "dropped_tool_results": 0,
-        "question_in_context": True,
-    }
+def _episode(record: dict, messages: list[dict], stop_reason: StopReason, tool_calls: int, tool_errors: int) -> dict:
+    return EpisodeSummary(record["id"], messages, stop_reason, sum(m["role"] == "assistant" for m in messages),
+                          tool_calls, tool_errors).as_dict()
 
 
 def oracle_episode(record: dict, env_cfg: EnvConfig, retriever: Any, tool_call_format: str = "hermes") -> dict:
     """The ceiling: the run's task writes its best episode (musique_rl/env/tasks/)."""
     messages, calls, errors = task_for(env_cfg).oracle(record, env_cfg, retriever, tool_call_format)
-    return _episode(record, messages, "answer", calls, errors)
+    return _episode(record, messages, StopReason.ANSWER, calls, errors)
 
 
 def no_tool_episode(record: dict, env_cfg: EnvConfig) -> dict:
     messages = build_messages(record, env_cfg)
     messages.append({"role": "assistant", "content": final_text("I have no documents.", [], "unknown")})
-    return _episode(record, messages, "answer", 0, 0)
+    return _episode(record, messages, StopReason.ANSWER, 0, 0)
 
 
 def _count_tool_calls(messages: list[dict], fmt: str) -> tuple[int, int]:

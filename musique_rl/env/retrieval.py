@@ -22,6 +22,7 @@ A retriever answers ``retrieve(query, record, top_n) -> [{id, title, text}]`` (b
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -34,8 +35,8 @@ from typing import Any
 
 import numpy as np
 
+from musique_rl.base.registry import Registry
 from musique_rl.env.config import EnvConfig
-from musique_rl.env.registry import Registry
 from musique_rl.env.tools import as_document, content_id
 
 log = logging.getLogger(__name__)
@@ -54,17 +55,18 @@ def cache_dir() -> Path:
 _TOKEN_RE = re.compile(r"(?u)\b\w\w+\b")
 
 
+@functools.cache
 def _stopwords() -> frozenset[str]:
+    # loaded on first use, not at import: composing a config registers the retrievers, and
+    # importing bm25s (numpy, scipy: ~0.5 s) would make every config error wait for it
     from bm25s.stopwords import STOPWORDS_EN
 
     return frozenset(STOPWORDS_EN)
 
 
-_STOP = _stopwords()
-
-
 def tokenize(text: str) -> list[str]:
-    return [t for t in _TOKEN_RE.findall(text.lower()) if t not in _STOP]
+    stop = _stopwords()
+    return [t for t in _TOKEN_RE.findall(text.lower()) if t not in stop]
 
 
 def _doc_text(doc: dict) -> str:
@@ -243,8 +245,7 @@ class LuceneRetriever(Retriever):
     name = "lucene"
 
     def __init__(self, scope: str, corpus: list[dict] | None = None):
-        if scope != "corpus":
-            raise ValueError("env.retriever=lucene searches a corpus-wide index: set env.scope=corpus (or use env.retriever=bm25)")
+        # scope=corpus is the env group's relation (EnvConfig.CORPUS_RETRIEVERS): refused when the config is checked
         super().__init__(scope, corpus)
         LuceneSearcher = import_pyserini_searcher()
         self.index_dir = build_lucene_index(corpus)
@@ -362,9 +363,7 @@ def build_retriever(env_cfg: EnvConfig, records: list[dict] | None = None, warm:
     """The retriever named by env.retriever over env.scope; ``records`` feed the default corpus
     and, with ``warm``, the precomputed per-question indexes."""
     retriever_class = RETRIEVERS[env_cfg.retriever]  # an unknown name fails here, listing the registered ones
-    scope = env_cfg.scope
-    if scope not in ("question", "corpus"):
-        raise ValueError(f"env.scope={scope!r}: choose 'question' or 'corpus'")
+    scope = env_cfg.scope  # a RetrievalScope: question or corpus
     corpus = load_corpus(env_cfg, records or []) if scope == "corpus" else None
     if corpus is not None and not corpus:
         raise ValueError("env.scope=corpus: the corpus is empty (set env.corpus or load records)")

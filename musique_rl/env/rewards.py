@@ -37,23 +37,15 @@ from typing import Any
 
 import numpy as np
 
-from musique_rl.env.config import EnvConfig, RewardConfig
+from musique_rl.base.catalogue import REWARD_COMPONENT, REWARD_COMPONENT_ERRORS
+from musique_rl.env.config import REWARD_COMPONENTS, EnvConfig, RewardConfig
 from musique_rl.env.parsing import TAGS, assistant_message, parse_message
 from musique_rl.env.tasks import task_for
 from musique_rl.env.tools import paragraph_ids, parse_document_ids
 
 log = logging.getLogger(__name__)
 
-COMPONENTS = (
-    "answer_em",
-    "answer_f1",
-    "retrieval_recall",
-    "retrieval_precision",
-    "citation_recall",
-    "citation_precision",
-    "citation_f1",
-    "format",
-)
+COMPONENTS = REWARD_COMPONENTS  # the names a weight may give, declared with the reward config
 
 # ---------------------------------------------------------------- answers
 _NUMBER_WORDS = (
@@ -206,15 +198,6 @@ def as_spec(reward_cfg: RewardConfig) -> RewardSpec:
     )
 
 
-def check_weights(reward_cfg: RewardConfig) -> None:
-    reward_cfg = as_spec(reward_cfg)
-    unknown = sorted({k for k, _ in reward_cfg.weights} - set(COMPONENTS))
-    if unknown:
-        raise ValueError(f"reward.weights.{unknown[0]}: unknown reward component; choose from {list(COMPONENTS)}")
-    if not reward_cfg.normalizer or reward_cfg.normalizer <= 0:
-        raise ValueError(f"reward.normalizer={reward_cfg.normalizer}: must be > 0")
-
-
 def check_task(reward_cfg: RewardConfig, env_cfg: EnvConfig) -> None:
     """Fail before any compute when ``reward`` weighs a component the task cannot score
     (``Task.scored_components``: under env.task=arith only the answer; retrieval and citations need
@@ -278,8 +261,7 @@ class RewardFunction:
     def __init__(self, reward_cfg: RewardConfig, records_by_id: dict[str, dict], read_turn: str = "last", seed: int = 0):
         if read_turn not in ("last", "first"):
             raise ValueError(f"read_turn={read_turn!r}: expected 'last' or 'first'")
-        self.reward_cfg = as_spec(reward_cfg)
-        check_weights(self.reward_cfg)
+        self.reward_cfg = as_spec(reward_cfg)  # checked as a RewardConfig: a known component each weight, normalizer > 0
         self.records_by_id = records_by_id
         self.read_turn = read_turn
         self.errors = 0
@@ -326,6 +308,6 @@ class RewardFunction:
             ok = [c for c in comps if c is not None]
             for name in COMPONENTS:
                 if ok:
-                    log_metric(f"reward_components/{name}", float(np.mean([c[name] for c in ok])))
-            log_metric("reward_components/errors", float(n - len(ok)))
+                    log_metric(REWARD_COMPONENT.of(component=name), float(np.mean([c[name] for c in ok])))
+            log_metric(REWARD_COMPONENT_ERRORS, float(n - len(ok)))
         return totals

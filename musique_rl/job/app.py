@@ -16,6 +16,7 @@ from omegaconf import DictConfig
 from musique_rl.job.result import JobResult
 
 if TYPE_CHECKING:
+    from musique_rl.doctor.diagnosis import Diagnosis
     from musique_rl.tracking.sink import Tracker
 
 log = logging.getLogger(__name__)
@@ -104,7 +105,7 @@ def _work(cfg: DictConfig, tracker: Tracker | None, run_dir: Path) -> JobResult:
 
 def _plot(run_dir: Path, tracker: Tracker) -> None:
     """The reward curves, an artifact of the run; may not fail the job (the training is done)."""
-    from musique_rl.tracking.plots import save_reward_curves
+    from musique_rl.tracking.reward_curves import save_reward_curves
 
     try:
         path = save_reward_curves(run_dir)
@@ -148,24 +149,20 @@ def _own_run_dir(cfg: DictConfig) -> contextlib.AbstractContextManager:
     return launch.claim(HydraConfig.get().runtime.output_dir, cfg)
 
 
-def diagnose(cfg: DictConfig, run_dir: Path, tracker: Tracker | None = None) -> list[dict] | None:
+def diagnose(cfg: DictConfig, run_dir: Path, tracker: Tracker | None = None) -> Diagnosis | None:
     """The doctor on the run's own metrics.jsonl, after training, tracking on or off:
     ``<run dir>/diagnosis.json``, and the artifact + ``diagnosis`` tags of the job's MLflow run when
     tracking is on. The flagged findings go to the console. Never fails the job (the training is done)."""
-    from musique_rl import rundir
+    from musique_rl.base import rundir
     from musique_rl.core.models import process_state
 
     # the main process writes metrics.jsonl and so the diagnosis (the other ranks share its run dir)
     if not process_state().is_main_process or not (run_dir / rundir.METRICS_LOG).is_file():
         return None
     try:
-        from musique_rl.diagnostics.doctor import (
-            diagnose_log,
-            diagnosis_tags,
-            format_diagnosis,
-            save_diagnosis,
-        )
-        from musique_rl.diagnostics.sources import read_run_dir
+        from musique_rl.doctor.diagnose import diagnose_log, save_diagnosis
+        from musique_rl.doctor.report import diagnosis_tags, format_diagnosis
+        from musique_rl.doctor.sources import read_run_dir
         from musique_rl.tracking.provenance import config_params
 
         run = read_run_dir(run_dir)
@@ -173,11 +170,11 @@ def diagnose(cfg: DictConfig, run_dir: Path, tracker: Tracker | None = None) -> 
         diagnosis = diagnose_log(run)
         save_diagnosis(diagnosis, run_dir / rundir.DIAGNOSIS)
         if tracker is not None:  # through the tracker: a tracking outage is said once and costs nothing
-            tracker.log_text(json.dumps(diagnosis, indent=2), rundir.DIAGNOSIS)
+            tracker.log_text(json.dumps(diagnosis.to_json(), indent=2), rundir.DIAGNOSIS)
             tracker.set_tags(diagnosis_tags(diagnosis))
         # flagged findings with their evidence on the console; the full ranked list is diagnosis.json
-        # (and `python -m musique_rl.diagnostics.doctor --run-dir <run dir>`)
-        checks = sum(d["check"] != "no_data" for d in diagnosis)
+        # (and `python -m musique_rl.doctor --run-dir <run dir>`)
+        checks = sum(f.check != "no_data" for f in diagnosis)
         log.info("doctor (%d checks, all in %s):\n%s", checks, run_dir / rundir.DIAGNOSIS,
                  format_diagnosis(diagnosis, show_ok=False))
         return diagnosis

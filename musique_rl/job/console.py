@@ -4,7 +4,7 @@ TRL's progress callback writes the whole logs dict at every logging step (~4,000
 our instruments), between the progress bar's updates. ``StepLog`` takes its place: it keeps the
 bar and writes one line per logging step (step, reward, reward trend, KL, seconds per step, and
 the instruments out of bounds right now, by name), while every metric goes to ``metrics.jsonl``
-in the run directory (written and read by ``musique_rl.rundir`` only) and to MLflow through the
+in the run directory (written and read by ``musique_rl.base.rundir`` only) and to MLflow through the
 tracking callback. ``train.console=full`` restores TRL's dict on the console.
 """
 
@@ -18,8 +18,9 @@ from typing import Any
 
 from transformers.trainer_callback import ProgressCallback
 
-from musique_rl import rundir
-from musique_rl.diagnostics.bounds import out_of_bounds
+from musique_rl.base import rundir
+from musique_rl.base.catalogue import H06_LOGP_GAP_FLOOR, HYPOTHESIS
+from musique_rl.doctor.bounds import out_of_bounds
 
 log = logging.getLogger(__name__)
 
@@ -82,9 +83,9 @@ class StepLog(ProgressCallback):
         if self._last is not None and step > self._last[1]:
             parts.append(f"{(now - self._last[0]) / (step - self._last[1]):.2f} s/step")
         self._last = (now, step)
-        if "h06/logp_gap_floor" in logs:  # re-measured at every parity probe: the run's latest floor
-            self.gap_floor = logs["h06/logp_gap_floor"]
-        bad = out_of_bounds(logs, skip=("h08/",) if step <= self.warmup_steps else (),
+        if H06_LOGP_GAP_FLOOR in logs:  # re-measured at every parity probe: the run's latest floor
+            self.gap_floor = logs[H06_LOGP_GAP_FLOOR]
+        bad = out_of_bounds(logs, skip=(HYPOTHESIS["h08"].prefix,) if step <= self.warmup_steps else (),
                             floor=self.gap_floor)
         parts.append("out of bounds: " + ", ".join(bad) if bad else "instruments in bounds")
         return " | ".join(parts)

@@ -24,14 +24,13 @@ if TYPE_CHECKING:
 
     from musique_rl.schema import Config
 
-from musique_rl import rundir
+from musique_rl.base import rundir
 from musique_rl.env.config import RewardConfig
 from musique_rl.env.data import load_records
 from musique_rl.env.rewards import (
     COMPONENTS,
     RewardSpec,
     as_spec,
-    check_weights,
     max_total,
     n_hops,
     score_episode,
@@ -65,7 +64,7 @@ def policy_episodes(cfg: Config, records: list[dict]) -> Iterator[dict]:
     from musique_rl.core.devices import place, shard_and_gather
     from musique_rl.core.models import load_model
     from musique_rl.core.rollout import run_model_episodes
-    from musique_rl.core.warm_start import ensure
+    from musique_rl.core.warm_start_builder import ensure
 
     model, tokenizer = load_model(cfg, warm_start=ensure(cfg))
     model = place(model)
@@ -149,7 +148,6 @@ def evaluate(cfg: DictConfig | Config, tracker: Tracker | None = None, run_dir: 
     from musique_rl.schema import job_config
 
     cfg = job_config(cfg)  # the one place an eval job's composed DictConfig becomes its typed, read-only Config
-    check_weights(cfg.reward)
     data_stats: dict = {}
     records = load_records(cfg.env.data, cfg.env, cfg.seed, stats=data_stats)
     records_by_id = {r["id"]: r for r in records}

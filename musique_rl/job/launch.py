@@ -1,5 +1,5 @@
 """What one launch owns: its run directory (never shared with another launch) and how it stops.
-(How a default run or sweep directory is named, ``rundir.stamp``, and what it holds: musique_rl/rundir.py.)
+(How a default run or sweep directory is named, ``rundir.stamp``, and what it holds: musique_rl/base/rundir.py.)
 
 - ``claim(run_dir, cfg)``: holds an inter-process lock on the run directory for the job's life, and
   records the config's identity (``tracking.provenance.identity``) in ``launch.json``. A second
@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from musique_rl import rundir
+from musique_rl.base import rundir
 from musique_rl.tracking.provenance import config_hash, identity
 
 if TYPE_CHECKING:

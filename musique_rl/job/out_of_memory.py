@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from musique_rl import rundir
+from musique_rl.base import rundir
 
 STATUS = "out_of_memory"
 

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from musique_rl import rundir
+from musique_rl.base import rundir
 from musique_rl.core import step_time
 from musique_rl.job.result import JobResult
 
@@ -55,7 +55,7 @@ def run_directory(run_dir: str | Path | None = None) -> Path:
         if HydraConfig.initialized():
             path = Path(HydraConfig.get().runtime.output_dir)
         else:
-            from musique_rl.rundir import default_run_dir
+            from musique_rl.base.rundir import default_run_dir
 
             path = default_run_dir()
     path.mkdir(parents=True, exist_ok=True)
@@ -215,7 +215,7 @@ def train(cfg: DictConfig | Config, tracker: Tracker | None = None, run_dir: str
     from musique_rl.core.generation import trainer_model_source
     from musique_rl.core.models import load_model, process_state
     from musique_rl.core.trainer import build_trainer, last_checkpoint
-    from musique_rl.core.warm_start import ensure, provenance
+    from musique_rl.core.warm_start_builder import ensure, provenance
     from musique_rl.env import data, rewards
     from musique_rl.env.retrieval import build_retriever
     from musique_rl.schema import job_config
@@ -224,7 +224,6 @@ def train(cfg: DictConfig | Config, tracker: Tracker | None = None, run_dir: str
 
     cfg = job_config(cfg)  # the one place a training job's composed DictConfig becomes its typed, read-only Config
     t0 = time.time()
-    rewards.check_weights(cfg.reward)
     _quiet_library_deprecations()
     logging.getLogger("bm25s").setLevel(logging.WARNING)  # one DEBUG line per indexed record otherwise
     state = process_state()
@@ -284,7 +283,7 @@ def train(cfg: DictConfig | Config, tracker: Tracker | None = None, run_dir: str
 
     instruments = None
     if cfg.diagnostics.enabled:
-        from musique_rl.diagnostics import Instruments
+        from musique_rl.instruments.suite import Instruments
 
         views = tracker.log_text if tracker is not None else None  # the HTML token view, into the run
         instruments = Instruments.from_config(cfg, tokenizer=tokenizer, artifact_logger=views, records_by_id=by_id)

@@ -1,4 +1,4 @@
-"""What became of each job of a multirun: ``<sweep dir>/jobs.json`` (its rows and file: musique_rl/rundir.py)
+"""What became of each job of a multirun: ``<sweep dir>/jobs.json`` (its rows and file: musique_rl/base/rundir.py)
 and the table printed at its end.
 
 The one record of a job's outcome. The launcher (hydra_plugins/musique_rl_launchers) writes one row
@@ -15,11 +15,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from musique_rl import rundir
+from musique_rl.base import rundir
 from musique_rl.tracking.redact import redact
 
 JOBS_FILE = rundir.JOBS
-JobRow = rundir.JobRow  # the row type lives with the file's other readers (musique_rl/rundir.py)
+JobRow = rundir.JobRow  # the row type lives with the file's other readers (musique_rl/base/rundir.py)
 read = rundir.read_jobs
 
 

@@ -7,7 +7,7 @@ import argparse
 import logging
 from pathlib import Path
 
-from musique_rl import rundir
+from musique_rl.base import rundir
 from musique_rl.tracking.store import RUN_ID_FILE
 from musique_rl.tracking.upload import upload_run_dir
 

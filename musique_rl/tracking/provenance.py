@@ -15,7 +15,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from musique_rl.env.config import flatten
+from musique_rl.base.config_base import flatten
 from musique_rl.tracking.redact import redact_value
 from musique_rl.tracking.store import PARAM_MAX, TAG_MAX, hydra_config, sweep_dir
 
@@ -147,7 +147,7 @@ def origin_tags(origin: Mapping[str, Any]) -> dict[str, Any]:
     """Tags for what a run's figures depend on besides code and config (``warm_start.provenance``):
     every ``warm_start/*`` and ``machine/*`` value, plus ``warm_start_hash`` and one ``machine``
     string that the verdict compares across the runs of a sweep."""
-    from musique_rl.core.warm_start import machine_string
+    from musique_rl.core.warm_start_builder import machine_string
 
     return {
         **origin,

@@ -29,7 +29,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from musique_rl import rundir
+from musique_rl.base import rundir
 from musique_rl.tracking.provenance import config_params, resolved_container, run_tags
 from musique_rl.tracking.redact import redact, redact_tree, redact_value
 from musique_rl.tracking.store import (

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from musique_rl import rundir
+from musique_rl.base import rundir
 from musique_rl.tracking.provenance import config_params
 from musique_rl.tracking.store import (
     DEFAULT_EXPERIMENT,

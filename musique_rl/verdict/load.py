@@ -18,9 +18,9 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from musique_rl import rundir
-from musique_rl.core.warm_start import machine_string
-from musique_rl.env.config import flatten
+from musique_rl.base import rundir
+from musique_rl.base.config_base import flatten
+from musique_rl.core.warm_start_builder import machine_string
 from musique_rl.tracking.provenance import config_params, sweep_id_of
 from musique_rl.tracking.store import tracking_uri
 from musique_rl.verdict.sweep import HYPOTHESIS_DIR, UNKNOWN, Hypothesis, Run, Sweep, VerdictError

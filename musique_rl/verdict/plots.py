@@ -7,7 +7,6 @@ checkpoint's ``trainer_state.json`` (TRL's log history, for runs older than metr
 
 from __future__ import annotations
 
-import json
 import logging
 import statistics
 from pathlib import Path
@@ -15,7 +14,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from musique_rl import rundir
+from musique_rl.base import rundir
 
 log = logging.getLogger(__name__)
 
@@ -32,10 +31,9 @@ def reward_history(job_dir: Path, key: str = "reward") -> list[tuple[int, float]
         return rundir.metric_history(metrics, key)
     if key != "reward":
         return []
-    states = sorted(job_dir.glob(f"{rundir.CHECKPOINTS}/checkpoint-*/trainer_state.json"),
-                    key=lambda p: int(p.parent.name.rsplit("-", 1)[-1]))
-    if states:
-        history = json.loads(states[-1].read_text()).get("log_history", [])
+    state = rundir.newest_checkpoint_file(job_dir / rundir.CHECKPOINTS)
+    if state is not None:
+        history = rundir.read_trainer_log(state)["log_history"]
         return sorted((int(h["step"]), float(h["reward"])) for h in history if "reward" in h and "step" in h)
     return []
 

@@ -28,6 +28,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from musique_rl.base import rundir
 from musique_rl.verdict import budget as _budget
 from musique_rl.verdict.load import load_hypothesis_file
 from musique_rl.verdict.sweep import HYPOTHESIS_DIR, STATUS, UNKNOWN, VerdictError
@@ -199,9 +200,9 @@ def write(verdict: dict[str, Any], out_dir: Path) -> dict[str, str]:
     """verdict.json and status.md (this verdict's row among "Not run" ones) in ``out_dir``."""
     out_dir.mkdir(parents=True, exist_ok=True)
     table = status_table(verdict)
-    (out_dir / "verdict.json").write_text(json.dumps({**verdict, "status_table": table}, indent=2) + "\n")
-    (out_dir / "status.md").write_text(table + "\n")
-    return {"verdict.json": str(out_dir / "verdict.json"), "status.md": str(out_dir / "status.md")}
+    (out_dir / rundir.VERDICT).write_text(json.dumps({**verdict, "status_table": table}, indent=2) + "\n")
+    (out_dir / rundir.STATUS).write_text(table + "\n")
+    return {rundir.VERDICT: str(out_dir / rundir.VERDICT), rundir.STATUS: str(out_dir / rundir.STATUS)}
 
 
 def attach(verdict: dict[str, Any], written: dict[str, str], plots: dict[str, Path], tracking_uri: str | None,
@@ -213,8 +214,8 @@ def attach(verdict: dict[str, Any], written: dict[str, str], plots: dict[str, Pa
         from mlflow.tracking import MlflowClient
 
         client = MlflowClient(tracking_uri=tracking_uri)
-        client.log_artifact(parent_run_id, written["verdict.json"])
-        client.log_artifact(parent_run_id, written["status.md"])
+        client.log_artifact(parent_run_id, written[rundir.VERDICT])
+        client.log_artifact(parent_run_id, written[rundir.STATUS])
         for p in plots.values():
             client.log_artifact(parent_run_id, str(p), "plots")
         client.set_tag(parent_run_id, "verdict", verdict["status"])

@@ -27,9 +27,9 @@ import importlib
 import pkgutil
 from typing import Any, ClassVar
 
+from musique_rl.base.config_base import flatten
+from musique_rl.base.registry import Registry
 from musique_rl.core.config import JobConfig
-from musique_rl.env.config import flatten
-from musique_rl.env.registry import Registry
 
 FAULTS = Registry("fault")
 

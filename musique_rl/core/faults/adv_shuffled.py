@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from musique_rl.base.catalogue import H01_LOSS_ADV_MISALIGNED_SHARE
 from musique_rl.core.faults import Fault
 
 
@@ -14,7 +15,7 @@ class AdvShuffled(Fault):
 
     name = "adv_shuffled"
     expected = "h01"
-    fingerprint = "`h01/loss_adv_misaligned_share` > 0 (advantage read from the loss's gradient vs the rewards of the episode with the same token ids)"
+    fingerprint = f"`{H01_LOSS_ADV_MISALIGNED_SHARE}` > 0 (advantage read from the loss's gradient vs the rewards of the episode with the same token ids)"
 
     def loss_inputs(self, inputs: dict) -> dict:
         return {**inputs, "advantages": inputs["advantages"].roll(1, dims=0)}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from musique_rl.base.catalogue import H06_LOGP_GAP_MEAN
 from musique_rl.core.config import JobConfig
 from musique_rl.core.faults import Fault
 
@@ -36,7 +37,7 @@ class BlindContext(Fault):
 
     name = "blind_context"
     expected = "h02"
-    fingerprint = "`h06/logp_gap_mean` at the first step > 0.01 nats/token (trainer scores without context)"
+    fingerprint = f"`{H06_LOGP_GAP_MEAN}` at the first step > 0.01 nats/token (trainer scores without context)"
 
     def __init__(self, cfg: JobConfig):
         from musique_rl.env.prompts import tool_schemas

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from musique_rl.base.catalogue import H02_ENV_TOKENS_WITH_LOSS
 from musique_rl.core.faults import Fault
 
 
@@ -13,7 +14,7 @@ class EnvTokensTrained(Fault):
 
     name = "env_tokens_trained"
     expected = "h02"
-    fingerprint = "`h02/env_tokens_with_loss` > 0 (needs true `token_sources`, independent of env_mask)"
+    fingerprint = f"`{H02_ENV_TOKENS_WITH_LOSS}` > 0 (needs true `token_sources`, independent of env_mask)"
     overlay = {"train": {"mask_env_tokens": False}}
 
     def env_mask_value(self, value: int) -> int:

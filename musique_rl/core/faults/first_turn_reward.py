@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from musique_rl.base.catalogue import H05_COMPONENT_MEAN
 from musique_rl.core.faults import Fault
 
 
@@ -13,7 +14,8 @@ class FirstTurnReward(Fault):
 
     name = "first_turn_reward"
     expected = "h05"
-    fingerprint = "answers present, yet `h05/answer_em` and `answer_f1` ~0 and constant in >= 95% of groups"
+    fingerprint = (f"answers present, yet `{H05_COMPONENT_MEAN.of(component='answer_em')}` and "
+                   f"`{H05_COMPONENT_MEAN.of(component='answer_f1')}` ~0 and constant in >= 95% of groups")
 
     def reward_read_turn(self, turn: str) -> str:
         return "first"

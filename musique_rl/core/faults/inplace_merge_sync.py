@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from musique_rl.base.catalogue import H06_BASE_CHECKSUM_DRIFT
 from musique_rl.core.faults import Fault
 
 
@@ -18,7 +19,7 @@ class InplaceMergeSync(Fault):
 
     name = "inplace_merge_sync"
     expected = "h06"
-    fingerprint = "`h06/base_checksum_drift` > 1e-9 (h06 base_drift): the frozen base changes"
+    fingerprint = f"`{H06_BASE_CHECKSUM_DRIFT}` > 1e-9 (h06 base_drift): the frozen base changes"
     overlay = {"model": {"dtype": "bfloat16"}}
     defaults = [{"override /lora": "r8"}]
 

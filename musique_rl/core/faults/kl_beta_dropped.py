@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from musique_rl.base.catalogue import H03_KL_TERM_ZERO_WITH_BETA
 from musique_rl.core.faults import Fault
 
 
@@ -13,7 +14,7 @@ class KlBetaDropped(Fault):
 
     name = "kl_beta_dropped"
     expected = "h03"
-    fingerprint = "`h03/kl_term_zero_with_beta` = 1 (no gradient reaches the reference log-probs once the policy moved)"
+    fingerprint = f"`{H03_KL_TERM_ZERO_WITH_BETA}` = 1 (no gradient reaches the reference log-probs once the policy moved)"
     overlay = {"loss": {"beta": 0.04}}
 
     def kl_beta(self, beta: float) -> float:

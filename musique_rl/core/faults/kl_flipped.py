@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from musique_rl.base.catalogue import H03_KL_NEGATIVE_SHARE
 from musique_rl.core.faults import Fault
 
 
@@ -13,7 +14,7 @@ class KlFlipped(Fault):
 
     name = "kl_flipped"
     expected = "h03"
-    fingerprint = "`h03/kl_negative_share` > 0.5 (`kl_penalty` passed with its applied sign)"
+    fingerprint = f"`{H03_KL_NEGATIVE_SHARE}` > 0.5 (`kl_penalty` passed with its applied sign)"
     overlay = {"loss": {"beta": 0.04}}  # a KL penalty to flip
 
     def kl_beta(self, beta: float) -> float:

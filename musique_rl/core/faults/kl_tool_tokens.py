@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from musique_rl.base.catalogue import H03_KL_ENV_TOKENS
 from musique_rl.core.faults import Fault
 
 
@@ -15,7 +16,7 @@ class KlToolTokens(Fault):
 
     name = "kl_tool_tokens"
     expected = "h03"
-    fingerprint = "`h03/kl_env_tokens` > 0"
+    fingerprint = f"`{H03_KL_ENV_TOKENS}` > 0"
     overlay = {"loss": {"beta": 0.04}}  # a KL penalty to misplace
 
     def kl_mask(self, loss_mask: Any, completion_mask: Any) -> Any:

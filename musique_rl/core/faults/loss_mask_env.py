@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from musique_rl.base.catalogue import H02_LOSS_TOOL_TOKEN_SHARE
 from musique_rl.core.faults import Fault
 
 
@@ -14,7 +15,7 @@ class LossMaskEnv(Fault):
 
     name = "loss_mask_env"
     expected = "h02"
-    fingerprint = "`h02/loss_tool_token_share` > 0 (tokens the loss's gradient reaches vs the rollout's token sources)"
+    fingerprint = f"`{H02_LOSS_TOOL_TOKEN_SHARE}` > 0 (tokens the loss's gradient reaches vs the rollout's token sources)"
 
     def loss_inputs(self, inputs: dict) -> dict:
         if inputs.get("tool_mask") is None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from musique_rl.base.catalogue import H06_PARITY_STALE
 from musique_rl.core.faults import Fault
 
 
@@ -15,7 +16,7 @@ class StaleSampler(Fault):
 
     name = "stale_sampler"
     expected = "h06"
-    fingerprint = "parity probe `h06/parity_stale` = 1; gap ~0 at step 0, growing"
+    fingerprint = f"parity probe `{H06_PARITY_STALE}` = 1; gap ~0 at step 0, growing"
 
     def sampler_model(self, model: Any) -> Any:
         from musique_rl.core.generation import frozen_copy

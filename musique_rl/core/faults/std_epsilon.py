@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from musique_rl.base.catalogue import H01_AMPLIFICATION_MAX
 from musique_rl.core.faults import Fault
 
 # Float-level noise on each reward (a non-deterministic reward: float32 reductions in varying order,
@@ -22,7 +23,7 @@ class StdEpsilon(Fault):
 
     name = "std_epsilon"
     expected = "h01"
-    fingerprint = "`h01/amplification_max` > 1e4 (only an epsilon below TRL's 1e-4 meeting a float-noise std can do it)"
+    fingerprint = f"`{H01_AMPLIFICATION_MAX}` > 1e4 (only an epsilon below TRL's 1e-4 meeting a float-noise std can do it)"
     defaults = [{"override /reward": "answer_em"}]
     overlay = {"loss": {"scale_rewards": "group", "adv_epsilon": 1.0e-8}}
 

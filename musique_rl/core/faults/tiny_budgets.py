@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from musique_rl.base.catalogue import H04_BUDGET_CAP_SHARE, H04_DROPPED_TOOL_RESULTS_SHARE
 from musique_rl.core.faults import Fault
 
 
@@ -10,5 +11,5 @@ class TinyBudgets(Fault):
 
     name = "tiny_budgets"
     expected = "h04"
-    fingerprint = "`h04/budget_cap_share` or `h04/dropped_tool_results_share` > 0.1"
+    fingerprint = f"`{H04_BUDGET_CAP_SHARE}` or `{H04_DROPPED_TOOL_RESULTS_SHARE}` > 0.1"
     overlay = {"env": {"max_tokens_per_turn": 16, "max_completion_tokens": 48}}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from musique_rl.base.catalogue import H08_KL_TO_START, H08_UPDATE_WEIGHT_RATIO
 from musique_rl.core.faults import Fault
 
 
@@ -10,5 +11,5 @@ class TinyUpdates(Fault):
 
     name = "tiny_updates"
     expected = "h08"
-    fingerprint = "median `h08/update_weight_ratio` < 1e-4 (healthy ~1e-3), `h08/kl_to_start` ~0"
+    fingerprint = f"median `{H08_UPDATE_WEIGHT_RATIO}` < 1e-4 (healthy ~1e-3), `{H08_KL_TO_START}` ~0"
     overlay = {"loss": {"learning_rate": "${mul:0.01,${model.learning_rate}}", "max_grad_norm": 0.001}}

@@ -17,8 +17,8 @@ import importlib
 import pkgutil
 from typing import Any, ClassVar
 
+from musique_rl.base.registry import Registry
 from musique_rl.env.config import EnvConfig, WarmStartConfig, warm_start_config
-from musique_rl.env.registry import Registry
 
 TASKS = Registry("env.task")
 DEFAULT_TASK = "musique"  # what a config without env.task runs (the schema's default)
@@ -36,7 +36,7 @@ class Task:
     scored_components: ClassVar[tuple[str, ...] | None] = None
     reward_hint: ClassVar[str] = ""
 
-    # The warm start of model=tiny (core/tiny_model.py, core/warm_start.py); its fixed environment
+    # The warm start of model=tiny (core/tiny_model.py, core/warm_start_builder.py); its fixed environment
     # and SFT recipe: ``warm_start()``.
     # Gate shapes: name -> env.* overrides of one episode shape the warm start is measured in.
     gate_shapes: ClassVar[dict[str, dict]] = {}

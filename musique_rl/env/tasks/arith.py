@@ -1,7 +1,7 @@
 """The control task (``env.task=arith``): single-turn arithmetic word problems, no tool, no documents.
 
 A known-good task beside MuSiQue proves the GRPO library learns here before a MuSiQue run is
-debugged; the generator and the answer format's writer are musique_rl/env/arith.py. Records carry
+debugged; the generator and the answer format's writer are musique_rl/env/arith_records.py. Records carry
 no paragraphs and no citations, so only the answer can be scored.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from musique_rl.env import arith
+from musique_rl.env import arith_records
 from musique_rl.env.config import EnvConfig
 from musique_rl.env.tasks import Task
 
@@ -31,17 +31,17 @@ def noisy_oracle_dataset(
 ) -> tuple[list[dict], list[list[dict]], list]:
     """(records, message lists, env config per episode) of ``n_records`` noisy-oracle episodes:
     train-split problems drawn in turn from the generator streams ``worlds`` (none a run's seed),
-    each answered by ``arith.noisy_oracle_text`` (right with probability ``1 - noise``, else one
+    each answered by ``arith_records.noisy_oracle_text`` (right with probability ``1 - noise``, else one
     wrong decision that depends on the question). Prefix-stable."""
     ar = env_cfg.arith
     per_world = [
-        arith.generate_records("train", -(-n_records // len(worlds)), seed=w, max_operand=ar.max_operand, ops=ar.ops)
+        arith_records.generate_records("train", -(-n_records // len(worlds)), seed=w, max_operand=ar.max_operand, ops=ar.ops)
         for w in worlds
     ]
     records = [per_world[i % len(worlds)][i // len(worlds)] for i in range(n_records)]
     rng = random.Random(rng_seed)
     episodes = [
-        [*build_messages(r, env_cfg), {"role": "assistant", "content": arith.noisy_oracle_text(r, rng, noise)}]
+        [*build_messages(r, env_cfg), {"role": "assistant", "content": arith_records.noisy_oracle_text(r, rng, noise)}]
         for r in records
     ]
     return records, episodes, [env_cfg] * len(records)
@@ -66,15 +66,15 @@ class Arith(Task):
     def generate(self, split: str, env_cfg: EnvConfig, seed: int) -> list[dict]:
         ar = env_cfg.arith
         n = ar.num_train if split == "train" else ar.num_eval
-        return arith.generate_records(split=split, n=int(n), seed=seed, max_operand=ar.max_operand, ops=ar.ops)
+        return arith_records.generate_records(split=split, n=int(n), seed=seed, max_operand=ar.max_operand, ops=ar.ops)
 
     def messages(self, record: dict, env_cfg: EnvConfig) -> list[dict]:
         return build_messages(record, env_cfg)
 
     def oracle(self, record: dict, env_cfg: EnvConfig, retriever: Any, fmt: str) -> tuple[list[dict], int, int]:
         """One turn: the working and the answer."""
-        a, op, b = arith.operation(record)
-        answer = arith.answer_text(arith.work_text(a, op, b, int(record["answer"])), record["answer"])
+        a, op, b = arith_records.operation(record)
+        answer = arith_records.answer_text(arith_records.work_text(a, op, b, int(record["answer"])), record["answer"])
         return [*self.messages(record, env_cfg), {"role": "assistant", "content": answer}], 0, 0
 
     def warm_start_dataset(self, env_cfg: EnvConfig, n_records: int, worlds: list[int], *, noise: float,
@@ -84,7 +84,7 @@ class Arith(Task):
 
     def gate_records(self, env_cfg: EnvConfig) -> list[dict]:
         ar = env_cfg.arith  # held-out questions: the validation split, never in SFT
-        return arith.generate_records(self.gate["split"], self.gate["records_per_shape"], seed=self.gate["generator_seed"],
+        return arith_records.generate_records(self.gate["split"], self.gate["records_per_shape"], seed=self.gate["generator_seed"],
                                       max_operand=ar.max_operand, ops=ar.ops)
 
     def tokenizer_pattern(self) -> str:
@@ -96,6 +96,6 @@ class Arith(Task):
     def names_text(self) -> str:
         """Every number the task can write, the names and the objects."""
         top = 2 * self.warm_start().env["arith"]["max_operand"] + 1
-        return " " + " ".join([*(str(i) for i in range(top + 1)), *arith.NAMES, *arith.OBJECTS])
+        return " " + " ".join([*(str(i) for i in range(top + 1)), *arith_records.NAMES, *arith_records.OBJECTS])
 
 

@@ -18,7 +18,7 @@ import pkgutil
 from collections.abc import Iterator
 from typing import Any
 
-from musique_rl.env.registry import Registry
+from musique_rl.base.registry import Registry
 
 TOOL_FORMATS = Registry("model.tool_call_format")
 

@@ -1,0 +1,75 @@
+"""Stage "environment": tools and the tool results the policy reads (h07, h04's tool-result audit)."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping
+
+from musique_rl.base.catalogue import (
+    H04_TOOL_RESULTS_ALTERED,
+    H04_TOOL_RESULTS_ALTERED_SHARE,
+    H07_TOOL_CALLS_MEAN,
+    H07_TOOL_FAILURE_RATE,
+    H07_TURNS_MEAN,
+    H07_VOID_EPISODE_SHARE,
+    H07_VOID_TURN_SHARE,
+    TOOL_FAILURE_MAX,
+)
+from musique_rl.doctor.findings import Finding, History, judged, magnitude, rule, values
+from musique_rl.doctor.step import Kind
+
+# H04: share of tool results that differ from their source. Any difference is a defect (a tool
+# result is a copy of its document); 5% tolerates one odd result per 20 audited (a decode that does
+# not round-trip) without hiding a systematic defect.
+TOOL_ALTERED_MAX = 0.05
+
+
+# ---------------------------------------------------------------- field alarms (tier 1: other causes possible)
+# Void turns: an assistant turn with neither a tool call nor an answer ends the episode
+# (stop_reason no_tool_call). The warm-started tiny policy has ~8% such episodes before training;
+# above a quarter of the episodes in the last quarter of the run, the policy or the tool-call
+# parser has stopped producing actions (a format the parser does not read, a chatty collapse).
+VOID_EPISODE_MAX = 0.25
+
+
+@rule(stage="environment", checks={"void_turns": Kind.SYMPTOM}, reads=(H07_VOID_EPISODE_SHARE, H07_VOID_TURN_SHARE),
+      needs=(H07_VOID_EPISODE_SHARE,), thresholds=("VOID_EPISODE_MAX",))
+def _void_turns(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
+    void = values(m.get(H07_VOID_EPISODE_SHARE))
+    q = max(1, len(void) // 4)
+    last = statistics.fmean(void[-q:])
+    ev = {f"{H07_VOID_EPISODE_SHARE} (first)": void[0], f"{H07_VOID_EPISODE_SHARE} (last quarter)": last,
+          f"{H07_VOID_TURN_SHARE} (last)": (values(m.get(H07_VOID_TURN_SHARE)) or [0.0])[-1]}
+    return judged("h07", "void_turns", last > VOID_EPISODE_MAX, 1 + magnitude(last / VOID_EPISODE_MAX), ev,
+                  f"{last:.0%} of the episodes (last quarter of the run) end in a void turn, neither a tool call nor "
+                  "an answer: the policy writes text the tool-call parser does not read, or has collapsed into "
+                  "chatter (check model.tool_call_format against what the model writes).",
+                  f"Void turns: {last:.0%} of episodes in the last quarter.")
+
+
+@rule(stage="environment", checks={"tool_results_altered": Kind.DEFECT},
+      reads=(H04_TOOL_RESULTS_ALTERED_SHARE, H04_TOOL_RESULTS_ALTERED), needs=(H04_TOOL_RESULTS_ALTERED_SHARE,),
+      thresholds=("TOOL_ALTERED_MAX",))
+def _tool_results_altered(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
+    a = statistics.fmean(values(m.get(H04_TOOL_RESULTS_ALTERED_SHARE)))
+    ev = {f"{H04_TOOL_RESULTS_ALTERED_SHARE} (mean)": a,
+          f"{H04_TOOL_RESULTS_ALTERED} (sum)": sum(values(m.get(H04_TOOL_RESULTS_ALTERED)))}
+    return judged("h04", "tool_results_altered", a > TOOL_ALTERED_MAX, 3 + magnitude(1 + 100 * a), ev,
+                  f"{a:.0%} of the tool results the model saw differ from their source documents (cut, altered, or "
+                  "under another document's id) between the retriever and the prompt: the policy reads a different "
+                  "environment from the one the reward assumes.",
+                  f"Tool results match their source documents ({a:.0%} differ).")
+
+
+@rule(stage="environment", checks={"tool_failures": Kind.SYMPTOM},
+      reads=(H07_TOOL_FAILURE_RATE, H07_TOOL_CALLS_MEAN, H07_TURNS_MEAN), needs=(H07_TOOL_FAILURE_RATE,),
+      thresholds=("TOOL_FAILURE_MAX",))
+def _tool_failures(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
+    fail = values(m.get(H07_TOOL_FAILURE_RATE))
+    ev = {f"{H07_TOOL_FAILURE_RATE} (mean)": statistics.fmean(fail),
+          f"{H07_TOOL_CALLS_MEAN} (mean)": statistics.fmean(values(m.get(H07_TOOL_CALLS_MEAN)) or [0.0]),
+          f"{H07_TURNS_MEAN} (mean)": statistics.fmean(values(m.get(H07_TURNS_MEAN)) or [0.0])}
+    f = statistics.fmean(fail)
+    return judged("h07", "tool_failures", f > TOOL_FAILURE_MAX, 1 + magnitude(f / TOOL_FAILURE_MAX), ev,
+                  f"{f:.0%} of tool calls fail: the multi-turn machinery, not the policy's choices, decides the episodes.",
+                  f"Tool calls mostly succeed ({f:.0%} fail).")

@@ -1,0 +1,82 @@
+"""Stage "inputs": data, prompts and token budgets (h04)."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping
+
+from musique_rl.base.catalogue import (
+    BUDGET_SHARE_MAX,
+    H04_BUDGET_CAP_SHARE,
+    H04_DROPPED_TOOL_RESULTS_SHARE,
+    H04_NO_ANSWER_SHARE,
+    H04_PROMPT_AT_CAP_SHARE,
+    H04_QUESTION_LEFT_CONTEXT_SHARE,
+    TRL_COMPLETIONS,
+    TRL_COMPLETIONS_CLIPPED_RATIO,
+)
+from musique_rl.doctor.findings import Finding, History, judged, magnitude, num, rule, values
+from musique_rl.doctor.step import Kind
+from musique_rl.doctor.trl_rules import CLIPPED_MAX, OURS, _ours, clipped_share
+
+BUDGETS = (H04_BUDGET_CAP_SHARE, H04_DROPPED_TOOL_RESULTS_SHARE, H04_QUESTION_LEFT_CONTEXT_SHARE, H04_PROMPT_AT_CAP_SHARE,
+           H04_NO_ANSWER_SHARE)
+# Budgets binding on (nearly) every episode starve everything downstream: no episode ends with an
+# answer, so every reward is the budget's. 0.95: one episode in 20 may still finish.
+BUDGET_STARVES = 0.95
+# TRL's completion lengths (completions/{stat})
+MEAN_LENGTH = TRL_COMPLETIONS.of(stat="mean_length")
+MEAN_TERMINATED_LENGTH = TRL_COMPLETIONS.of(stat="mean_terminated_length")
+
+
+@rule(stage="inputs", checks={"question_left_context": Kind.DEFECT, "budgets_binding": Kind.SYMPTOM},
+      reads=BUDGETS, needs=BUDGETS, thresholds=("BUDGET_SHARE_MAX", "BUDGET_STARVES"))
+def _budgets(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
+    means = {k: statistics.fmean(values(m.get(k))) for k in BUDGETS if values(m.get(k))}
+    ev = {f"{k} (mean)": v for k, v in means.items()}
+    lost = means.get(H04_QUESTION_LEFT_CONTEXT_SHARE, 0.0)
+    if lost > 0:
+        return [Finding("h04", "question_left_context", True, 3 + magnitude(1 + 100 * lost),
+                        f"In {lost:.0%} of episodes the question itself was truncated out of the context.", ev)]
+    binding = (H04_BUDGET_CAP_SHARE, H04_DROPPED_TOOL_RESULTS_SHARE, H04_PROMPT_AT_CAP_SHARE)
+    worst_key = max((k for k in binding if k in means), key=lambda k: means[k], default=None)
+    if worst_key is not None and means[worst_key] > BUDGET_SHARE_MAX:
+        w = means[worst_key]
+        what = {H04_BUDGET_CAP_SHARE: "end at a token budget",
+                H04_DROPPED_TOOL_RESULTS_SHARE: "silently lose a tool result to the budget",
+                H04_PROMPT_AT_CAP_SHARE: "start with the prompt at its token cap"}[worst_key]
+        na = means.get(H04_NO_ANSWER_SHARE)
+        tail = f"; {na:.0%} end with no answer" if na is not None else ""
+        starves = w >= BUDGET_STARVES and (na is None or na >= BUDGET_STARVES)
+        return [Finding("h04", "budgets_binding", True, 2 + magnitude(w / BUDGET_SHARE_MAX),
+                        f"Token budgets truncate the episodes: {w:.0%} of episodes {what}{tail}. The reward is capped by "
+                        "the budget, not by the policy (raise env.max_tokens_per_turn / env.max_completion_tokens).",
+                        ev, starves=starves)]
+    return [Finding("h04", "budgets_binding", False, 0.0, "Token budgets rarely bind.", ev)]
+
+
+# ---------------------------------------------------------------- over TRL's own metric names (trl_rules.OURS)
+@rule(stage="inputs", checks={"completions_truncated": Kind.SYMPTOM},
+      reads=(TRL_COMPLETIONS_CLIPPED_RATIO, MEAN_LENGTH, MEAN_TERMINATED_LENGTH, *OURS["truncation"]),
+      needs=(TRL_COMPLETIONS_CLIPPED_RATIO,), thresholds=("CLIPPED_MAX",))
+def _truncation(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
+    if _ours(m, "truncation"):
+        return []
+    c = clipped_share(m) or 0.0
+    ev = {f"{TRL_COMPLETIONS_CLIPPED_RATIO} (mean)": c}
+    mean_len = values(m.get(MEAN_LENGTH))
+    term = values(m.get(MEAN_TERMINATED_LENGTH))
+    if mean_len:
+        ev[f"{MEAN_LENGTH} (mean)"] = statistics.fmean(mean_len)
+    if term:
+        ev[f"{MEAN_TERMINATED_LENGTH} (mean)"] = statistics.fmean(term)
+    budget = num(params, "max_completion_length", 0.0)
+    if budget:
+        ev["max_completion_length (param)"] = budget
+    ended = (f"; the completions that do end are {statistics.fmean(term):.3g} tokens long on average"
+             if term and statistics.fmean(term) > 0 else "; no completion ever ends before the budget")
+    return judged("h04", "completions_truncated", c > CLIPPED_MAX, 2 + magnitude(c / CLIPPED_MAX), ev,
+                  f"{c:.0%} of completions are cut at max_completion_length{ended}: the budget, not the policy, "
+                  "decides those rewards (raise max_completion_length, or mask_truncated_completions=True so "
+                  "cut completions do not train).",
+                  f"{c:.0%} of completions are truncated.")

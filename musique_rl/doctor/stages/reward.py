@@ -1,0 +1,266 @@
+"""Stage "reward": reward components and their scorers (h05)."""
+
+from __future__ import annotations
+
+import re
+import statistics
+from collections.abc import Mapping
+
+from musique_rl.base.catalogue import (
+    H04_NO_ANSWER_SHARE,
+    H05_COMPONENT_CONSTANT_GROUP_SHARE,
+    H05_COMPONENT_CORR_TOTAL,
+    H05_COMPONENT_DISAGREEMENT_SHARE,
+    H05_COMPONENT_MEAN,
+    H05_REWARD_AUDIT_ABS_DIFF_MAX,
+    H05_REWARD_AUDIT_CHECKED,
+    H05_REWARD_AUDIT_MISMATCH,
+    H05_REWARD_AUDIT_MISMATCH_SHARE,
+    H05_REWARD_ERRORS,
+    H05_SCORER_OVERLAP_CHECKED,
+    H05_SCORER_OVERLAP_DISAGREEMENT_SHARE,
+    TRL_REWARD,
+    TRL_REWARDS,
+    Metric,
+)
+from musique_rl.doctor.findings import (
+    Finding,
+    History,
+    judged,
+    magnitude,
+    mean_of,
+    num,
+    rule,
+    stage_sentence,
+    values,
+)
+from musique_rl.doctor.step import Kind
+from musique_rl.doctor.trl_rules import (
+    CLIPPED_MAX,
+    OURS,
+    TREND_P,
+    _ours,
+    _trend,
+    clipped_share,
+    constant_funcs,
+    reward_funcs,
+)
+
+# H05: share of audited episodes whose re-scored reward differs from the one the trainer used.
+# Any difference is a defect (the reward is a function of the text); 5% tolerates one odd episode
+# per 20 audited (a decode that does not round-trip) without hiding a systematic defect.
+REWARD_AUDIT_MAX = 0.05
+# H05: an answer component constant in >= 95% of groups, mean below 0.05, while over half of the
+# episodes end with an answer, is not reading the answers
+CONSTANT_SHARE = 0.95
+ANSWER_PRESENT_MIN = 0.5
+DEAD_MEAN = 0.05
+
+
+# ---------------------------------------------------------------- tier-3 invariant (a proof, not a symptom)
+# rewards: components whose definitions overlap must agree (exact match implies F1 = 1; an F1
+# lies between its precision and recall); a component constant in every group at every step
+# carries no signal (reported, not flagged: a reward that is constant as a whole is TRL's
+# frac_reward_zero_std, read by stages/signal.py).
+# Episodes whose overlapping components disagree: any is a defect; 1% tolerates one episode in a
+# hundred with a decode quirk (the same tolerance as the reward audit's spirit, tighter).
+COMPONENT_DISAGREEMENT_MAX = 0.01
+
+
+def components_logged(m: Mapping[str, History], metric: Metric) -> list[str]:
+    """The reward components with a logged ``metric`` (an ``h05/{component}/...`` one), sorted."""
+    return sorted({s["component"] for k in m if (s := metric.segments(k)) is not None})
+
+
+@rule(stage="reward", checks={"components_disagree": Kind.DEFECT, "components_without_signal": Kind.SYMPTOM},
+      reads=(H05_COMPONENT_DISAGREEMENT_SHARE, H05_COMPONENT_CONSTANT_GROUP_SHARE),
+      needs=(H05_COMPONENT_DISAGREEMENT_SHARE, H05_COMPONENT_CONSTANT_GROUP_SHARE.of(component="answer_em")),
+      thresholds=("COMPONENT_DISAGREEMENT_MAX",))
+def _reward_components(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
+    out: list[Finding] = []
+    dis = values(m.get(H05_COMPONENT_DISAGREEMENT_SHARE))
+    if dis:
+        d = statistics.fmean(dis)
+        out += judged("h05", "components_disagree", d > COMPONENT_DISAGREEMENT_MAX,
+                      3 + magnitude(d / COMPONENT_DISAGREEMENT_MAX), {f"{H05_COMPONENT_DISAGREEMENT_SHARE} (mean)": d},
+                      f"In {d:.0%} of the episodes reward components contradict each other where their definitions "
+                      "overlap (an exact match without F1 = 1, or an F1 outside its precision and recall): one of "
+                      "them reads another text or parses differently.",
+                      "Overlapping reward components agree.")
+    comps = components_logged(m, H05_COMPONENT_CONSTANT_GROUP_SHARE)
+    weighted = [c for c in comps if num(params, f"reward.weights.{c}", 1.0) != 0]
+    const = [c for c in weighted if min(values(m.get(H05_COMPONENT_CONSTANT_GROUP_SHARE.of(component=c))) or [0.0]) >= 1.0]
+    if const:
+        out.append(Finding("h05", "components_without_signal", False, 0.0,
+                           f"Constant in every group at every step, so they carry no signal (they shift the reward, "
+                           f"not the advantages): {', '.join(const)}.",
+                           {f"{H05_COMPONENT_CONSTANT_GROUP_SHARE.of(component=c)} (min)": 1.0 for c in const}))
+    return out
+
+
+@rule(stage="reward", checks={"reward_errors": Kind.DEFECT, "reward_audit": Kind.DEFECT, "answer_reward_blind": Kind.DEFECT,
+                          "reward_signal": Kind.DEFECT},
+      reads=(H05_REWARD_ERRORS, H05_REWARD_AUDIT_MISMATCH_SHARE, H05_REWARD_AUDIT_ABS_DIFF_MAX, H05_REWARD_AUDIT_MISMATCH,
+             H05_REWARD_AUDIT_CHECKED, H04_NO_ANSWER_SHARE, H05_COMPONENT_CONSTANT_GROUP_SHARE, H05_COMPONENT_MEAN,
+             H05_COMPONENT_CORR_TOTAL),
+      thresholds=("REWARD_AUDIT_MAX", "CONSTANT_SHARE", "ANSWER_PRESENT_MIN", "DEAD_MEAN"))
+def _h05(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
+    out: list[Finding] = []
+    errs = values(m.get(H05_REWARD_ERRORS))
+    if errs and max(errs) > 0:
+        out.append(Finding("h05", "reward_errors", True, 3 + magnitude(1 + sum(errs)),
+                           f"Reward functions raised {sum(errs):.0f} times (up to {max(errs):.0f} per batch): those "
+                           "completions were not scored.", {f"{H05_REWARD_ERRORS} (sum)": sum(errs)}))
+    audit = values(m.get(H05_REWARD_AUDIT_MISMATCH_SHARE))
+    if audit and statistics.fmean(audit) > REWARD_AUDIT_MAX:
+        a = statistics.fmean(audit)
+        out.append(Finding("h05", "reward_audit", True, 3 + magnitude(1 + 100 * a),
+                           f"Reward audit: for {a:.0%} of the audited episodes the reward the trainer used is not the "
+                           f"reward of that episode's own text re-scored independently (largest difference "
+                           f"{max(values(m.get(H05_REWARD_AUDIT_ABS_DIFF_MAX)) or [0.0]):.3g}): rewards are attached to "
+                           "the wrong sample, read from the wrong turn, or cached.",
+                           {f"{H05_REWARD_AUDIT_MISMATCH_SHARE} (mean)": a,
+                            f"{H05_REWARD_AUDIT_MISMATCH} (sum)": sum(values(m.get(H05_REWARD_AUDIT_MISMATCH))),
+                            f"{H05_REWARD_AUDIT_CHECKED} (sum)": sum(values(m.get(H05_REWARD_AUDIT_CHECKED)))}))
+    answered = 1 - statistics.fmean(values(m.get(H04_NO_ANSWER_SHARE)) or [1.0])
+    # Every answer component present must be dead: an answering policy that is always wrong still
+    # earns partial F1 now and then, a reward that never reads the answer earns none.
+    dead, live = [], 0
+    for comp in ("answer_em", "answer_f1"):
+        const = values(m.get(H05_COMPONENT_CONSTANT_GROUP_SHARE.of(component=comp)))
+        mean = values(m.get(H05_COMPONENT_MEAN.of(component=comp)))
+        weight = num(params, f"reward.weights.{comp}", 1.0)
+        if not const or not mean or weight == 0:
+            continue
+        if statistics.fmean(const) >= CONSTANT_SHARE and max(mean) < DEAD_MEAN:
+            dead.append((comp, statistics.fmean(const), max(mean)))
+        else:
+            live += 1
+    if dead and not live and answered >= ANSWER_PRESENT_MIN:
+        ev = {f"{H05_COMPONENT_CONSTANT_GROUP_SHARE.of(component=c)} (mean)": s for c, s, _ in dead}
+        ev.update({f"{H05_COMPONENT_MEAN.of(component=c)} (max)": v for c, _, v in dead})
+        ev[f"answered share (1 - {H04_NO_ANSWER_SHARE})"] = answered
+        names = ", ".join(c for c, _, _ in dead)
+        out.append(Finding("h05", "answer_reward_blind", True, 2 + magnitude(answered / ANSWER_PRESENT_MIN * 10),
+                           f"{answered:.0%} of episodes end with an answer, yet {names} is ~0 and constant in "
+                           f"{min(s for _, s, _ in dead):.0%} of groups: the reward does not read the final answer "
+                           "(wrong turn parsed, or brittle parsing).", ev))
+    if not out:
+        comps = components_logged(m, H05_COMPONENT_CORR_TOTAL)
+        corr = {c: H05_COMPONENT_CORR_TOTAL.of(component=c) for c in comps}
+        ev = {f"{corr[c]} (mean)": statistics.fmean(values(m[corr[c]])) for c in comps}
+        if audit:
+            ev[f"{H05_REWARD_AUDIT_MISMATCH_SHARE} (mean)"] = statistics.fmean(audit)
+        if comps or errs or audit:
+            out.append(Finding("h05", "reward_signal", False, 0.0,
+                               "Every weighted answer component varies; no reward errors"
+                               + ("; audited rewards match their episodes." if audit else "."), ev))
+    return out
+
+
+# ---------------------------------------------------------------- over TRL's own metric names (trl_rules.OURS)
+# A component "falls at the others' expense" only when its fall (fitted, per step) is at least this share of
+# the total's rise: a trade costs the component something comparable to what the total gained. A public
+# 1,130-step run's format reward drifted -0.002 (2.7% of the total's +0.074) at p < 0.05: no trade.
+COMPONENT_FALL_MATERIAL = 0.1
+# A reward function named for the task's outcome (TRL users name them: correctness_reward_func,
+# accuracy_reward, answer_reward, outcome_reward_fn, ...) that is the same non-zero number for every
+# completion is not "saturated and harmless": the task itself no longer tells completions apart, so
+# the run learns only from the other functions (format, length). Read from the name because TRL's log
+# says nothing else about a function's role; a function whose name says format is the saturated kind.
+TASK_REWARD_NAME = re.compile(r"correct|accura|answer|outcome|task|exact|\bem\b|_em_|f1|score|solve|pass|win|success")
+FORMAT_REWARD_NAME = re.compile(r"format|xml|tag|length|len_|strict|soft|count|style|think")
+
+
+@rule(stage="reward", checks={"reward_function_constant": Kind.SYMPTOM},
+      reads=(*constant_funcs.reads, *clipped_share.reads, *OURS["reward_funcs"]), thresholds=("CLIPPED_MAX",))
+def _constant_reward_func(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
+    funcs = reward_funcs(m)
+    if not funcs or _ours(m, "reward_funcs"):
+        return []
+    const = constant_funcs(m)
+    out: list[Finding] = []
+    clip = clipped_share(m)
+    # completions cut before their answer score the same (usually 0) under any reward: then the
+    # constant functions are the truncation's consequence, ranked below it (the h04 finding)
+    cut = clip is not None and clip > CLIPPED_MAX
+    because = (f" A consequence of the truncation: {clip:.0%} of completions are cut before they end." if cut else
+               " Check what it reads (field, tag, parser) on a few completions.")
+    if const and len(const) == len(funcs):
+        ev = {f"rewards/{f}/mean (mean)": v for f, v in const.items()}
+        ev["reward functions constant"] = float(len(const))
+        what = ", ".join(f"`{f}` = {v:.3g}" for f, v in const.items())
+        out.append(Finding("h05", "reward_function_constant", True, 1.5 if cut else 3.0,
+                           f"Every reward function is constant on every completion of every logged step ({what}): no "
+                           "completion is ever told apart from another, so there is nothing to learn." + because, ev))
+        return out
+    for f, mean in const.items():
+        ev = {f"rewards/{f}/std (max)": 0.0, f"rewards/{f}/mean (mean)": mean}
+        if mean == 0:
+            out.append(Finding("h05", "reward_function_constant", True, 1.5 if cut else 2.5,
+                               f"Reward function `{f}` returns 0 for every completion at every logged step: it never "
+                               "pays, so it carries no signal." + because, ev))
+        elif TASK_REWARD_NAME.search(f.lower()) and not FORMAT_REWARD_NAME.search(f.lower()):
+            others = ", ".join(f"`{g}`" for g in funcs if g not in const) or "nothing"
+            out.append(Finding("h05", "reward_function_constant", True, 1.5 if cut else 2.5,
+                               f"The task's reward function `{f}` is {mean:.3g} for every completion at every logged "
+                               f"step: the task no longer tells completions apart (a parser that returns a default, "
+                               f"partial credit that is always the same, or questions every completion solves), so "
+                               f"the run learns only from {others}." + because, ev))
+        else:
+            out.append(Finding("h05", "reward_function_constant", False, 0.0,
+                               f"Reward function `{f}` is {mean:.3g} for every completion (saturated): it carries "
+                               "no signal, harmless unless it was meant to be the correctness reward.", ev))
+    varying = [f for f in funcs if f not in const and values(m.get(TRL_REWARDS.of(func=f, stat="std")))]
+    if varying and not any(f.flagged for f in out):
+        out.append(Finding("h05", "reward_function_constant", False, 0.0,
+                           f"Reward functions that vary: {', '.join(varying)}. Whether each reward belongs to its "
+                           "own completion (a shuffled or misaligned reward) cannot be seen in TRL's logs: run the "
+                           "reward audit (`+hypothesis=h05`).", {}))
+    return out
+
+
+@rule(stage="reward", checks={"reward_rises_component_falls": Kind.SYMPTOM}, reads=(TRL_REWARD, TRL_REWARDS),
+      needs=(TRL_REWARD,), thresholds=("TREND_P", "COMPONENT_FALL_MATERIAL"))
+def _reward_vs_component(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
+    funcs = reward_funcs(m)
+    total = _trend(m.get(TRL_REWARD))
+    if len(funcs) < 2 or total is None or total[1] >= TREND_P:
+        return []
+    falling = {}
+    for f in funcs:
+        t = _trend(m.get(TRL_REWARDS.of(func=f, stat="mean")))
+        # one-sided p for a fall, and a fall worth a trade: at least COMPONENT_FALL_MATERIAL of what
+        # the total gained (a long run makes a 0.002 drift "significant" without costing anything)
+        if t is not None and 1 - t[1] < TREND_P and -t[0] >= COMPONENT_FALL_MATERIAL * total[0]:
+            falling[f] = t[0]
+    if not falling:
+        return []
+    ev = {"reward slope per step": total[0], "p (reward rises)": total[1],
+          **{f"rewards/{f}/mean slope per step": s for f, s in falling.items()}}
+    names = ", ".join(f"`{f}`" for f in falling)
+    return [Finding("h05", "reward_rises_component_falls", True, 1 + magnitude(1 + 10 * len(falling) / len(funcs)),
+                    f"The total reward rises while {names} falls: the policy gains on the other components at "
+                    f"{names}'s expense (reward hacking, or weights that trade correctness for format). Check the "
+                    "reward weights; run `+hypothesis=h05`.", ev)]
+
+# ---------------------------------------------------------------- at the point of use
+# Read where the loss consumes its inputs (instruments/loss_inputs.py: the loss's own gradient against
+# the rollout's references); the metrics, units and bounds are declared in base/catalogue.py.
+# Episodes where overlapping scorers contradict each other (mean share): 1%, as components_disagree.
+OVERLAP_DISAGREEMENT_MAX = 0.01
+
+
+@rule(stage="reward", checks={"scorers_disagree_on_overlap": Kind.DEFECT},
+      reads=(H05_SCORER_OVERLAP_DISAGREEMENT_SHARE, H05_SCORER_OVERLAP_CHECKED), needs=(H05_SCORER_OVERLAP_DISAGREEMENT_SHARE,),
+      thresholds=("OVERLAP_DISAGREEMENT_MAX",))
+def _scorers_agree(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
+    share = mean_of(m, H05_SCORER_OVERLAP_DISAGREEMENT_SHARE) or 0.0
+    checked = sum(values(m.get(H05_SCORER_OVERLAP_CHECKED)))
+    c = "scorers_disagree_on_overlap"
+    return judged("h05", c, share > OVERLAP_DISAGREEMENT_MAX, 3 + magnitude(1 + 100 * share),
+                  {f"{H05_SCORER_OVERLAP_DISAGREEMENT_SHARE} (mean)": share, f"{H05_SCORER_OVERLAP_CHECKED} (sum)": checked},
+                  f"{share:.0%} of the episodes that cite every document they were shown score a lower citation "
+                  "recall than retrieval recall: one of the two scorers reads other ids than the episode's "
+                  "(another turn, another message)." + stage_sentence(c),
+                  "The citation and retrieval scorers agree where they overlap." + stage_sentence(c))

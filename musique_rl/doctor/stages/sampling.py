@@ -1,0 +1,212 @@
+"""Stage "sampling": sampling settings, stop rules, and the weights the sampler samples with (h06;
+h02's agreement of trainer and sampler before any update)."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping
+
+from musique_rl.base.catalogue import (
+    H02_ATTENTION_COVERAGE,
+    H06_FIT_GAP_BEST,
+    H06_FIT_GAP_TRAINER,
+    H06_FIT_TEMPERATURE_FACTOR,
+    H06_FIT_TOP_K,
+    H06_FIT_TOP_P,
+    H06_IDENTICAL_GROUP_EXPECTED_SHARE,
+    H06_IDENTICAL_GROUP_SHARE,
+    H06_LOGP_GAP_FLOOR,
+    H06_LOGP_GAP_MEAN,
+    H06_LOGP_GAP_SIDE_TOOL,
+    H06_PARITY_SAMPLER_BASE,
+    H06_PARITY_SAMPLER_TRAINER,
+    H06_PARITY_STALE,
+    H06_PARITY_TRAINER_BASE,
+    PARITY_STALE_MAX,
+    TRL_SAMPLING_LOGP_DIFFERENCE,
+)
+from musique_rl.doctor.context import gap_threshold, late_gap_threshold
+from musique_rl.doctor.findings import Finding, History, judged, magnitude, rule, stage_sentence, values
+from musique_rl.doctor.step import Kind
+from musique_rl.doctor.trl_rules import OURS, TREND_MIN_POINTS, _ours
+
+# H06 vs H02: the sampling-settings fit (sync.sampling_fit) "explains" a step-0 gap when the best
+# setting brings it below the gap threshold and to at most a fifth of the trainer's own gap: a change
+# of temperature/top-p/top-k, not of context, made the sampler's distribution.
+FIT_EXPLAINS_RATIO = 0.2
+GAP = H06_LOGP_GAP_MEAN
+FLOOR = H06_LOGP_GAP_FLOOR
+COVERAGE = H02_ATTENTION_COVERAGE
+PARITY = (H06_PARITY_SAMPLER_TRAINER, H06_PARITY_SAMPLER_BASE, H06_PARITY_TRAINER_BASE)
+# the sampling settings the fit (sync.sampling_fit) reports, by the name its verdict gives them
+FITTED_SETTINGS = {"temperature_factor": H06_FIT_TEMPERATURE_FACTOR, "top_p": H06_FIT_TOP_P, "top_k": H06_FIT_TOP_K}
+
+
+@rule(stage="sampling", checks={"sampling_settings_differ": Kind.DEFECT, "trainer_sampler_mismatch_at_start": Kind.DEFECT},
+      reads=(GAP, COVERAGE, FLOOR, H06_FIT_GAP_TRAINER, H06_FIT_GAP_BEST, H06_LOGP_GAP_SIDE_TOOL,
+             *FITTED_SETTINGS.values(), *gap_threshold.reads),
+      needs=(GAP,), thresholds=("FIT_EXPLAINS_RATIO",))
+def _agreement_at_start(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
+    """Before any update the sampler and the trainer hold the same weights: any gap past the run's
+    floor is a different computation (settings, context), not drift."""
+    gap = m.get(GAP) or []
+    cov = values(m.get(COVERAGE))
+    thr, why = gap_threshold(m)
+    step0 = gap[0][1]
+    ev = {f"{H06_LOGP_GAP_MEAN} (first step)": step0, "first step": float(gap[0][0]), "gap threshold": thr}
+    if values(m.get(FLOOR)):
+        ev[FLOOR] = values(m.get(FLOOR))[0]
+    if cov:
+        ev[f"{H02_ATTENTION_COVERAGE} (min)"] = min(cov)
+    fit_t, fit_b = values(m.get(H06_FIT_GAP_TRAINER)), values(m.get(H06_FIT_GAP_BEST))
+    pre_key, post_key = H06_LOGP_GAP_SIDE_TOOL.of(side="pre"), H06_LOGP_GAP_SIDE_TOOL.of(side="post")
+    pre, post = values(m.get(pre_key)), values(m.get(post_key))
+    if pre:
+        ev[f"{pre_key} (first)"] = pre[0]
+    if post:
+        ev[f"{post_key} (first)"] = post[0]
+    explained = bool(fit_t and fit_b and fit_t[0] > thr and fit_b[0] <= thr
+                     and fit_b[0] <= FIT_EXPLAINS_RATIO * fit_t[0] and not (cov and min(cov) < 1))
+    if step0 > thr and explained:
+        fitted = {k: v for k, v in FITTED_SETTINGS.items() if values(m.get(v))}
+        setting = {k: values(m.get(v))[0] for k, v in fitted.items()}
+        ev.update({H06_FIT_GAP_TRAINER: fit_t[0], H06_FIT_GAP_BEST: fit_b[0],
+                   **{fitted[k]: v for k, v in setting.items()}})
+        return [Finding("h06", "sampling_settings_differ", True, 2 + magnitude(step0 / thr),
+                        f"Before any update the sampler and the trainer disagree by {step0:.3g} nats/token "
+                        f"(healthy up to {thr:.2g}: {why}), "
+                        f"everywhere, and the trainer's own logits reproduce the sampler's log-probs to "
+                        f"{fit_b[0]:.2g} under other sampling settings (temperature x"
+                        f"{setting.get('temperature_factor', 1):g}, top_p {setting.get('top_p', 1):g}, top_k "
+                        f"{setting.get('top_k', 0):g}): the sampler samples with different temperature/top-p/"
+                        "top-k than the trainer scores with (set them explicitly on both).", ev)]
+    if step0 > thr:
+        extra = (f" The forward pass attends to only {min(cov):.0%} of the context." if cov and min(cov) < 1 else "")
+        where = (f" The gap sits after the tool results ({post[0]:.3g} vs {pre[0]:.2g} before)."
+                 if pre and post and pre[0] <= thr < post[0] else "")
+        if fit_t and fit_b:
+            where += f" No sampling setting explains it (best fit {fit_b[0]:.3g})."
+        return [Finding("h02", "trainer_sampler_mismatch_at_start", True, 2 + magnitude(step0 / thr),
+                        f"Before any update the trainer and the sampler disagree on the sampled tokens by "
+                        f"{step0:.3g} nats/token (healthy up to {thr:.2g}: {why}): the trainer does not score "
+                        "the context the sampler saw (attention mask = loss mask, template drift, or "
+                        f"re-tokenised text).{extra}{where}", ev)]
+    return [Finding("h02", "trainer_sampler_mismatch_at_start", False, 0.0,
+                    f"Trainer and sampler agree at the first step ({step0:.2g} nats/token; healthy up to "
+                    f"{thr:.2g}: {why}).", ev)]
+
+
+@rule(stage="sampling", checks={"sampler_serves_base": Kind.DEFECT, "gap_grows": Kind.SYMPTOM, "sync": Kind.DEFECT},
+      reads=(H06_PARITY_STALE, GAP, *PARITY, *gap_threshold.reads, *late_gap_threshold.reads),
+      needs=(H06_PARITY_STALE, GAP), thresholds=("PARITY_STALE_MAX",))
+def _weight_sync(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
+    out: list[Finding] = []
+    stale = values(m.get(H06_PARITY_STALE))
+    ev_p = {k + " (last)": values(m.get(k))[-1] for k in PARITY if values(m.get(k))}
+    if stale and max(stale) > PARITY_STALE_MAX:
+        out.append(Finding("h06", "sampler_serves_base", True, 3 + magnitude(1 + 10 * statistics.fmean(stale)),
+                           f"Parity probe: sampler matches base, not trainer (in {sum(s > PARITY_STALE_MAX for s in stale)} "
+                           f"of {len(stale)} probes). Rollouts come from stale weights, so updates never reach the "
+                           "episodes the policy learns from: fix the weight sync.", ev_p))
+    gap = m.get(GAP) or []
+    thr, _ = gap_threshold(m)
+    if len(gap) >= 4 and gap[0][1] <= thr:
+        late_thr, why = late_gap_threshold(m, params)
+        tail = [v for _, v in gap[-max(2, len(gap) // 4):]]
+        late = statistics.fmean(tail)
+        ev = {f"{H06_LOGP_GAP_MEAN} (first)": gap[0][1], f"{H06_LOGP_GAP_MEAN} (last quarter)": late,
+              "gap threshold (late)": late_thr, **ev_p}
+        if late > late_thr:
+            out.append(Finding("h06", "gap_grows", True, 2 + magnitude(late / late_thr),
+                               f"The sampler/trainer log-prob gap grows from {gap[0][1]:.2g} at the first step to "
+                               f"{late:.3g} nats/token (healthy up to {late_thr:.2g}: {why}): the sampler lags the "
+                               "trainer (weights not synced).", ev))
+    if not any(f.flagged for f in out) and (gap or stale):
+        ev = dict(ev_p)
+        if gap:
+            ev[f"{H06_LOGP_GAP_MEAN} (max)"] = max(v for _, v in gap)
+        out.append(Finding("h06", "sync", False, 0.0, "Sampler tracks the trainer.", ev))
+    return out
+
+
+# ---------------------------------------------------------------- over TRL's own metric names (trl_rules.OURS)
+# Mean |sampler - trainer| logp per token (TRL's sampling/sampling_logp_difference/mean, vLLM only).
+# Healthy bf16 stacks measure ~0.011 (published vLLM runs) to 0.036 (this project's 7B bf16 run on an
+# H100); SkyRL's CI gate for dense models is 0.09. Without a floor measured in the run (TRL logs
+# none), 0.09 is the level no healthy bf16 stack reaches; growth is judged against the run's start.
+LOGP_DIFF_MAX = 0.09
+LOGP_DIFF_GROWTH = 3.0  # last quarter above 3x the first steps' level: the sampler drifts from the trainer
+SAMPLER_DIFF = TRL_SAMPLING_LOGP_DIFFERENCE.of(stat="mean")
+SAMPLER_DIFF_TOP = TRL_SAMPLING_LOGP_DIFFERENCE.of(stat="max")
+
+
+@rule(stage="sampling", checks={"sampler_trainer_differ_at_start": Kind.DEFECT, "sampler_trainer_drift": Kind.SYMPTOM},
+      reads=(SAMPLER_DIFF, SAMPLER_DIFF_TOP, *OURS["logp_diff"]), needs=(SAMPLER_DIFF,),
+      thresholds=("LOGP_DIFF_MAX", "LOGP_DIFF_GROWTH", "TREND_MIN_POINTS"))
+def _logp_diff(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
+    if _ours(m, "logp_diff"):
+        return []
+    vals = values(m.get(SAMPLER_DIFF))
+    first = statistics.fmean(vals[: max(1, min(3, len(vals) // 4))])
+    tail = statistics.fmean(vals[-max(1, len(vals) // 4):])
+    ev = {f"{SAMPLER_DIFF} (first steps)": first, f"{SAMPLER_DIFF} (last quarter)": tail}
+    mx = values(m.get(SAMPLER_DIFF_TOP))
+    if mx:
+        ev[f"{SAMPLER_DIFF_TOP} (median)"] = statistics.median(mx)
+    if first > LOGP_DIFF_MAX:
+        return [Finding("h06", "sampler_trainer_differ_at_start", True, 2 + magnitude(first / LOGP_DIFF_MAX),
+                        f"From the first steps the sampler's and the trainer's log-probs differ by {first:.3g} "
+                        f"nats/token (healthy bf16 stacks: 0.01-0.04): they do not compute the same distribution "
+                        "(sampling settings such as temperature/top-p, a different context, or dtype/kernels). "
+                        "TRL's log cannot tell which; run `+hypothesis=h06` (sampling-settings fit) and "
+                        "`+hypothesis=h02` (trainer's view of the context).", ev)]
+    if len(vals) >= TREND_MIN_POINTS and tail > LOGP_DIFF_MAX and tail > LOGP_DIFF_GROWTH * first:
+        return [Finding("h06", "sampler_trainer_drift", True, 2 + magnitude(tail / max(first, 1e-12) / LOGP_DIFF_GROWTH),
+                        f"The sampler/trainer log-prob difference grows from {first:.3g} to {tail:.3g} nats/token: "
+                        "the sampler falls behind the trainer (weights not synced to vLLM, or synced from the "
+                        "wrong copy). Run `+hypothesis=h06` (parity probe).", ev)]
+    return [Finding("h06", "sampler_trainer_differ_at_start", False, 0.0,
+                    f"Sampler and trainer agree ({first:.2g} -> {tail:.2g} nats/token).", ev)]
+
+# ---------------------------------------------------------------- at the point of use
+# Read where the loss consumes its inputs (instruments/loss_inputs.py: the loss's own gradient against
+# the rollout's references); the metrics, units and bounds are declared in base/catalogue.py.
+# Identical groups over the run beyond what the sampler's own probabilities predict: Poisson tail
+# p < 1e-3 (one false alarm in 1,000 runs) and at least 3 such groups (one or two prove nothing).
+IDENTICAL_P_MAX = 1e-3
+IDENTICAL_MIN = 3
+
+
+def poisson_tail(k: int, mean: float) -> float:
+    """P(X >= k) for X ~ Poisson(mean)."""
+    if k <= 0:
+        return 1.0
+    if mean <= 0:
+        return 0.0
+    term, below = math.exp(-mean), 0.0
+    for i in range(k):
+        below += term
+        term *= mean / (i + 1)
+    return max(0.0, 1.0 - below)
+
+
+@rule(stage="sampling", checks={"sampling_not_diverse": Kind.DEFECT},
+      reads=(H06_IDENTICAL_GROUP_SHARE, H06_IDENTICAL_GROUP_EXPECTED_SHARE), needs=(H06_IDENTICAL_GROUP_EXPECTED_SHARE,),
+      thresholds=("IDENTICAL_P_MAX", "IDENTICAL_MIN"))
+def _sampling_diverse(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
+    """Identical groups over the run vs the count the sampler's own log-probs predict (Poisson)."""
+    seen = dict(m.get(H06_IDENTICAL_GROUP_SHARE) or [])
+    pairs = [(seen[s], e) for s, e in (m.get(H06_IDENTICAL_GROUP_EXPECTED_SHARE) or []) if s in seen]
+    groups = max(1.0, float(params.get("train.prompts_per_step", 8) or 8))
+    observed = round(sum(o for o, _ in pairs) * groups)
+    expected = sum(e for _, e in pairs) * groups
+    p = poisson_tail(observed, expected)
+    c = "sampling_not_diverse"
+    t = params.get("train.temperature", "> 0")
+    ev = {"identical groups": float(observed), "identical groups expected": expected, "p": p}
+    return judged("h06", c, observed >= IDENTICAL_MIN and p < IDENTICAL_P_MAX, 2 + magnitude(IDENTICAL_P_MAX / max(p, 1e-300)),
+                  ev, f"{observed} groups held G identical completions where the sampler's own log-probs predict "
+                  f"{expected:.2g} (Poisson p = {p:.1g}, train.temperature={t}): the sampler does not sample as "
+                  "configured (greedy, or the temperature applied on one side only), so groups tie and carry no "
+                  "signal." + stage_sentence(c), "Groups are as diverse as the sampler's probabilities say." + stage_sentence(c))

@@ -1,0 +1,191 @@
+"""Stage "update": the learning-rate schedule, the optimizer step and the adapter's parameters (h08,
+h06's adapter and frozen-base checks)."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping
+
+from musique_rl.base.catalogue import (
+    CHECKSUM_DRIFT_MAX,
+    H06_BASE_CHECKSUM_DRIFT,
+    H06_LORA_B_NORM,
+    H08_ADAM_STEP_RATIO,
+    H08_GRAD_NORM_AFTER_CLIP,
+    H08_GRAD_NORM_BEFORE_CLIP,
+    H08_KL_TO_START,
+    H08_LEARNING_RATE,
+    H08_UPDATE_NORM,
+    H08_UPDATE_WEIGHT_RATIO,
+    TRL_GRAD_NORM,
+    TRL_LEARNING_RATE,
+    UPDATE_RATIO_MIN,
+)
+from musique_rl.doctor.context import LR_JUDGED_SHARE, schedule
+from musique_rl.doctor.findings import Finding, History, judged, magnitude, note, num, rule, values
+from musique_rl.doctor.stages.signal import starved_of_signal, tied_steps
+from musique_rl.doctor.step import Kind
+from musique_rl.doctor.trl_rules import OURS, _ours
+
+# H08: the policy has moved when the KL to its start reaches 1e-4 nats/token (a step of ~1e-3 of the
+# weights' norm moves it by ~1e-4..1e-3 per step on the tiny model); below it after the run's
+# steps, a small update ratio is confirmed as a policy that is not moving.
+KL_TO_START_MIN = 1e-4
+RATIO = H08_UPDATE_WEIGHT_RATIO
+# The update size is a median over the steps that had something to update with: at the scheduled
+# rate AND with at least one group whose rewards differ (on a step where every group tied the
+# gradient is 0 by construction: the signal stage's business, not the optimizer's). A median over
+# fewer than 3 such steps is one step's value (the first step after a tied one moves with Adam's
+# decayed momentum only), too little to tell the user to change the learning rate.
+MIN_UPDATE_STEPS = 3
+
+
+# ---------------------------------------------------------------- tier-3 invariant (a proof, not a symptom)
+# updates: an optimizer step with a non-zero learning rate and gradient changes the weights, by at
+# most what Adam at that learning rate can move them (h08/adam_step_ratio); no change, or a far
+# larger one, means the step is not the configured optimizer's (parameters not in the optimizer,
+# a frozen copy trained, weights written outside the optimizer).
+# An optimizer step far beyond what Adam takes: |m/sqrt(v)| <= ~3 per element for default betas.
+ADAM_STEP_MAX = 10.0
+
+
+@rule(stage="update", checks={"step_changed_nothing": Kind.DEFECT, "step_larger_than_adam": Kind.DEFECT},
+      starving=("step_changed_nothing",),
+      reads=(H08_UPDATE_NORM, H08_LEARNING_RATE, H08_GRAD_NORM_AFTER_CLIP, TRL_GRAD_NORM, H08_ADAM_STEP_RATIO),
+      needs=(H08_UPDATE_NORM,), thresholds=("ADAM_STEP_MAX",))
+def _updates_apply(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
+    upd = dict(m.get(H08_UPDATE_NORM) or [])
+    lr = dict(m.get(H08_LEARNING_RATE) or [])
+    grad = dict(m.get(H08_GRAD_NORM_AFTER_CLIP) or m.get(TRL_GRAD_NORM) or [])
+    idle = [s for s, u in upd.items() if u == 0 and lr.get(s, 0) > 0 and grad.get(s, 0) > 0]
+    ratio = values(m.get(H08_ADAM_STEP_RATIO))
+    big = max(ratio, default=0.0)
+    ev = {"steps that changed nothing": float(len(idle)), f"{H08_ADAM_STEP_RATIO} (max)": big}
+    if ratio:
+        ev[f"{H08_ADAM_STEP_RATIO} (median)"] = statistics.median(ratio)
+    if idle:
+        low = str(params.get("model.dtype", "")) in ("bfloat16", "float16")
+        why = ("each step is below the precision of the bf16/fp16 weights, so rounding discards it (train with "
+               "float32 master weights, or a larger learning rate), or the optimizer does not hold the parameters"
+               if low else "the optimizer does not hold the parameters the loss differentiates (a copy, a "
+               "re-wrapped model, parameters added after it was built)")
+        return [Finding("h08", "step_changed_nothing", True, 3 + magnitude(1 + len(idle)),
+                        f"{len(idle)} optimizer step(s) with a non-zero learning rate and gradient left every trained "
+                        f"weight unchanged (first at step {min(idle)}): {why}.", ev)]
+    return judged("h08", "step_larger_than_adam", big > ADAM_STEP_MAX, 3 + magnitude(big / ADAM_STEP_MAX), ev,
+                  f"An optimizer step moved the weights {big:.3g}x as far as Adam at the logged learning rate can "
+                  f"(at most ~3): the weights change outside the optimizer, or the learning rate applied is not "
+                  "the one logged.",
+                  "Every step with a gradient moved the weights, within Adam's reach "
+                  f"(step / (lr x sqrt(n)) up to {big:.2g}).")
+
+
+@rule(stage="update", checks={"updates_too_small": Kind.STARVED}, starving=("updates_too_small",),
+      reads=(RATIO, H08_KL_TO_START, H08_GRAD_NORM_BEFORE_CLIP, TRL_GRAD_NORM, H08_GRAD_NORM_AFTER_CLIP,
+             *schedule.reads, *tied_steps.reads),
+      needs=(RATIO,), thresholds=("UPDATE_RATIO_MIN", "KL_TO_START_MIN", "MIN_UPDATE_STEPS", "LR_JUDGED_SHARE"))
+def _update_size(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
+    """Updates too small to move the policy, judged only at the scheduled learning rate: a step in
+    the warm-up (or a decay's tail) is small by schedule, not by defect."""
+    sched = schedule(m, params)
+    judged_steps = sched.judged_steps()
+    pts = [(s, v) for s, v in (m.get(RATIO) or []) if v is not None]
+    at_rate = [(s, v) for s, v in pts if judged_steps is None or s in judged_steps]
+    ev: dict[str, float] = {f"{H08_UPDATE_WEIGHT_RATIO} (median, all steps)": statistics.median(v for _, v in pts)}
+    if sched.lr:
+        ev["learning_rate (peak)"] = sched.peak
+        ev["steps at >= half the peak rate"] = float(len(at_rate))
+    if not at_rate:
+        return [note("h08", "updates_too_small",
+                     f"Update size not judged: no logged step ran at {LR_JUDGED_SHARE:.0%} of the peak learning rate "
+                     f"or more ({sched.words()}): the run is still in its warm-up (or past its decay), so its steps "
+                     "are small by schedule.", ev)]
+    got = tied_steps(m)
+    tied = set(got[0]) if got else set()
+    starved = starved_of_signal(got)
+    fed = [v for s, v in at_rate if s not in tied]
+    if len(fed) < len(at_rate):
+        ev["of which with a group signal"] = float(len(fed))
+    if len(fed) < MIN_UPDATE_STEPS and not starved:
+        # (a run whose groups tie on nearly every step is judged below: its update is starved, and
+        # the chain lists it under the signal stage's no_signal)
+        why = (f" (the other {len(at_rate) - len(fed)} had every group tied: no gradient by construction)"
+               if len(fed) < len(at_rate) else "")
+        return [note("h08", "updates_too_small",
+                     f"Update size not judged: only {len(fed)} logged step(s) ran at the scheduled learning rate "
+                     f"with a group whose rewards differ{why}; at least {MIN_UPDATE_STEPS} are needed before the "
+                     "learning rate is blamed.", ev)]
+    med = statistics.median(fed or [v for _, v in at_rate])
+    ev[f"{H08_UPDATE_WEIGHT_RATIO} (median)"] = med
+    kl = values(m.get(H08_KL_TO_START))
+    # the Trainer's own `grad_norm` is the pre-clip norm (clip_grad_norm_'s return value)
+    pre = values(m.get(H08_GRAD_NORM_BEFORE_CLIP)) or values(m.get(TRL_GRAD_NORM))
+    post = values(m.get(H08_GRAD_NORM_AFTER_CLIP))
+    if kl:
+        ev[f"{H08_KL_TO_START} (last)"] = kl[-1]
+    if pre and post:
+        ev["grad clip factor (median before/after)"] = statistics.median(pre) / max(statistics.median(post), 1e-30)
+    klw = f"; KL to the starting policy is {kl[-1]:.2g}" if kl else ""
+    clip = ev.get("grad clip factor (median before/after)")
+    clipw = f"; clipping shrinks gradients {clip:.3g}x" if clip and clip > 2 else ""
+    stuck = med < UPDATE_RATIO_MIN and (not kl or kl[-1] < KL_TO_START_MIN or med < UPDATE_RATIO_MIN / 10)
+    return judged("h08", "updates_too_small", stuck, 2 + magnitude(UPDATE_RATIO_MIN / max(med, 1e-30)), ev,
+                  f"At the scheduled learning rate each step changes the weights by {med:.2g} of their norm (healthy "
+                  f"~1e-3){klw}{clipw}: the policy is not moving. Raise the learning rate or max_grad_norm.",
+                  f"Weights move {med:.2g} of their norm per step at the scheduled learning rate.")
+
+
+@rule(stage="update", checks={"lora_untrained": Kind.STARVED}, starving=("lora_untrained",), reads=(H06_LORA_B_NORM,),
+      needs=(H06_LORA_B_NORM,))
+def _adapter(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
+    bnorm = values(m.get(H06_LORA_B_NORM))
+    if len(bnorm) < 2:
+        return []
+    return judged("h06", "lora_untrained", max(bnorm) == 0, 3.0, {f"{H06_LORA_B_NORM} (max)": max(bnorm)},
+                  f"LoRA B matrices are still exactly 0 after {len(bnorm)} steps: the adapter never trains.",
+                  f"LoRA B matrices have left 0 (norm up to {max(bnorm):.3g}).")
+
+
+@rule(stage="update", checks={"base_drift": Kind.DEFECT}, reads=(H06_BASE_CHECKSUM_DRIFT,),
+      needs=(H06_BASE_CHECKSUM_DRIFT,), thresholds=("CHECKSUM_DRIFT_MAX",))
+def _frozen_base(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
+    drift = max(values(m.get(H06_BASE_CHECKSUM_DRIFT)))
+    return judged("h06", "base_drift", drift > CHECKSUM_DRIFT_MAX, 3 + magnitude(drift / CHECKSUM_DRIFT_MAX),
+                  {f"{H06_BASE_CHECKSUM_DRIFT} (max)": drift},
+                  f"The frozen base weights changed (relative drift {drift:.3g}); merge/unmerge round trips corrupt "
+                  "the base (TRL #6688).", "The frozen base weights are unchanged.")
+
+
+# ---------------------------------------------------------------- over TRL's own metric names (trl_rules.OURS)
+# Learning rate: a quarter of the logged steps, after the peak, below 1e-3 of the peak rate. A linear decay to 0
+# spends only its last 0.1% of steps there; a quarter of the run without updates is a schedule that
+# ends before the run does (or a rate of 0).
+LR_ZERO_REL = 1e-3
+LR_ZERO_SHARE = 0.25
+
+
+@rule(stage="update", checks={"learning_rate_zero": Kind.DEFECT}, starving=("learning_rate_zero",),
+      reads=(TRL_LEARNING_RATE, *OURS["lr"]), needs=(TRL_LEARNING_RATE,), thresholds=("LR_ZERO_REL", "LR_ZERO_SHARE"))
+def _lr_zero(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
+    if _ours(m, "lr"):
+        return []
+    lr = m.get(TRL_LEARNING_RATE) or []
+    vals = values(lr)
+    peak = max(vals)
+    peak_step = next(s for s, v in lr if v == peak)
+    # after the peak: a warmup starting at 0 is not a schedule that ended
+    dead = [s for s, v in lr if v is not None and v <= peak * LR_ZERO_REL and s > peak_step]
+    share = len(dead) / len(vals)
+    ev = {"learning_rate (peak)": peak, "learning_rate (last)": vals[-1], "steps at ~0 (share)": share}
+    configured = num(params, "learning_rate", 0.0)
+    if configured:
+        ev["learning_rate (param)"] = configured
+    if peak == 0:
+        return [Finding("h08", "learning_rate_zero", True, 3.0,
+                        "The learning rate is 0 at every logged step: no update is ever applied.", ev)]
+    from_step = f" from step {dead[0]:g}" if dead else ""
+    return judged("h08", "learning_rate_zero", share > LR_ZERO_SHARE, 2 + magnitude(share / LR_ZERO_SHARE * 10), ev,
+                  f"The learning rate is ~0 (below {LR_ZERO_REL:g} of its peak {peak:.3g}){from_step} on {share:.0%} "
+                  "of the logged steps: the schedule ends before the run does, so those steps update nothing "
+                  "(check lr_scheduler_type / lr_scheduler_kwargs / max_steps against the run's length).",
+                  f"The learning rate stays above {LR_ZERO_REL:g} of its peak ({peak:.3g}) on most steps.")
