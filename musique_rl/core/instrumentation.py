@@ -86,8 +86,11 @@ class LossPass:
 class LossLayout:
     """How TRL's loss divides one micro-batch, for reading what it multiplied: micro-batches per step
     (``accumulation``), trainer processes, micro-batches per generation batch, the completion budget,
-    the importance-sampling ratio the loss applied (None: none), and whether every sampled token of a
-    row with signal must train (no masking of truncated completions, entropy or off-policy rows)."""
+    the importance-sampling ratio the loss applied (None: none), whether every sampled token of a
+    row with signal must train (no masking of truncated completions, entropy or off-policy rows),
+    the level of the importance ratio TRL multiplied its KL term by (``use_bias_correction_kl``: "token"
+    or "sequence"; None: not multiplied; that ratio's gradient reaches the log-probs but not the
+    reference's), and the mask TRL's loss multiplied (N, T)."""
 
     accumulation: float
     num_processes: int
@@ -95,6 +98,8 @@ class LossLayout:
     max_completion_length: int
     is_ratio: torch.Tensor | None
     expect_full_mask: bool
+    kl_bias_correction: str | None = None
+    loss_mask: torch.Tensor | None = None
 
 
 class Instrumentation(Protocol):

@@ -448,13 +448,17 @@ class MusiqueGRPOTrainer(GRPOTrainer):
     def _read_loss_probes(self) -> None:
         """Point-of-use metrics of the micro-batches whose backward has run (loss_inputs.py)."""
         probes, self._loss_probes = self._loss_probes, []
-        for probe, is_ratio in probes:
+        for probe, is_ratio, loss_mask in probes:
             self.merge_metrics(self.instruments.read_loss(probe, LossLayout(
                 accumulation=float(self.args.gradient_accumulation_steps),
                 num_processes=self.accelerator.num_processes, steps_per_generation=self.args.steps_per_generation,
                 max_completion_length=self.max_completion_length, is_ratio=is_ratio,
                 expect_full_mask=self.top_entropy_quantile >= 1.0 and self.off_policy_mask_threshold is None
                 and not self.mask_truncated_completions,
+                # TRL's KL x importance ratio: its gradient reaches the log-probs only
+                kl_bias_correction=str(self.importance_sampling_level)
+                if getattr(self.args, "use_bias_correction_kl", False) else None,
+                loss_mask=loss_mask,
             )), "train")
 
     def _parity_probe(self) -> None:
@@ -518,7 +522,7 @@ class MusiqueGRPOTrainer(GRPOTrainer):
         if probe is not None:
             applies_is = (self.use_vllm or self._hf_is) and self.vllm_importance_sampling_correction \
                 and self.loss_type != "vespo" and "importance_sampling_ratio" in inputs
-            self._loss_probes.append((probe, inputs["importance_sampling_ratio"] if applies_is else None))
+            self._loss_probes.append((probe, inputs["importance_sampling_ratio"] if applies_is else None, loss_mask))
         per_token_logps = scoring.captured_logps
         attention = scoring.last_attention  # what the scoring pass attended to (blind under blind_context)
         if attention is None:

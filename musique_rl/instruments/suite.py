@@ -253,7 +253,8 @@ class Instruments:
         return self.loss_check.read(
             probe, accumulation=layout.accumulation, num_processes=layout.num_processes,
             steps_per_generation=layout.steps_per_generation, max_completion_length=layout.max_completion_length,
-            is_ratio=layout.is_ratio, expect_full_mask=layout.expect_full_mask)
+            is_ratio=layout.is_ratio, expect_full_mask=layout.expect_full_mask,
+            kl_bias_correction=layout.kl_bias_correction, loss_mask=layout.loss_mask)
 
     # ------------------------------------------------------------------ 3. around optimizer.step()
     def observe_update(
