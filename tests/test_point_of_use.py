@@ -284,12 +284,15 @@ def test_overlapping_scorers_disagree_when_one_reads_another_turn(toy_record):
 
 
 # ---------------------------------------------------------------- beta > 0: TRL's KL bias correction
-def _kl_loss_reading(drop: tuple[int, ...] = (), bias_correction: str | None = "token", beta: float = 0.04):
+def _kl_loss_reading(drop: tuple[int, ...] = (), bias_correction: str | None = "token", beta: float = 0.04,
+                     at_start: bool = False):
     """One constructed micro-batch through TRL 1.16's dapo loss with a KL term (its formula, float32):
     2 groups x 4 completions of 12 tokens (assistant 0-3, tool 4-6, assistant 7-11). Group 0 ties (its
     advantages are exactly 0), group 1 does not; the policy moved from its reference by ~0.3 nats on a
     third of the tokens and by ~1e-6 on the rest (where float32's k3 rounds to 0). ``drop``: token
-    positions the loss's mask leaves out (a mask defect). Returns the point-of-use reading."""
+    positions the loss's mask leaves out (a mask defect). ``at_start``: the policy is its reference
+    (step 0), except that the dropped tokens' reference log-probs came from another context (a mask cut
+    after TRL scored the reference). Returns the point-of-use reading."""
     from musique_rl.instruments.ledger import Source
     from musique_rl.instruments.loss_inputs import LossInputCheck
 
@@ -311,6 +314,9 @@ def _kl_loss_reading(drop: tuple[int, ...] = (), bias_correction: str | None = "
     logps = (-2.0 * torch.rand(n, c, generator=g)).requires_grad_(True)
     moved = torch.rand(n, c, generator=g) < 0.33
     shift = torch.where(moved, 0.3 * torch.randn(n, c, generator=g), 1e-6 * torch.randn(n, c, generator=g))
+    if at_start:
+        shift = torch.zeros(n, c)
+        shift[:, list(drop)] = 0.5
     probe = check.arm({"prompt_ids": prompt_ids, "completion_ids": completion_ids, "advantages": adv,
                        "ref_per_token_logps": (logps + shift).detach(), "completion_mask": completion_mask,
                        "tool_mask": tool_mask})
@@ -361,6 +367,17 @@ def test_a_mask_that_drops_sampled_tokens_reads_far_above_healthy_with_a_kl_term
     rows with signal (group 1: 4 rows x 9 tokens) read left out, with the KL term and its correction on."""
     reading = _kl_loss_reading(drop=(3, 11))
     assert reading["h02/loss_assistant_left_out_share"] == pytest.approx(2 / 9)
+    assert reading["h03/kl_term_zero_with_beta"] == 0.0
+
+
+def test_a_mask_cut_after_the_reference_was_scored_is_not_read_as_a_kl_dropped():
+    """loss_mask_first_turn_only (../shared/cases, set B) with beta 0.04 read 'kl_penalty_not_applied' at
+    steps 0-1: the cut tokens' reference log-probs (scored before the cut) differ from the loss's, so
+    the policy looked 'moved' (0.15 nats/token at step 0) where no KL can act. The KL is judged on the
+    tokens the loss's mask covers: at the start the policy is its reference there, nothing to judge."""
+    reading = _kl_loss_reading(drop=(3, 11), at_start=True)
+    assert reading["h02/loss_assistant_left_out_share"] == pytest.approx(2 / 9)
+    assert reading["h03/loss_kl_moved"] == 0.0 and "h03/kl_term_zero_with_beta" not in reading
 
 
 def test_a_healthy_kl_run_leaves_no_sampled_token_out(tiny_cfg, warm_tiny, tmp_path):

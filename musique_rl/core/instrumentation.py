@@ -129,8 +129,11 @@ class Instrumentation(Protocol):
         """Whether this step gets a parity probe."""
 
     def probe_models(self, model: Any, *, temperature: float, sampler_model: Any = None,
-                     base_model: Any = None) -> dict[str, float]:
-        """Trained model, sampler and frozen start scored on the probe set (right after a weight sync)."""
+                     base_model: Any = None, sampler: Callable[..., torch.Tensor] | None = None) -> dict[str, float]:
+        """Trained model, sampler and frozen start scored on the probe set (right after a weight sync).
+        ``sampler``: (input_ids, attention_mask, logits_to_keep) -> log-probs through the sampler's own
+        generation path (the trainer passes its generator's ``score``); else ``sampler_model``'s forward;
+        neither: no sampler reading."""
 
     def callback(self, sink: Callable[[dict[str, float]], None]) -> Any:
         """The TrainerCallback that measures each optimizer step and hands its metrics to ``sink``."""

@@ -58,6 +58,8 @@ from musique_rl.core.faults import Fault
 from musique_rl.core.generation import (
     Generator,
     HFGenerator,
+    Scoring,
+    ScoringUnavailable,
     build_generator,
     frozen_copy,
     generation_config_of,
@@ -221,7 +223,7 @@ class MusiqueGRPOTrainer(GRPOTrainer):
         self.musique_engine = engine
         self.instruments: Instrumentation | None = None if instruments is None else step_time.TimedCalls(
             instruments, self.step_clock, "instruments")
-        self._sampler_model = sampler_model  # None = the sampler is the trained model itself
+        self._sampler_model = sampler_model  # None = the sampler is the trained model (the parity probe asks the generator)
         self._base_model = base_model  # frozen start (full fine-tuning), for the parity probe
         self._adv_epsilon = adv_epsilon
         self._fault = fault  # the job's planted fault's hooks (a clean run's leave everything as is)
@@ -473,11 +475,30 @@ class MusiqueGRPOTrainer(GRPOTrainer):
         model.eval()
         try:
             metrics = self.instruments.probe_models(
-                model, temperature=float(self.temperature), sampler_model=self._sampler_model, base_model=self._base_model
+                model, temperature=float(self.temperature), sampler=self._sampler_scorer(), base_model=self._base_model
             )
         finally:
             model.train(was_training)
         self.merge_metrics(metrics)  # after train() is restored: merge_metrics files by model.training
+
+    def _sampler_scorer(self) -> Any:
+        """The parity probe's sampler side: whatever ``musique_generator`` is now (a backend, a stand-in, a
+        copy someone put there), scoring through the weights it samples from (generation.Scoring), at the
+        trainer's temperature so the probe compares weights, not settings (the sampling fit reads those).
+        None when the generator cannot score: the probe then has no sampler reading (never an assumed 0)."""
+        generator = self.musique_generator
+        if not isinstance(generator, Scoring):
+            return None
+        temperature = float(self.temperature)
+
+        def score(ids: torch.Tensor, mask: torch.Tensor, keep: int) -> torch.Tensor | None:
+            try:
+                return generator.score(ids, mask, keep, temperature=temperature)
+            except ScoringUnavailable as why:  # no reading rather than a wrong one
+                log.warning("parity probe: no sampler reading: %s", why)
+                return None
+
+        return score
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
         scoring = self._pass or ScoringPass()  # a forward pass outside ours reads and keeps nothing

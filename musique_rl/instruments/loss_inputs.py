@@ -350,8 +350,11 @@ class LossInputCheck:
             if asst_sig.any():
                 out[H02_LOSS_ASSISTANT_LEFT_OUT_SHARE] = float((asst_sig & ~trained).sum() / asst_sig.sum())
 
-        # -- the KL term, as the loss applied it
-        out.update(self._kl(probe, lp, R, assistant, env, row, weight_tok))
+        # -- the KL term, as the loss applied it: judged on the sampled tokens TRL's loss covers (its mask
+        # is where a KL term can act; a token a mask defect cut is h02's, and its reference log-prob may
+        # come from another context: a mask cut after TRL scored the reference)
+        kl_where = assistant if loss_mask is None else assistant & (loss_mask.detach().cpu()[:, -t:] > 0)
+        out.update(self._kl(probe, lp, R, kl_where, env, row, weight_tok))
         return out
 
     def _per_token_normaliser(self, n_ref: torch.Tensor, rows: int, accumulation: float, num_processes: int,
@@ -374,6 +377,7 @@ class LossInputCheck:
 
     def _kl(self, probe: LossProbe, lp: torch.Tensor, R: torch.Tensor, assistant: torch.Tensor,
             env: torch.Tensor, row: torch.Tensor, weight_tok: torch.Tensor) -> dict[str, float]:
+        """The h03 point-of-use metrics; ``assistant``: the sampled tokens the KL term should cover."""
         out: dict[str, float] = {}
         if probe.ref_leaf is None:
             # no reference log-probs reached the loss: it cannot hold a KL term

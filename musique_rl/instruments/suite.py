@@ -323,15 +323,22 @@ class Instruments:
         return InstrumentsCallback(self, sink=sink)
 
     def probe_models(
-        self, model: Any, *, temperature: float, sampler_model: Any = None, base_model: Any = None
+        self, model: Any, *, temperature: float, sampler_model: Any = None, base_model: Any = None,
+        sampler: Scorer | None = None,
     ) -> dict[str, float]:
-        """`parity_probe` over HF models: the trained one, the sampler's own copy (None: the trained
-        model samples) and the frozen start (a PEFT model's base with adapters disabled, else
-        `base_model`, else none)."""
+        """`parity_probe` over HF models: the trained one, the sampler and the frozen start (a PEFT
+        model's base with adapters disabled, else `base_model`, else none).
+
+        The sampler is measured, never assumed: `sampler` (a `Scorer` through the sampler's own
+        generation path: the trainer passes its generator's `score`, core/generation.py `Scoring`), else
+        `sampler_model`'s forward pass; neither: no `h06/parity_sampler_*` reading at all (an in-process
+        sampler that "cannot lag" is exactly what a sampler bug breaks: a copy one step stale, a sync
+        that skips tensors)."""
         if not self.enabled or self._probe is None:
             return {}
         trainer = model_scorer(model, temperature)
-        sampler = model_scorer(sampler_model, temperature) if sampler_model is not None else trainer
+        if sampler is None and sampler_model is not None:
+            sampler = model_scorer(sampler_model, temperature)
         if hasattr(model, "disable_adapter"):
             base = peft_base_scorer(model, temperature)
         else:
