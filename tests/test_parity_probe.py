@@ -152,7 +152,7 @@ def test_vllm_server_scores_through_trls_client(raw_tiny, monkeypatch):
 # ---------------------------------------------------------------- the trainer's probe asks its generator
 def _probed_run(tiny_cfg, warm_tiny, tmp_path, sampler_defect=None, steps: int = 4):
     """A tiny run with a parity probe at every step; ``sampler_defect`` replaces the trainer's generator as
-    the foreign defects of ../shared/cases do (an HFGenerator over a separate copy): 'stale' syncs the
+    the foreign defects of $MUSIQUE_RL_DATA/cases do (an HFGenerator over a separate copy): 'stale' syncs the
     copy one optimizer step late, 'qkv' syncs every tensor but the attention's q/k/v projections."""
     cfg = with_keys(tiny_cfg, {"train.max_steps": steps, "train.prompts_per_step": 2, "train.num_generations": 4,
                                "train.save_steps": 1000, "loss.warmup_steps": 0, "seed": 3,

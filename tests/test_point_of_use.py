@@ -371,7 +371,7 @@ def test_a_mask_that_drops_sampled_tokens_reads_far_above_healthy_with_a_kl_term
 
 
 def test_a_mask_cut_after_the_reference_was_scored_is_not_read_as_a_kl_dropped():
-    """loss_mask_first_turn_only (../shared/cases, set B) with beta 0.04 read 'kl_penalty_not_applied' at
+    """loss_mask_first_turn_only ($MUSIQUE_RL_DATA/cases, set B) with beta 0.04 read 'kl_penalty_not_applied' at
     steps 0-1: the cut tokens' reference log-probs (scored before the cut) differ from the loss's, so
     the policy looked 'moved' (0.15 nats/token at step 0) where no KL can act. The KL is judged on the
     tokens the loss's mask covers: at the start the policy is its reference there, nothing to judge."""

@@ -135,5 +135,9 @@ class Instrumentation(Protocol):
         generation path (the trainer passes its generator's ``score``); else ``sampler_model``'s forward;
         neither: no sampler reading."""
 
+    def observe_reference(self, model: Any, reference: Any, *, beta: float) -> dict[str, float]:
+        """Whether the KL's reference (TRL's ``ref_model``; None: the policy with adapters disabled) shares
+        the trained weights: at the first training step and at every parity probe."""
+
     def callback(self, sink: Callable[[dict[str, float]], None]) -> Any:
         """The TrainerCallback that measures each optimizer step and hands its metrics to ``sink``."""

@@ -471,6 +471,10 @@ class MusiqueGRPOTrainer(GRPOTrainer):
         if not self.instruments.should_probe(int(self.state.global_step)):
             return
         model = self.accelerator.unwrap_model(self.model)
+        observe_reference = getattr(self.instruments, "observe_reference", None)  # an older Instrumentation lacks it
+        if observe_reference is not None:  # the objects as they are now (step 0 is always probed: the start)
+            reference = None if self.ref_model is None else self.accelerator.unwrap_model(self.ref_model)
+            self.merge_metrics(observe_reference(model, reference, beta=float(self.beta)))
         was_training = model.training
         model.eval()
         try:

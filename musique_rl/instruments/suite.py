@@ -185,6 +185,10 @@ class Instruments:
 
             out.update(environment_integrity(episodes, self.records_by_id, self.tokenizer, completion_ids,
                                              token_sources))
+            # an exact-match / F1 of its own beside the reward's answer components (answer_check.py)
+            from musique_rl.instruments.answer_check import answer_agreement
+
+            out.update(answer_agreement(episodes, reward_components, self.records_by_id))
         if episodes and self.reward_audit is not None and completion_ids is not None and token_sources is not None:
             out.update(self.reward_audit(rewards, episodes, completion_ids, token_sources))
         if self.preflight is None and reward_components and "answer_em" in reward_components:
@@ -270,12 +274,22 @@ class Instruments:
         """
         if not self.enabled:
             return {}
-        out = update_metrics(**step)
+        out = update_metrics(**step)  # the update's size, the optimizer's rates and groups (updates.py)
         if lora_b_norm is not None:
             out[H06_LORA_B_NORM] = lora_b_norm
         if base_checksum_drift is not None:
             out[H06_BASE_CHECKSUM_DRIFT] = base_checksum_drift
         return out
+
+    # ------------------------------------------------------------------ 3b. the KL's reference
+    def observe_reference(self, model: Any, reference: Any, *, beta: float) -> dict[str, float]:
+        """``h03/ref_is_policy`` (reference.py): whether the reference TRL scores the KL with shares the
+        trained weights (``reference`` None: the policy with its adapters disabled, under PEFT)."""
+        if not self.enabled:
+            return {}
+        from musique_rl.instruments.reference import reference_is_policy
+
+        return reference_is_policy(model, reference, beta)
 
     # ------------------------------------------------------------------ 4. after a weight sync
     def probe_inputs(self) -> dict[str, Any] | None:
