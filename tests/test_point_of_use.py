@@ -363,7 +363,7 @@ def test_a_kl_term_leaves_no_sampled_token_out_on_constructed_tensors():
 
 def test_a_mask_that_drops_sampled_tokens_reads_far_above_healthy_with_a_kl_term():
     """The resolution that hides round-off must not hide a mask defect: a token the loss's mask drops
-    gets no gradient at all (resolution 0). Each turn's last token dropped: 2 of 9 assistant tokens of the
+    gets no gradient at all (its resolution is the KL pieces' round-off, ~1e-8 of its weight). Each turn's last token dropped: 2 of 9 assistant tokens of the
     rows with signal (group 1: 4 rows x 9 tokens) read left out, with the KL term and its correction on."""
     reading = _kl_loss_reading(drop=(3, 11))
     assert reading["h02/loss_assistant_left_out_share"] == pytest.approx(2 / 9)

@@ -31,7 +31,8 @@ token's weight (the KL term's pieces) or as the policy term itself, so the polic
 trained only above that; a row has signal only when its applied advantage is above the sum of its
 tokens' resolutions; a token is judged for being left out only where its expected policy term (the
 row's applied advantage x its weight) is above its resolution. A token a mask drops gets no gradient at
-all (resolution 0), so a real mask defect is judged at every token it drops.
+all: its resolution is the KL pieces' round-off alone (~1e-8 x its weight at beta 0.04, 0 without a KL
+term), so a real mask defect is judged at every token it drops of a row whose advantage is above that.
 
 References, never the quantity under test: the advantages are recomputed here from the rollout's
 rewards (group mean / std, float64, ``loss.scale_rewards`` and ``loss.adv_epsilon``) and attached to
