@@ -178,20 +178,21 @@ def _h05(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
 COMPONENT_FALL_MATERIAL = 0.1
 # A reward function's role is read from its values first, its name only beside them: TRL's log names
 # a function, it does not say which carries the task. A function that tells no completion apart
-# (constant_funcs) is
-#   - saturated when the value it gives everyone is positive: every completion earns it (a format
-#     reward at its ceiling): harmless, a note;
-#   - dead when that value is 0 or below: no completion earns anything from it (a reward that never
-#     pays, or one that penalises every completion alike, -5 for all). A dead function is the run's
-#     problem when it carries the task: when it is the reward's main part (at least MAIN_SHARE of the
-#     reward's scale, |its mean| over the sum of every function's |mean|: a constant -5 beside a 0-1
-#     format reward, whatever the -5 function is called), or when its name says it scores the task
-#     (correct, accuracy, answer, ...; a name alone never makes a note a finding: the values must say
-#     dead too). Otherwise (a strict-format bonus nobody earns) it is a note.
-# "Gives everyone the same" is judged on the steps: the same value for the whole batch on at least
-# CONSTANT_STEP_SHARE of them (trl_rules), so a task reward that pays on 2 of 30 steps is dead too.
+# (constant_funcs: the same value for the whole batch on at least CONSTANT_STEP_SHARE of the steps, so
+# one that pays on 2 of 30 steps is constant too) is the run's problem when
+#   - it is dead and the reward's main part: the value it gives everyone is 0 or below (nothing earned,
+#     or a penalty every completion gets alike) and it makes up at least MAIN_SHARE of the reward's scale
+#     (|its mean| over the sum of every function's |mean|): a constant -5 beside a 0-1 format reward,
+#     whatever the -5 function is called;
+#   - it is the reward's main part at any value and its name does not say format (a main reward that
+#     every completion earns alike: the task solved by all, or a default);
+#   - its name says it scores the task (correct, accuracy, answer, ...) and not the format: constant by
+#     its values, the task by its name (a name alone never flags: the values must say constant).
+# Otherwise it is a note: saturated (a format reward every completion earns) or a minor bonus nobody
+# earns (a strict format no completion meets).
 MAIN_SHARE = 0.5
 TASK_REWARD_NAME = re.compile(r"correct|accura|answer|outcome|task|exact|\bem\b|_em_|f1|solve|pass|success")
+FORMAT_REWARD_NAME = re.compile(r"format|xml|tag|length|len_|strict|soft|count|style|think")
 
 
 @rule(stage="reward", checks={"reward_function_constant": Kind.SYMPTOM},
@@ -225,18 +226,21 @@ def _constant_reward_func(m: Mapping[str, History], params: Mapping[str, str]) -
         tied = tied_step_share(m, f) or 0.0
         given = tied_value(m, f)
         part = abs(means.get(f, 0.0)) / scale if scale > 0 else 0.0
-        named = bool(TASK_REWARD_NAME.search(f.lower()))
+        fmt = bool(FORMAT_REWARD_NAME.search(f.lower()))
+        task = bool(TASK_REWARD_NAME.search(f.lower())) and not fmt
+        main = part >= MAIN_SHARE
         ev = {f"rewards/{f}/std = 0 (share of steps)": tied, f"rewards/{f}/mean on those steps (median)": given,
               f"rewards/{f} share of the reward's scale": part}
         measure = Measure(f"rewards/{f}/std = 0 (share of steps)", tied, CONSTANT_STEP_SHARE, share=True)
-        if given <= 0 and (part >= MAIN_SHARE or named):
+        if (main and (given <= 0 or not fmt)) or task:
             others = ", ".join(f"`{g}`" for g in funcs if g not in const) or "nothing"
-            why = (f"{part:.0%} of the reward's scale" if part >= MAIN_SHARE else "by its name the task's reward")
+            why = f"{part:.0%} of the reward's scale" if main else "by its name the task's reward"
             out.append(Finding("h05", "reward_function_constant", True, 2.5,
                                f"Reward function `{f}` ({why}) gives every completion {given:.3g} on {tied:.0%} of the "
                                f"logged steps: the task no longer tells completions apart (a parser that returns a "
-                               f"default, a penalty every completion gets, or questions no completion solves), so the "
-                               f"run learns only from {others}." + check, ev, measure=measure))
+                               f"default, a penalty every completion gets, partial credit that is always the same, or "
+                               f"questions every completion solves or none does), so the run learns only from "
+                               f"{others}." + check, ev, measure=measure))
         elif given <= 0:
             out.append(Finding("h05", "reward_function_constant", False, 0.0,
                                f"Reward function `{f}` gives every completion {given:.3g} on {tied:.0%} of the logged "
