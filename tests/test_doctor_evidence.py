@@ -1,4 +1,4 @@
-"""The doctor weighs evidence (issue 36): causes ranked by what was measured against the healthy runs,
+"""The doctor weighs evidence: causes ranked by what was measured against the healthy runs,
 a measurement refuted only by a measurement, every check run, no single-step proof, reward roles from
 the values, and the healthy null table the grades stand on kept up to date."""
 

@@ -2,8 +2,7 @@
 
 A rule decides WHETHER its check is flagged (its statistic past the rule's bound, a line with a reason
 beside it). How much the finding weighs is decided here, the same way for every rule, from what was
-measured on the run (issue 36: "rank causes by the strength of their evidence, not by a kind fixed per
-check"):
+measured on the run, not from a kind fixed per check:
 
 - A rule states the statistic it judged as a ``Measure``: the evidence label, its value, the bound it
   was judged against, which side is worse, and whether the check is an **exact invariant** (a quantity
