@@ -237,9 +237,14 @@ def test_inside_one_stage_a_defect_explains_its_symptom_and_two_defects_stay_cau
     diag = reason([grows, stale, still, lr0])
     assert diag.find("gap_grows").explained_by is diag.find("sampler_serves_base")
     assert diag.find("updates_too_small").explained_by is diag.find("learning_rate_zero")
-    audit, blind = _f("reward_audit", 3.3), _f("answer_reward_blind", 2.5)  # reward, two defects
-    diag = reason([audit, blind])
-    assert diag.find("reward_audit").role == diag.find("answer_reward_blind").role == "cause"
+    audit, errors = _f("reward_audit", 3.3), _f("reward_errors", 3.5)  # reward, two defects
+    diag = reason([audit, errors])
+    assert diag.find("reward_audit").role == diag.find("reward_errors").role == "cause"
+    # a symptom is explained only by evidence at least as strong: a weak defect of its stage does not
+    audit, blind = _f("reward_audit", 3.3), _f("answer_reward_blind", 2.5)
+    assert reason([audit, blind]).find("answer_reward_blind").explained_by is not None
+    weak, strong = _f("reward_audit", 1.2), _f("answer_reward_blind", 3.4)
+    assert reason([weak, strong]).find("answer_reward_blind").role == "cause"
 
 
 def test_each_stage_gets_a_health_verdict_and_a_foreign_log_shows_fewer_stages():

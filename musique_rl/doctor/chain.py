@@ -7,9 +7,10 @@ Each finding belongs to the stage its rule declares (``@rule(stage=...)``, docto
 hypothesis no instrument measured: the hypothesis's stage, base/catalogue.py). A flagged finding is
 one of:
 
-- a **cause**: nothing upstream explains it. Causes are ranked first, strongest evidence first
-  (tier 3 proofs before tier 2 fingerprints before tier 1 symptoms), then the most upstream stage,
-  then severity; rank 1 is what the user acts on.
+- a **cause**: nothing upstream explains it. Causes are ranked first, strongest evidence first (the
+  tier doctor/evidence.py grades from what was measured: an exact invariant broken, or a statistic
+  no healthy run comes near, before a strong one, before one just past its bound), then the most
+  upstream stage, then severity; rank 1 is what the user acts on.
 - a **consequence**: an upstream flagged finding explains it. Listed under its root cause (its
   ``explained_by``; the cause's ``consequences`` name it), ranked after every cause, said so in its
   verdict. Explanation is declared data, not a rule per case:
@@ -18,8 +19,9 @@ one of:
     advantage 0) explains every *starved* finding (``Kind.STARVED``: a quantity that is 0 because
     its input is: zero gradient, no update, LoRA B still 0, no policy change) in the stages its own
     stage ``starves``;
-  * any flagged finding explains a *symptom* (``Kind.SYMPTOM``: a fingerprint with other possible
-    causes, e.g. tied groups, vanishing importance weights, entropy collapse) in a later stage;
+  * any flagged finding with evidence at least as strong (its tier) explains a *symptom*
+    (``Kind.SYMPTOM``: a fingerprint with other possible causes, e.g. tied groups, vanishing
+    importance weights, entropy collapse) in a later stage;
   * inside one stage, a starving defect explains what it leaves at 0 (a learning rate of 0 -> no
     update), and a proven defect explains a symptom (a stale sampler -> a growing gap);
   * a *defect* (``Kind.DEFECT``: a proof that one mechanism is wrong, e.g. tool tokens in the loss)
@@ -64,11 +66,16 @@ def starving(f: Finding) -> bool:
 
 
 def explains(a: Finding, b: Finding) -> bool:
-    """Whether flagged finding ``a`` accounts for flagged finding ``b`` (declared data above)."""
+    """Whether flagged finding ``a`` accounts for flagged finding ``b`` (declared data above, weighed by
+    the evidence): a symptom is explained only by a finding whose own evidence is at least as strong
+    (its tier, doctor/evidence.py). A truncation of 42% cannot account for a task reward that is the
+    same for every completion, the ones that end included; a truncation of 100% can."""
     if a is b or not (a.flagged and b.flagged):
         return False
     sa, sb = stage_of(a), stage_of(b)
     kind = kind_of(b)
+    if kind is Kind.SYMPTOM and tier(a) < tier(b):
+        return False
     if sa == sb:
         # inside one stage: a starving failure explains what it leaves at 0 (a learning rate of 0 ->
         # no update), and a proven defect explains a symptom of the same part (a sampler serving

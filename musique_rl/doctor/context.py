@@ -6,8 +6,10 @@ TRL's TrainingArguments) and its own logged metrics this module reads
 - the learning-rate schedule: the logged ``learning_rate`` history where there is one, else the
   configured peak and warm-up. A step whose rate is far below its peak BY SCHEDULE (warm-up,
   decay) is not judged for "the policy is not moving";
-- the backend: an in-process sampler (``train.backend`` hf / paged / static) samples with the trainer's own
-  weights, and the parity probe (``h06/parity_sampler_trainer``) measures whether it does;
+- the sampler's weights: only MEASURED, by the parity probe (``h06/parity_sampler_trainer``: fixed
+  sequences scored through the sampler's own generation path and by the trainer). The backend sets
+  what to expect (an in-process sampler should match exactly), never what was seen: a measurement is
+  refuted only by a measurement;
 - the dtype (and kernel): the sampler/trainer noise floor. ``h06/logp_gap_floor`` is re-measured at
   every parity probe on that moment's weights (instruments/floor.py): the first value judges the gap
   before any update, the latest judges the gap late in the run (the floor grows as the policy
@@ -66,7 +68,6 @@ PARITY_SAME_MAX = 1e-6
 # peak. Adam's step scales with the rate, so at a tenth of the peak (warm-up's first tenth, a decay's
 # tail) a healthy step is 10x below its healthy size; half the peak keeps the 1e-4 bound meaningful.
 LR_JUDGED_SHARE = 0.5
-IN_PROCESS_BACKENDS = ("hf", "paged", "static")
 # The most one optimizer step at the peak learning rate moves a policy (KL to where it was, nats/token):
 # healthy runs move 1e-4..1e-2 per step (this project's tiny model at lr 1e-3: 0.02 after 10 steps; the
 # public learners reach 0.02-0.07 over 250 steps); 0.1 is 10x the fastest of them. A first logged KL
@@ -158,26 +159,23 @@ def schedule(m: Mapping[str, History], params: Mapping[str, str]) -> Schedule:
 
 @helper_reads(H06_PARITY_SAMPLER_TRAINER, H06_PARITY_STALE)
 def parity_same_weights(m: Mapping[str, History], params: Mapping[str, str]) -> str | None:
-    """The evidence, in words, that the sampler samples with the trainer's own weights; None without it.
-
-    Either every parity probe found the sampler's log-probs equal to the trainer's (at least one probe
-    after the first step, when the policy has moved) and none found it stale, or the backend is
-    in-process and no probe disagrees."""
+    """The MEASURED evidence, in words, that the sampler samples with the trainer's own weights; None
+    without it. Every parity probe (fixed sequences scored through the sampler's own generation path
+    and by the trainer) found their log-probs equal, at least one of them after the first step, when
+    the policy has moved, and none found the sampler stale. The backend is not evidence: an in-process
+    sampler "cannot lag" only until a bug in exactly that path makes it (a sync one step late, a sync
+    that skips some tensors), and the probe is what checks it."""
     par = [(s, v) for s, v in (m.get(H06_PARITY_SAMPLER_TRAINER) or []) if v is not None]
     stale = values(m.get(H06_PARITY_STALE))
     if any(s > 0.5 for s in stale) or any(v > PARITY_SAME_MAX for _, v in par):
         return None
-    backend = str(params.get("train.backend", ""))
     first = min((s for h in m.values() for s, _ in h), default=0)
-    later = [s for s, _ in par if s > first]
-    if later:
-        return (f"the parity probe found the sampler's log-probs equal to the trainer's on every probe "
-                f"({H06_PARITY_SAMPLER_TRAINER} <= {PARITY_SAME_MAX:g} at steps {', '.join(str(s) for s, _ in par)})"
-                + (f" and train.backend={backend} samples with the trainer's own weights" if backend else ""))
-    if backend in IN_PROCESS_BACKENDS:
-        return (f"train.backend={backend} samples with the trainer's own weights (in process)"
-                + (f" and the parity probe at step {par[0][0]} agrees" if par else ""))
-    return None
+    if not any(s > first for s, _ in par):
+        return None
+    backend = str(params.get("train.backend", ""))
+    return (f"the parity probe found the sampler's log-probs equal to the trainer's on every probe "
+            f"({H06_PARITY_SAMPLER_TRAINER} <= {PARITY_SAME_MAX:g} at steps {', '.join(str(s) for s, _ in par)})"
+            + (f" on train.backend={backend}" if backend else ""))
 
 
 # ---------------------------------------------------------------- contradictions
@@ -189,8 +187,8 @@ def _sync_claim_vs_parity(f: Finding, m: Mapping[str, History], params: Mapping[
     same = parity_same_weights(m, params)
     if same is None:
         return None
-    return (f"{same}: the sampler cannot lag the trainer, so the growing gap is numerics (round-off of two code "
-            "paths, which grows as the policy sharpens), not a weight sync failure.")
+    return (f"{same}: the sampler holds the trainer's weights, so the growing gap is numerics (round-off of two "
+            "code paths, which grows as the policy sharpens), not a weight sync failure.")
 
 
 @helper_reads(H08_LEARNING_RATE, TRL_LEARNING_RATE)

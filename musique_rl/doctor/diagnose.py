@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,7 @@ from musique_rl.doctor import reward_power, stages  # noqa: F401  (imported for 
 from musique_rl.doctor.chain import reason
 from musique_rl.doctor.context import withdraw
 from musique_rl.doctor.diagnosis import Diagnosis
+from musique_rl.doctor.evidence import effect, effect_label, grade
 from musique_rl.doctor.findings import RULES, Finding, History
 from musique_rl.doctor.report import diagnosis_tags
 
@@ -48,21 +50,32 @@ def diagnose_metrics(metrics: Mapping[str, History], params: Mapping[str, str] |
     ``Diagnosis``: placed ``Finding``s, causes first; ``.to_json()`` is diagnosis.json). ``strict``: a
     rule that reads a metric by a name it did not declare (``@rule(reads=...)``) raises (the tests run
     every stored history so)."""
-    params = params or {}
-    findings: list[Finding] = []
-    for r in RULES:
-        if not r.last:
-            findings.extend(r(metrics, params, strict=strict))
-    withdraw(findings, metrics, params)
-    for r in RULES:
-        if r.last:  # the rules over the others' findings (the flat reward), after the withdrawals
-            findings.extend(r(metrics, params, findings, strict=strict))
+    findings = judge(metrics, params or {}, strict)
     seen = {f.hypothesis for f in findings}
     for h in HYPOTHESES:
         if h.unmeasured and h.id not in seen:
             findings.append(Finding(h.id, "no_data", False, 0.0, "No data for this hypothesis in this log: "
                                     + h.unmeasured + "."))
     return reason(findings)
+
+
+def judge(metrics: Mapping[str, History], params: Mapping[str, str], strict: bool = False) -> list[Finding]:
+    """Every rule's findings before the chain places them: each rule on the histories (flagged ones
+    graded by their evidence), the withdrawals, then the rules over the others' findings."""
+    findings: list[Finding] = [graded(f) for r in RULES if not r.last for f in r(metrics, params, strict=strict)]
+    withdraw(findings, metrics, params)
+    for r in RULES:
+        if r.last:  # the rules over the others' findings (the flat reward), after the withdrawals
+            findings.extend(graded(f) for f in r(metrics, params, findings, strict=strict))
+    return findings
+
+
+def graded(f: Finding) -> Finding:
+    """A flagged finding weighed by its evidence (doctor/evidence.py): its severity from its measure
+    against the healthy runs, and the effect stated in its evidence; any other finding as it is."""
+    if not f.flagged or f.measure is None:
+        return f
+    return replace(f, severity=grade(f.measure), evidence={**f.evidence, effect_label(f.measure): effect(f.measure)})
 
 
 def diagnose_log(run: Any) -> Diagnosis:

@@ -33,6 +33,7 @@ from enum import StrEnum
 from typing import Any
 
 from musique_rl.base.catalogue import Metric, lookup
+from musique_rl.doctor.evidence import Measure
 from musique_rl.doctor.step import ORDER, Kind
 
 History = Sequence[tuple[int, float]]  # (step, value), sorted by step
@@ -67,6 +68,9 @@ class Finding:
     starves: bool | None = None  # this one finding starves its downstream stages (None: as its check declares)
     rank: int = 0  # its place in the diagnosis, 1 = act on this (0: not placed yet)
     explained_by: Finding | None = None  # a consequence's root cause (placed in the same diagnosis)
+    # The statistic the rule judged (doctor/evidence.py): a flagged finding's severity is graded from
+    # it against the healthy runs' spread; an unflagged one states it for the healthy null table.
+    measure: Measure | None = None
 
     @property
     def name(self) -> str:
@@ -108,18 +112,21 @@ def num(params: Mapping[str, str], key: str, default: float = 0.0) -> float:
 
 
 # ---------------------------------------------------------------- registry
-def note(hyp: str, check: str, verdict: str, evidence: dict[str, float] | None = None) -> Finding:
+def note(hyp: str, check: str, verdict: str, evidence: dict[str, float] | None = None,
+         measure: Measure | None = None) -> Finding:
     """An unflagged remark worth reading (role "note"): a symptom that also occurs on healthy runs,
     or a check that the run's context says cannot be judged yet (e.g. during the warm-up)."""
-    return Finding(hyp, check, False, 0.0, verdict, dict(evidence or {}), role=Role.NOTE)
+    return Finding(hyp, check, False, 0.0, verdict, dict(evidence or {}), role=Role.NOTE, measure=measure)
 
 
 def judged(hyp: str, check: str, flagged: bool, severity: float, evidence: dict[str, float],
-            flagged_text: str, ok_text: str) -> list[Finding]:
-    """One rule's finding: flagged with its severity and words, or ok (severity 0) with its own."""
+            flagged_text: str, ok_text: str, measure: Measure | None = None) -> list[Finding]:
+    """One rule's finding: flagged with its words, or ok (severity 0) with its own. ``measure``: the
+    statistic judged (doctor/evidence.py), which grades a flagged finding's severity; ``severity``
+    stands only for a finding without one."""
     if flagged:
-        return [Finding(hyp, check, True, severity, flagged_text, evidence)]
-    return [Finding(hyp, check, False, 0.0, ok_text, evidence)]
+        return [Finding(hyp, check, True, severity, flagged_text, evidence, measure=measure)]
+    return [Finding(hyp, check, False, 0.0, ok_text, evidence, measure=measure)]
 
 
 # ---------------------------------------------------------------- the declaration

@@ -1,8 +1,8 @@
 """Is the reward flat, or is the run too short to tell? The flat-reward finding, with its power.
 
-Two rules that judge the other rules' findings (``last=True``: after the withdrawals), in this
-order: a flat run whose policy barely moved is the update stage's finding; any other flat run is
-"too short to judge" or "flat reward, cause not found".
+A rule that judges the other rules' findings (``last=True``: after the withdrawals): a flat run with
+nothing flagged is "too short to judge" or "flat reward, cause not found". (A flat run whose policy
+barely moved is the update stage's finding, judged like every other check: stages/policy.py.)
 
 Why the length matters: a flat run with no flagged instrument is not "flat reward, cause not found"
 whatever its length. A 20-step run that gains +0.08 at p = 0.054 is not evidence of a hidden
@@ -15,14 +15,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from musique_rl.doctor.findings import Finding, History, rule
-from musique_rl.doctor.stages.policy import barely_moves
 from musique_rl.doctor.step import Kind
-from musique_rl.doctor.trend import FLAT_P, Z_ALPHA, Z_POWER, reward_trend
-
-# "Too short to judge": the reward rose, short of significance, with one-sided p < TOO_SHORT_P
-# (the observed gain is >= 0.84 of its standard errors above 0: a rise is more likely than not).
-# Then the finding says how many steps would detect that gain instead of "cause not found".
-TOO_SHORT_P = 0.2
+from musique_rl.doctor.trend import FLAT_P, TOO_SHORT_P, Z_ALPHA, Z_POWER, reward_trend, too_short  # noqa: F401  (TOO_SHORT_P: a declared threshold)
 
 # What a flat run with nothing flagged should try next: the sweeps that test the remaining causes.
 NEXT_SWEEPS = "make sweep SWEEP=h08 (update size), SWEEP=h01 (advantage scaling), SWEEP=h05 (reward signal)"
@@ -41,28 +35,6 @@ def _flat(findings: Sequence[Finding], m: Mapping[str, History]) -> tuple[dict[s
     return t, ev
 
 
-def _too_short(t: dict[str, float]) -> bool:
-    """A rise short of significance but more likely than not: too short to judge, not flat."""
-    return t["p_rise"] < TOO_SHORT_P and t["gain"] > 0
-
-
-@rule(stage="update", checks={"policy_barely_moves": Kind.SYMPTOM}, reads=(*reward_trend.reads, *barely_moves.reads),
-      thresholds=("FLAT_P", "TOO_SHORT_P"), last=True)
-def _flat_because_the_policy_barely_moves(findings: Sequence[Finding], m: Mapping[str, History],
-                                          params: Mapping[str, str]) -> list[Finding]:
-    """No silent 'clean' on a flat run, first: the update stage's "policy barely moves" when the
-    policy's own KL says so (stages/policy.barely_moves)."""
-    flat = _flat(findings, m)
-    if flat is None or _too_short(flat[0]):
-        return []
-    t, ev = flat
-    still = barely_moves(m, params, t["points"])
-    if still is None:
-        return []
-    still.evidence.update(ev)
-    return [still]
-
-
 @rule(stage="policy", checks={"too_short_to_judge": Kind.STARVED, "flat_reward_cause_not_found": Kind.STARVED},
       reads=reward_trend.reads, thresholds=("FLAT_P", "TOO_SHORT_P"), last=True)
 def _flat_reward(findings: Sequence[Finding], m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
@@ -73,7 +45,7 @@ def _flat_reward(findings: Sequence[Finding], m: Mapping[str, History], params: 
     if flat is None:
         return []
     t, ev = flat
-    if _too_short(t):
+    if too_short(t):
         # The standard error of the fitted gain shrinks as 1/sqrt(steps): the steps at which the
         # observed gain would be (Z_ALPHA + Z_POWER) standard errors above 0.
         need = t["points"] * ((Z_ALPHA + Z_POWER) * t["gain_se"] / t["gain"]) ** 2

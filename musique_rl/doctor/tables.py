@@ -5,7 +5,8 @@ the catalogue's ``Metric``s), so the docs say what the code declares:
     python -m musique_rl.doctor.tables --write docs/diagnostics.md
 
 - ``stage_table``: the chain: each stage, what it starves, the checks its rules declare (with kind);
-- ``rules_table``: each rule: its stage, checks, the metrics it reads and the thresholds it judges by;
+- ``rules_table``: each rule: its stage, checks, the metrics it reads, the thresholds it judges by, and
+  each check's false-alarm rate on the healthy histories (flagged / judged, doctor/healthy_null.json);
 - ``bounds_table``: the metrics with a single-value bound, and the checks whose rules read them.
 
 tests/test_doctor_tables.py fails when the docs differ from what these print.
@@ -20,6 +21,7 @@ from pathlib import Path
 
 from musique_rl.base.catalogue import Metric, declared, lookup
 from musique_rl.doctor import diagnose  # noqa: F401  (imports every rule module: the registry is whole)
+from musique_rl.doctor.evidence import false_alarm_rate, table
 from musique_rl.doctor.findings import CHECK_DECLARATIONS, RULES, Rule
 from musique_rl.doctor.step import STAGES
 
@@ -50,14 +52,24 @@ def readers(metric: Metric) -> list[Rule]:
     return [r for r in RULES if any(lookup(k) is metric for k in r.reads)]
 
 
+def _false_alarms(check: str) -> str:
+    rate = false_alarm_rate(check)
+    return f"{rate[0]}/{rate[1]}" if rate else "not judged"
+
+
 def rules_table() -> str:
-    """Each rule's declaration: where it sits, what it can conclude, what it reads and judges by."""
-    rows = ["| rule | stage | checks (kind) | reads | thresholds |", "|---|---|---|---|---|"]
+    """Each rule's declaration: where it sits, what it can conclude, what it reads and judges by, and
+    how often each check is flagged on the healthy histories (its false-alarm rate)."""
+    n = len(table()["histories"])
+    rows = [f"| rule | stage | checks (kind) | reads | thresholds | flagged on healthy histories (of {n}: flagged/judged) |",
+            "|---|---|---|---|---|---|"]
     for r in RULES:
         checks = ", ".join(f"`{c}` ({k.value}{', starving' if c in r.starving else ''})" for c, k in r.checks.items())
         reads = ", ".join(f"`{n}`" for n in _metric_names(r.reads))
         limits = ", ".join(f"{n} = {v:g}" if not isinstance(v, tuple) else f"{n} = {v}" for n, v in r.thresholds.items())
-        rows.append(f"| `{r.name}`{' (last)' if r.last else ''} | {r.stage} | {checks} | {reads} | {limits or '-'} |")
+        alarms = ", ".join(f"`{c}` {_false_alarms(c)}" for c in r.checks)
+        rows.append(f"| `{r.name}`{' (last)' if r.last else ''} | {r.stage} | {checks} | {reads} | {limits or '-'} "
+                    f"| {alarms} |")
     return "\n".join(rows)
 
 

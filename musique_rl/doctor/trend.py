@@ -17,6 +17,10 @@ from musique_rl.doctor.findings import History, helper_reads
 # (scipy.stats.linregress); below FLAT_MIN_POINTS logged steps nothing is said.
 FLAT_P = 0.05
 FLAT_MIN_POINTS = 8
+# "Too short to judge": the reward rose, short of significance, with one-sided p < TOO_SHORT_P (the
+# observed gain is >= 0.84 of its standard errors above 0: a rise is more likely than not). Such a run
+# is not flat: no flat-reward finding is made of it.
+TOO_SHORT_P = 0.2
 # Detectable gain: the gain over the run that a one-sided test at FLAT_P detects with 80% power,
 # (z_0.95 + z_0.80) standard errors of the fitted gain.
 Z_ALPHA, Z_POWER = 1.6449, 0.8416
@@ -43,3 +47,14 @@ def reward_trend(m: Mapping[str, History]) -> dict[str, float] | None:
     se = float(fit.stderr) * span
     return {**base, "slope": float(fit.slope), "p_rise": float(p_rise), "gain": float(fit.slope) * span,
             "gain_se": se, "detectable_gain": (Z_ALPHA + Z_POWER) * se}
+
+
+def flat(t: dict[str, float] | None) -> bool:
+    """Whether a trend (``reward_trend``) is flat: no significant rise, and no rise short of
+    significance that is more likely than not (that is "too short to judge", not flat)."""
+    return t is not None and t["p_rise"] >= FLAT_P and not too_short(t)
+
+
+def too_short(t: dict[str, float]) -> bool:
+    """A rise short of significance but more likely than not: too short to judge, not flat."""
+    return t["p_rise"] < TOO_SHORT_P and t["gain"] > 0

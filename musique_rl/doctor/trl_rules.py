@@ -37,8 +37,11 @@ from musique_rl.doctor.findings import History, helper_reads, values
 # Share of completions cut at max_completion_length. A truncated completion usually has no answer,
 # so the budget, not the policy, scores it; more than 1 in 10 binds (as the doctor's h04 budget rule).
 CLIPPED_MAX = 0.1
-# A reward function's std over the batch at exactly 0 on every logged step (at least this many).
+# A reward function's std over the batch exactly 0 on at least this share of the logged steps (and at
+# least CONSTANT_MIN_STEPS of them): it tells completions apart on at most one step in ten, so it
+# carries (nearly) no signal; "on every step" would let a function that pays on 2 of 30 steps pass.
 CONSTANT_MIN_STEPS = 5
+CONSTANT_STEP_SHARE = 0.9
 # One-sided p for "rises" / "falls" in the reward-vs-component trend (as the doctor's flat rule)
 TREND_P = 0.05
 TREND_MIN_POINTS = 8
@@ -78,12 +81,34 @@ def reward_funcs(m: Mapping[str, History]) -> list[str]:
 
 
 @helper_reads(TRL_REWARDS)
+def tied_step_share(m: Mapping[str, History], func: str) -> float | None:
+    """The share of logged steps on which reward function ``func`` gave every completion the same value
+    (its std over the batch exactly 0); None with fewer than CONSTANT_MIN_STEPS logged steps."""
+    std = values(m.get(TRL_REWARDS.of(func=func, stat="std")))
+    if len(std) < CONSTANT_MIN_STEPS:
+        return None
+    return sum(1 for s in std if s == 0) / len(std)
+
+
+@helper_reads(TRL_REWARDS)
+def tied_value(m: Mapping[str, History], func: str) -> float:
+    """The value reward function ``func`` gave the whole batch on the steps it gave everyone the same
+    (the median of its mean on those steps; its mean over every step when there are none)."""
+    std = dict(m.get(TRL_REWARDS.of(func=func, stat="std")) or [])
+    mean = [(s, v) for s, v in (m.get(TRL_REWARDS.of(func=func, stat="mean")) or []) if v is not None]
+    tied = [v for s, v in mean if std.get(s) == 0]
+    return statistics.median(tied) if tied else statistics.fmean(v for _, v in mean)
+
+
+@helper_reads(*tied_step_share.reads)
 def constant_funcs(m: Mapping[str, History]) -> dict[str, float]:
-    """Reward functions whose std over the batch is exactly 0 at every logged step: {name: mean}."""
+    """Reward functions that tell no completion apart on (nearly) every logged step: the same value for
+    the whole batch on at least CONSTANT_STEP_SHARE of the steps (a function that pays on 2 of 30 steps
+    does not "vary": it carries signal on a fifteenth of the run): {name: mean}."""
     out = {}
     for f in reward_funcs(m):
-        std = values(m.get(TRL_REWARDS.of(func=f, stat="std")))
-        if len(std) >= CONSTANT_MIN_STEPS and max(abs(s) for s in std) == 0:
+        share = tied_step_share(m, f)
+        if share is not None and share >= CONSTANT_STEP_SHARE:
             out[f] = statistics.fmean(values(m.get(TRL_REWARDS.of(func=f, stat="mean"))))
     return out
 

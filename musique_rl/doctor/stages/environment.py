@@ -15,6 +15,7 @@ from musique_rl.base.catalogue import (
     H07_VOID_TURN_SHARE,
     TOOL_FAILURE_MAX,
 )
+from musique_rl.doctor.evidence import Measure
 from musique_rl.doctor.findings import Finding, History, judged, magnitude, rule, values
 from musique_rl.doctor.step import Kind
 
@@ -40,11 +41,12 @@ def _void_turns(m: Mapping[str, History], params: Mapping[str, str]) -> list[Fin
     last = statistics.fmean(void[-q:])
     ev = {f"{H07_VOID_EPISODE_SHARE} (first)": void[0], f"{H07_VOID_EPISODE_SHARE} (last quarter)": last,
           f"{H07_VOID_TURN_SHARE} (last)": (values(m.get(H07_VOID_TURN_SHARE)) or [0.0])[-1]}
+    measure = Measure(f"{H07_VOID_EPISODE_SHARE} (last quarter)", last, VOID_EPISODE_MAX, share=True)
     return judged("h07", "void_turns", last > VOID_EPISODE_MAX, 1 + magnitude(last / VOID_EPISODE_MAX), ev,
                   f"{last:.0%} of the episodes (last quarter of the run) end in a void turn, neither a tool call nor "
                   "an answer: the policy writes text the tool-call parser does not read, or has collapsed into "
                   "chatter (check model.tool_call_format against what the model writes).",
-                  f"Void turns: {last:.0%} of episodes in the last quarter.")
+                  f"Void turns: {last:.0%} of episodes in the last quarter.", measure)
 
 
 @rule(stage="environment", checks={"tool_results_altered": Kind.DEFECT},
@@ -54,11 +56,12 @@ def _tool_results_altered(m: Mapping[str, History], params: Mapping[str, str]) -
     a = statistics.fmean(values(m.get(H04_TOOL_RESULTS_ALTERED_SHARE)))
     ev = {f"{H04_TOOL_RESULTS_ALTERED_SHARE} (mean)": a,
           f"{H04_TOOL_RESULTS_ALTERED} (sum)": sum(values(m.get(H04_TOOL_RESULTS_ALTERED)))}
+    measure = Measure(f"{H04_TOOL_RESULTS_ALTERED_SHARE} (mean)", a, TOOL_ALTERED_MAX, exact=True, share=True)
     return judged("h04", "tool_results_altered", a > TOOL_ALTERED_MAX, 3 + magnitude(1 + 100 * a), ev,
                   f"{a:.0%} of the tool results the model saw differ from their source documents (cut, altered, or "
                   "under another document's id) between the retriever and the prompt: the policy reads a different "
                   "environment from the one the reward assumes.",
-                  f"Tool results match their source documents ({a:.0%} differ).")
+                  f"Tool results match their source documents ({a:.0%} differ).", measure)
 
 
 @rule(stage="environment", checks={"tool_failures": Kind.SYMPTOM},
@@ -70,6 +73,7 @@ def _tool_failures(m: Mapping[str, History], params: Mapping[str, str]) -> list[
           f"{H07_TOOL_CALLS_MEAN} (mean)": statistics.fmean(values(m.get(H07_TOOL_CALLS_MEAN)) or [0.0]),
           f"{H07_TURNS_MEAN} (mean)": statistics.fmean(values(m.get(H07_TURNS_MEAN)) or [0.0])}
     f = statistics.fmean(fail)
+    measure = Measure(f"{H07_TOOL_FAILURE_RATE} (mean)", f, TOOL_FAILURE_MAX, share=True)
     return judged("h07", "tool_failures", f > TOOL_FAILURE_MAX, 1 + magnitude(f / TOOL_FAILURE_MAX), ev,
                   f"{f:.0%} of tool calls fail: the multi-turn machinery, not the policy's choices, decides the episodes.",
-                  f"Tool calls mostly succeed ({f:.0%} fail).")
+                  f"Tool calls mostly succeed ({f:.0%} fail).", measure)

@@ -12,6 +12,7 @@ import statistics
 from collections.abc import Mapping
 
 from musique_rl.base.catalogue import H01_ZERO_STD_SHARE, TRL_FRAC_REWARD_ZERO_STD, TRL_GRAD_NORM
+from musique_rl.doctor.evidence import Measure
 from musique_rl.doctor.findings import Finding, History, judged, magnitude, note, rule
 from musique_rl.doctor.step import Kind
 
@@ -81,14 +82,22 @@ def _grad_norm(m: Mapping[str, History], params: Mapping[str, str]) -> list[Find
                                f"The gradient norm is exactly 0 on {zero:.0%} of the steps while groups still differ "
                                f"in reward (on {1 - explained:.0%} of those steps at least one group had a spread, so "
                                "non-zero advantages): the loss does not depend on the trained weights (a frozen or "
-                               "unscaled adapter, an all-zero loss mask, or a detached graph).", ev))
+                               "unscaled adapter, an all-zero loss mask, or a detached graph).", ev,
+                               measure=Measure("grad_norm zero share", zero, GRAD_ZERO_SHARE, exact=True, share=True)))
         return out
     spikes = []
-    baseline = GRAD_BASELINE_MIN_SHARE * statistics.median(norms)
-    for i in range(GRAD_SPIKE_HISTORY, len(pts)):
-        med = statistics.median(norms[:i])
-        if med > 0 and med >= baseline and norms[i] > GRAD_SPIKE_FACTOR * med:
-            spikes.append((pts[i][0], norms[i] / med))
+    # A step on which every group tied has no gradient by construction: it is no baseline for a spike
+    # (a run whose groups tie on most steps has a median near 0, and its few steps with signal would
+    # all read as "spikes"). The baseline is the steps that had a group signal, where that is logged.
+    tied = {s for key in (TRL_FRAC_REWARD_ZERO_STD, H01_ZERO_STD_SHARE)
+            for s, v in (m.get(key) or []) if v is not None and v >= 1 - 1e-9}
+    fed = [(s, v) for s, v in pts if s not in tied]
+    fed_norms = [v for _, v in fed]
+    baseline = GRAD_BASELINE_MIN_SHARE * statistics.median(fed_norms) if fed_norms else 0.0
+    for i in range(GRAD_SPIKE_HISTORY, len(fed)):
+        med = statistics.median(fed_norms[:i])
+        if med > 0 and med >= baseline and fed_norms[i] > GRAD_SPIKE_FACTOR * med:
+            spikes.append((fed[i][0], fed_norms[i] / med))
     ev = {"grad_norm (median)": statistics.median(norms), "grad_norm (max)": max(norms),
           "spike steps": float(len(spikes))}
     worst_step, worst = max(spikes, key=lambda sv: sv[1]) if spikes else (0, 0.0)
@@ -105,4 +114,5 @@ def _grad_norm(m: Mapping[str, History], params: Mapping[str, str]) -> list[Find
                            f"{len(spikes)} isolated step(s) with a gradient norm over {GRAD_SPIKE_FACTOR:g}x the median "
                            f"of the steps before (worst {worst:.3g}x at step {worst_step:.0f}). Healthy runs show one "
                            f"or two such steps; {GRAD_SPIKE_MIN_STEPS} or more would be a finding.", ev)]
-    return out + judged("h08", "gradient_spikes", bool(spikes), severity, ev, spiky, steady)
+    measure = Measure("spike steps", float(len(spikes)), GRAD_SPIKE_MIN_STEPS - 1)
+    return out + judged("h08", "gradient_spikes", bool(spikes), severity, ev, spiky, steady, measure)

@@ -15,6 +15,7 @@ from musique_rl.base.catalogue import (
     TRL_COMPLETIONS,
     TRL_COMPLETIONS_CLIPPED_RATIO,
 )
+from musique_rl.doctor.evidence import Measure
 from musique_rl.doctor.findings import Finding, History, judged, magnitude, num, rule, values
 from musique_rl.doctor.step import Kind
 from musique_rl.doctor.trl_rules import CLIPPED_MAX, OURS, _ours, clipped_share
@@ -34,25 +35,34 @@ MEAN_TERMINATED_LENGTH = TRL_COMPLETIONS.of(stat="mean_terminated_length")
 def _budgets(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
     means = {k: statistics.fmean(values(m.get(k))) for k in BUDGETS if values(m.get(k))}
     ev = {f"{k} (mean)": v for k, v in means.items()}
-    lost = means.get(H04_QUESTION_LEFT_CONTEXT_SHARE, 0.0)
-    if lost > 0:
-        return [Finding("h04", "question_left_context", True, 3 + magnitude(1 + 100 * lost),
-                        f"In {lost:.0%} of episodes the question itself was truncated out of the context.", ev)]
+    out: list[Finding] = []
+    if H04_QUESTION_LEFT_CONTEXT_SHARE in means:
+        # an exact invariant: the question is in every context the policy reads
+        lost = means[H04_QUESTION_LEFT_CONTEXT_SHARE]
+        out += judged("h04", "question_left_context", lost > 0, 3 + magnitude(1 + 100 * lost), ev,
+                      f"In {lost:.0%} of episodes the question itself was truncated out of the context.",
+                      "The question stays in every episode's context.",
+                      Measure(f"{H04_QUESTION_LEFT_CONTEXT_SHARE} (mean)", lost, 0.0, exact=True, share=True))
     binding = (H04_BUDGET_CAP_SHARE, H04_DROPPED_TOOL_RESULTS_SHARE, H04_PROMPT_AT_CAP_SHARE)
     worst_key = max((k for k in binding if k in means), key=lambda k: means[k], default=None)
-    if worst_key is not None and means[worst_key] > BUDGET_SHARE_MAX:
-        w = means[worst_key]
-        what = {H04_BUDGET_CAP_SHARE: "end at a token budget",
-                H04_DROPPED_TOOL_RESULTS_SHARE: "silently lose a tool result to the budget",
-                H04_PROMPT_AT_CAP_SHARE: "start with the prompt at its token cap"}[worst_key]
-        na = means.get(H04_NO_ANSWER_SHARE)
-        tail = f"; {na:.0%} end with no answer" if na is not None else ""
-        starves = w >= BUDGET_STARVES and (na is None or na >= BUDGET_STARVES)
-        return [Finding("h04", "budgets_binding", True, 2 + magnitude(w / BUDGET_SHARE_MAX),
-                        f"Token budgets truncate the episodes: {w:.0%} of episodes {what}{tail}. The reward is capped by "
-                        "the budget, not by the policy (raise env.max_tokens_per_turn / env.max_completion_tokens).",
-                        ev, starves=starves)]
-    return [Finding("h04", "budgets_binding", False, 0.0, "Token budgets rarely bind.", ev)]
+    if worst_key is None:
+        return out
+    w = means[worst_key]
+    what = {H04_BUDGET_CAP_SHARE: "end at a token budget",
+            H04_DROPPED_TOOL_RESULTS_SHARE: "silently lose a tool result to the budget",
+            H04_PROMPT_AT_CAP_SHARE: "start with the prompt at its token cap"}[worst_key]
+    na = means.get(H04_NO_ANSWER_SHARE)
+    tail = f"; {na:.0%} end with no answer" if na is not None else ""
+    starves = w >= BUDGET_STARVES and (na is None or na >= BUDGET_STARVES)
+    measure = Measure(f"{worst_key} (mean)", w, BUDGET_SHARE_MAX, share=True)
+    if w > BUDGET_SHARE_MAX:
+        out.append(Finding("h04", "budgets_binding", True, 2 + magnitude(w / BUDGET_SHARE_MAX),
+                           f"Token budgets truncate the episodes: {w:.0%} of episodes {what}{tail}. The reward is capped "
+                           "by the budget, not by the policy (raise env.max_tokens_per_turn / env.max_completion_tokens).",
+                           ev, starves=starves, measure=measure))
+    else:
+        out.append(Finding("h04", "budgets_binding", False, 0.0, "Token budgets rarely bind.", ev, measure=measure))
+    return out
 
 
 # ---------------------------------------------------------------- over TRL's own metric names (trl_rules.OURS)
@@ -75,8 +85,9 @@ def _truncation(m: Mapping[str, History], params: Mapping[str, str]) -> list[Fin
         ev["max_completion_length (param)"] = budget
     ended = (f"; the completions that do end are {statistics.fmean(term):.3g} tokens long on average"
              if term and statistics.fmean(term) > 0 else "; no completion ever ends before the budget")
+    measure = Measure(f"{TRL_COMPLETIONS_CLIPPED_RATIO} (mean)", c, CLIPPED_MAX, share=True)
     return judged("h04", "completions_truncated", c > CLIPPED_MAX, 2 + magnitude(c / CLIPPED_MAX), ev,
                   f"{c:.0%} of completions are cut at max_completion_length{ended}: the budget, not the policy, "
                   "decides those rewards (raise max_completion_length, or mask_truncated_completions=True so "
                   "cut completions do not train).",
-                  f"{c:.0%} of completions are truncated.")
+                  f"{c:.0%} of completions are truncated.", measure)

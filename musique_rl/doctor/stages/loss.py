@@ -37,6 +37,7 @@ from musique_rl.base.catalogue import (
     TRL_KL,
 )
 from musique_rl.doctor.context import KL_PER_PEAK_STEP, gap_threshold, update_budget_before
+from musique_rl.doctor.evidence import Measure
 from musique_rl.doctor.findings import (
     Finding,
     History,
@@ -98,7 +99,8 @@ def _kl_at_start(m: Mapping[str, History], params: Mapping[str, str]) -> list[Fi
                   f"{when} the KL to the reference is already {first:.3g} (must be ~0: the "
                   "policy starts AS the reference): the reference model is not the starting policy (another "
                   "checkpoint, dtype, or adapter state).",
-                  f"KL to the reference starts at {first:.2g}.")
+                  f"KL to the reference starts at {first:.2g}.",
+                  Measure(f"{key} (first step)", first, KL_AT_START_MAX, exact=True, log=True))
 
 
 @rule(stage="loss", checks={"env_tokens_in_loss": Kind.DEFECT, "context_hidden_from_trainer": Kind.DEFECT,
@@ -119,10 +121,12 @@ def _loss_mask(m: Mapping[str, History], params: Mapping[str, str]) -> list[Find
             out.append(Finding("h02", "env_tokens_in_loss", True, 3 + magnitude(1 + max(env)),
                                f"The loss trains on tokens the environment wrote: up to {max(env):.0f} tool/template "
                                f"tokens per batch ({share:.0%} of loss tokens). Must be 0: tool results and chat "
-                               "scaffolding need env_mask 0 (train.mask_env_tokens=true).", ev))
+                               "scaffolding need env_mask 0 (train.mask_env_tokens=true).", ev,
+                               measure=Measure(f"{H02_ENV_TOKENS_WITH_LOSS} (max)", max(env), 0.0, exact=True)))
         else:
             out.append(Finding("h02", "env_tokens_in_loss", False, 0.0,
-                               "No tool or template token carries loss.", ev))
+                               "No tool or template token carries loss.", ev,
+                               measure=Measure(f"{H02_ENV_TOKENS_WITH_LOSS} (max)", max(env), 0.0, exact=True)))
     gap = m.get(H06_LOGP_GAP_MEAN) or []
     cov = values(m.get(H02_ATTENTION_COVERAGE))
     thr, _ = gap_threshold(m)
@@ -132,13 +136,16 @@ def _loss_mask(m: Mapping[str, History], params: Mapping[str, str]) -> list[Find
         out.append(Finding("h02", "context_hidden_from_trainer", True, 3 + magnitude(1 / max(min(cov), 1e-3)),
                            f"The trainer's forward pass attends to only {min(cov):.0%} of the context tokens: prompt or "
                            "tool tokens are invisible when it scores the assistant's tokens.",
-                           {f"{H02_ATTENTION_COVERAGE} (min)": min(cov)}))
+                           {f"{H02_ATTENTION_COVERAGE} (min)": min(cov)},
+                           measure=Measure(f"{H02_ATTENTION_COVERAGE} (min)", min(cov), 1.0, worse="below", exact=True)))
     untrained = values(m.get(H02_ASSISTANT_TOKENS_WITHOUT_LOSS_SHARE))
     if untrained and statistics.fmean(untrained) > ASSISTANT_UNTRAINED_MAX:
         u = statistics.fmean(untrained)
         out.append(Finding("h02", "sampled_tokens_untrained", True, 1 + magnitude(u / ASSISTANT_UNTRAINED_MAX),
                            f"{u:.0%} of the sampled assistant tokens are outside the loss mask: most of what the "
-                           "policy wrote is not trained on.", {f"{H02_ASSISTANT_TOKENS_WITHOUT_LOSS_SHARE} (mean)": u}))
+                           "policy wrote is not trained on.", {f"{H02_ASSISTANT_TOKENS_WITHOUT_LOSS_SHARE} (mean)": u},
+                           measure=Measure(f"{H02_ASSISTANT_TOKENS_WITHOUT_LOSS_SHARE} (mean)", u, ASSISTANT_UNTRAINED_MAX,
+                                           share=True)))
     return out
 
 
@@ -161,16 +168,20 @@ def _kl(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
         out.append(Finding("h03", "kl_on_env_tokens", True, 3 + magnitude(1 + max(env)),
                            f"The KL penalty is computed on up to {max(env):.0f} tool/template tokens per micro-batch "
                            "(must be 0): the policy is pulled toward the reference on text it did not write "
-                           "(Search-R1's negative-KL explosion).", ev))
+                           "(Search-R1's negative-KL explosion).", ev,
+                           measure=Measure(f"{H03_KL_ENV_TOKENS} (max)", max(env), 0.0, exact=True)))
     elif same and min(same) < 1:
         out.append(Finding("h03", "kl_mask_differs", True, 2.0,
-                           "The KL term is masked differently from the policy loss.", ev))
+                           "The KL term is masked differently from the policy loss.", ev,
+                           measure=Measure(f"{H02_KL_MASK_EQUALS_LOSS_MASK} (min)", min(same), 1.0, worse="below",
+                                           exact=True)))
     if neg and statistics.fmean(neg) > KL_NEGATIVE_MAX:
         s = statistics.fmean(neg)
         out.append(Finding("h03", "kl_sign", True, 3 + magnitude(s / KL_NEGATIVE_MAX),
                            f"{s:.0%} of the per-token KL penalties are negative; the k3 estimator is never negative, "
                            "so the penalty is applied with the wrong sign: it pushes the policy AWAY from the reference.",
-                           ev))
+                           ev, measure=Measure(f"{H03_KL_NEGATIVE_SHARE} (mean)", s, KL_NEGATIVE_MAX, exact=True,
+                                               share=True)))
     if not out:
         out.append(Finding("h03", "kl", False, 0.0, "KL confined to model tokens, with the right sign.", ev))
     return out
@@ -186,7 +197,8 @@ def _importance_weights(m: Mapping[str, History], params: Mapping[str, str]) -> 
                   f"TRL's importance-sampling correction weights the sequences by {w:.2g} (median of the steps' "
                   "means; 1 when trainer and sampler agree): the loss is weighted away, so no learning rate, rank or "
                   "KL setting can move the policy. The trainer's log-probs are far below the sampler's.",
-                  f"Importance-sampling weights near 1 (median {w:.2g}).")
+                  f"Importance-sampling weights near 1 (median {w:.2g}).",
+                  Measure(IS_WEIGHT_KEY + " (median)", w, IS_WEIGHT_MIN, worse="below", log=True))
 
 
 @rule(stage="loss", checks={"importance_sampling_masks_sequences": Kind.SYMPTOM},
@@ -213,7 +225,8 @@ def _h06_importance_sampling_masks(m: Mapping[str, History], params: Mapping[str
                   f"weight (median; threshold {limit:.0%}){ess}: those episodes, the long ones first, never train. "
                   "Per-sequence ratios multiply thousands of per-token ratios, so bf16 noise alone crosses the "
                   "clip; use train.importance_sampling=token_truncate (the vLLM default) or fix the mismatch.",
-                  f"The importance-sampling correction masks {masked:.0%} of sequences.")
+                  f"The importance-sampling correction masks {masked:.0%} of sequences.",
+                  Measure(f"{H06_IS_MASKED_SEQ_SHARE} (median)", masked, limit, share=True))
 
 
 # ---------------------------------------------------------------- over TRL's own metric names (trl_rules.OURS)
@@ -248,7 +261,8 @@ def _is_clipped(m: Mapping[str, History], params: Mapping[str, str]) -> list[Fin
                   f"{cap:g} on {at_cap:.0%} of steps and the smallest is below 1e-3 on {vanish:.0%}: the sampler's "
                   "tokens are not the trainer's (sampling settings or stale weights). TRL's log cannot tell which; "
                   "run `+hypothesis=h06` (parity probe, sampling-settings fit).",
-                  "Importance weights stay inside TRL's cap.")
+                  "Importance weights stay inside TRL's cap.",
+                  Measure("importance weights at the cap or ~0 (share of steps)", worst, IS_AT_CAP_SHARE, share=True))
 
 # ---------------------------------------------------------------- at the point of use
 # Read where the loss consumes its inputs (instruments/loss_inputs.py: the loss's own gradient against
@@ -291,9 +305,14 @@ def _advantages_paired(m: Mapping[str, History], params: Mapping[str, str]) -> l
         why.append(f"{unmatched:.0%} of the loss's rows match no episode of the rollout by their token ids")
     if from_inputs < 1:
         why.append("the loss's advantages are not those of its inputs (no gradient reaches them)")
+    measure = (Measure(f"{H01_LOSS_ROWS_UNMATCHED_SHARE} (mean)", unmatched, UNMATCHED_MAX, exact=True, share=True)
+               if unmatched / UNMATCHED_MAX > mis / MISALIGNED_MAX else
+               Measure(f"{H01_LOSS_ADV_MISALIGNED_SHARE} (mean)", mis, MISALIGNED_MAX, exact=True, share=True))
+    if from_inputs < 1:
+        measure = Measure(f"{H01_LOSS_ADV_FROM_INPUTS} (min)", from_inputs, 1.0, worse="below", exact=True)
     return judged("h01", check, bad, 3 + magnitude(worst), ev,
                   "Read where the loss consumes them: " + "; ".join(why) + "." + stage_sentence(check),
-                  "Every row the loss trains carries its own episode's advantage." + stage_sentence(check))
+                  "Every row the loss trains carries its own episode's advantage." + stage_sentence(check), measure)
 
 
 @rule(stage="loss", checks={"loss_trains_env_tokens": Kind.DEFECT, "loss_leaves_sampled_tokens_out": Kind.DEFECT,
@@ -310,7 +329,8 @@ def _loss_mask_and_normaliser(m: Mapping[str, History], params: Mapping[str, str
                       f"The loss puts a gradient on {tool:.0%} of the tool-result and template tokens (the rollout's "
                       "token sources, not the trainer's mask): the mask the loss applies is not the rollout's; they "
                       "are not the policy's actions (docs/failure_modes.md defect 2)." + stage_sentence(c),
-                      "The loss trains no tool or template token." + stage_sentence(c))
+                      "The loss trains no tool or template token." + stage_sentence(c),
+                      Measure(f"{H02_LOSS_TOOL_TOKEN_SHARE} (max)", tool, 0.0, exact=True, share=True))
     left = mean_of(m, H02_LOSS_ASSISTANT_LEFT_OUT_SHARE)
     if left is not None:
         c = "loss_leaves_sampled_tokens_out"
@@ -318,7 +338,8 @@ def _loss_mask_and_normaliser(m: Mapping[str, History], params: Mapping[str, str
                       {f"{H02_LOSS_ASSISTANT_LEFT_OUT_SHARE} (mean)": left},
                       f"{left:.0%} of the sampled tokens of rows with a non-zero advantage get no gradient from the "
                       "loss (not clipped, not importance-masked): the loss's mask misses the policy's own tokens."
-                      + stage_sentence(c), "Every sampled token of a row with signal trains." + stage_sentence(c))
+                      + stage_sentence(c), "Every sampled token of a row with signal trains." + stage_sentence(c),
+                      Measure(f"{H02_LOSS_ASSISTANT_LEFT_OUT_SHARE} (mean)", left, LEFT_OUT_MAX, exact=True, share=True))
     ratios = values(m.get(H02_LOSS_NORMALISER_RATIO))
     if ratios:
         c = "loss_normaliser_off"
@@ -326,16 +347,14 @@ def _loss_mask_and_normaliser(m: Mapping[str, History], params: Mapping[str, str
         lo, hi = NORMALISER_BAND
         off = max(r / hi, lo / r) if r > 0 else math.inf
         lt = params.get("loss.loss_type", "the configured loss_type")
-        # a wrong mask changes the token count the loss divides by: then the ratio is its consequence
-        mask_wrong = any(f.flagged and f.check in ("loss_trains_env_tokens", "loss_leaves_sampled_tokens_out")
-                         for f in out)
-        consequence = (" A consequence of the mask above (the loss counts other tokens), not a separate cause."
-                       if mask_wrong else "")
-        out += judged("h02", c, not lo <= r <= hi, (1 if mask_wrong else 2) + magnitude(off),
+        # a wrong mask changes the token count the loss divides by: the chain then files this under
+        # the mask's finding (a defect of the same stage explains its symptom), not as a second cause
+        out += judged("h02", c, not lo <= r <= hi, 2 + magnitude(off),
                       {f"{H02_LOSS_NORMALISER_RATIO} (median)": r},
                       f"The loss divides a row's tokens by {r:.3g}x what {lt} implies (the weight -dL/dA the loss "
                       "gave the row vs tokens x loss_type's normaliser): every update is scaled, per row, by the "
-                      "wrong amount." + consequence + stage_sentence(c), f"The loss normalises as {lt} says." + stage_sentence(c))
+                      "wrong amount." + stage_sentence(c), f"The loss normalises as {lt} says." + stage_sentence(c),
+                      Measure(f"{H02_LOSS_NORMALISER_RATIO} (median, x off the band)", off, 1.0, log=True))
     return out
 
 
@@ -356,11 +375,13 @@ def _kl_acts(m: Mapping[str, History], params: Mapping[str, str]) -> list[Findin
         out.append(Finding("h03", c, True, 3.5, f"A KL penalty is configured (loss.beta={beta}) and the policy has "
                            f"moved from its reference ({moved:.2g} nats/token), yet no KL term reaches the loss (no "
                            "gradient flows to the reference log-probs, or none reached it): beta is not forwarded."
-                           + stage_sentence(c), {f"{H03_KL_TERM_ZERO_WITH_BETA} (max)": zero, f"{H03_LOSS_KL_MOVED} (max)": moved}))
+                           + stage_sentence(c), {f"{H03_KL_TERM_ZERO_WITH_BETA} (max)": zero, f"{H03_LOSS_KL_MOVED} (max)": moved},
+                           measure=Measure(f"{H03_KL_TERM_ZERO_WITH_BETA} (max)", zero, 0.0, exact=True)))
     if without >= 1:
         c = "kl_penalty_without_beta"
         out.append(Finding("h03", c, True, 2.5, "loss.beta is 0, yet a KL term acts in the loss." + stage_sentence(c),
-                           {f"{H03_KL_TERM_WITHOUT_BETA} (max)": without}))
+                           {f"{H03_KL_TERM_WITHOUT_BETA} (max)": without},
+                           measure=Measure(f"{H03_KL_TERM_WITHOUT_BETA} (max)", without, 0.0, exact=True)))
     ratios = values(m.get(H03_KL_BETA_APPLIED_RATIO))
     if ratios and zero < 1:
         c = "kl_beta_not_as_configured"
@@ -371,12 +392,14 @@ def _kl_acts(m: Mapping[str, History], params: Mapping[str, str]) -> list[Findin
                       f"The KL term the loss applies is {r:.3g}x loss.beta={beta} (fit of its gradient on the "
                       "reference log-probs): the coefficient is not the configured one"
                       + (", and its sign is flipped" if r < 0 else "") + "." + stage_sentence(c),
-                      "The KL term acts with the configured beta." + stage_sentence(c))
+                      "The KL term acts with the configured beta." + stage_sentence(c),
+                      Measure(f"{H03_KL_BETA_APPLIED_RATIO} (median, off 1 in band widths)", off, 1.0, exact=True))
     env = max(values(m.get(H03_LOSS_KL_ENV_TOKEN_SHARE)), default=None)
     if env is not None:
         c = "kl_on_env_tokens_in_loss"
         out += judged("h03", c, env > 0, 3 + magnitude(1 + 100 * env), {f"{H03_LOSS_KL_ENV_TOKEN_SHARE} (max)": env},
                       f"The loss's KL term reaches {env:.0%} of the tool/template tokens (its gradient on the "
                       "reference log-probs, by the rollout's token sources)." + stage_sentence(c),
-                      "The loss's KL term stays on the policy's tokens." + stage_sentence(c))
+                      "The loss's KL term stays on the policy's tokens." + stage_sentence(c),
+                      Measure(f"{H03_LOSS_KL_ENV_TOKEN_SHARE} (max)", env, 0.0, exact=True, share=True))
     return out

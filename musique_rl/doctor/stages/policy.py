@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Mapping
 
@@ -16,6 +17,7 @@ from musique_rl.base.catalogue import (
     TRL_REWARD,
 )
 from musique_rl.doctor.context import schedule
+from musique_rl.doctor.evidence import Measure
 from musique_rl.doctor.findings import (
     Finding,
     History,
@@ -28,7 +30,7 @@ from musique_rl.doctor.findings import (
 )
 from musique_rl.doctor.stages.signal import tied_steps
 from musique_rl.doctor.step import Kind
-from musique_rl.doctor.trend import reward_trend
+from musique_rl.doctor.trend import FLAT_P, TOO_SHORT_P, flat, reward_trend  # noqa: F401  (declared thresholds)
 from musique_rl.doctor.trl_rules import OURS, _ours
 
 # The policy has not moved when its KL to the start stays at most 1e-6 nats/token on every probe
@@ -48,12 +50,20 @@ def _still(m: Mapping[str, History], params: Mapping[str, str], name: str) -> li
     if not at_rate:
         return []
     worst = max(v for _, v in at_rate)
-    ev = {f"{name} (max, steps at the scheduled rate)": worst, "probes judged": float(len(at_rate))}
+    med = statistics.median(v for _, v in at_rate)
+    ev = {f"{name} (max, steps at the scheduled rate)": worst, f"{name} (median, steps at the scheduled rate)": med,
+          "probes judged": float(len(at_rate))}
+    # "has not moved at all" (every probe at round-off) is this check; "has moved too little for the
+    # reward to move" is policy_barely_moves' (KL_MOVED_MIN): the ok words say which bar was passed
+    little = (f", but its median {med:.2g} stays below the {KL_MOVED_MIN:g} that runs which learn pass"
+              if med < KL_MOVED_MIN else "")
     return judged("h08", "policy_still", worst <= KL_STILL_MAX, 2.5, ev,
                   f"The policy has not moved: its KL to the starting policy is at most {worst:.2g} nats/token on "
                   f"{len(at_rate)} probe(s) taken after updates at the scheduled learning rate (a healthy step "
                   "moves it ~1e-4 or more).",
-                  f"The policy moves (KL to the start up to {worst:.2g} nats/token).")
+                  f"The policy is not frozen: its KL to the start reaches {worst:.2g} nats/token (above the "
+                  f"{KL_STILL_MAX:g} of a policy that never moved){little}.",
+                  Measure(f"{name} (max, steps at the scheduled rate)", worst, KL_STILL_MAX, worse="below", exact=True, log=True))
 
 
 # ---------------------------------------------------------------- field alarms (tier 1: other causes possible)
@@ -85,12 +95,13 @@ def _entropy_collapse(m: Mapping[str, History], params: Mapping[str, str]) -> li
     first, last = _quarters(ent)
     ev = {"entropy (first quarter mean)": first, "entropy (last quarter mean)": last}
     ratio = last / first if first > 0 else 1.0
+    measure = Measure("entropy (last / first quarter)", ratio, ENTROPY_COLLAPSE_RATIO, worse="below", log=True)
     return judged("h01", "entropy_collapse", first > 0 and ratio < ENTROPY_COLLAPSE_RATIO,
                   1 + magnitude(ENTROPY_COLLAPSE_RATIO / max(ratio, 1e-9)), ev,
                   f"The policy's entropy fell from {first:.3g} to {last:.3g} nats/token ({ratio:.0%} of its start, "
                   f"alarm below {ENTROPY_COLLAPSE_RATIO:.0%}): the completions of a prompt become the same, groups "
                   "tie and the learning signal goes with them (raise the temperature, loss.epsilon_high, or beta).",
-                  f"Entropy holds ({first:.3g} -> {last:.3g} nats/token).")
+                  f"Entropy holds ({first:.3g} -> {last:.3g} nats/token).", measure)
 
 
 @rule(stage="policy", checks={"spread_falls_first": Kind.SYMPTOM},
@@ -112,8 +123,10 @@ def _spread_falls(m: Mapping[str, History], params: Mapping[str, str]) -> list[F
                 f"rise ({r0:.3f} -> {r1:.3f}): the policy settles on one answer per prompt before it gets better, "
                 "so fewer groups carry signal each step. A plateau follows.")
     severity = 1 + magnitude(SPREAD_FALL_RATIO * s0 / max(s1, 1e-9))
+    measure = Measure(f"{H01_REWARD_STD_MEAN} (last / first quarter)", s1 / s0 if s0 > 0 else 1.0, SPREAD_FALL_RATIO,
+                      worse="below", log=True)
     return judged("h01", "spread_falls_first", fell and not rising, severity, ev, settling,
-                  f"Within-group reward spread {s0:.3g} -> {s1:.3g}.")
+                  f"Within-group reward spread {s0:.3g} -> {s1:.3g}.", measure)
 
 
 @rule(stage="policy", checks={"policy_still": Kind.STARVED}, reads=(H08_KL_TO_START, *schedule.reads),
@@ -174,37 +187,46 @@ def kl_history(m: Mapping[str, History], params: Mapping[str, str]) -> tuple[str
     return None
 
 
-@helper_reads(*kl_history.reads, *tied_steps.reads, *schedule.reads, TRL_GRAD_NORM, H08_GRAD_NORM_BEFORE_CLIP)
-def barely_moves(m: Mapping[str, History], params: Mapping[str, str], steps: float) -> Finding | None:
-    """On a flat run with nothing flagged: the update stage's finding when the groups carry signal,
-    the gradient is there, and yet the policy hardly left its start (``KL_MOVED_MIN``); None when
-    that is not what the log shows (or it cannot show it)."""
+@rule(stage="update", checks={"policy_barely_moves": Kind.SYMPTOM},
+      reads=(*kl_history.reads, *tied_steps.reads, *schedule.reads, *reward_trend.reads, TRL_GRAD_NORM,
+             H08_GRAD_NORM_BEFORE_CLIP),
+      thresholds=("KL_MOVED_MIN", "TIED_SHARE_MAX", "FLAT_P", "TOO_SHORT_P"))
+def _barely_moves(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
+    """A flat run whose groups carry signal and whose steps have a gradient, yet whose policy hardly
+    left its start: the update is where it stops. Judged on every flat run, whatever else is flagged
+    (the chain decides what explains what), from statistics over the steps at the scheduled rate: the
+    median KL, not its largest step (one step of 0.08 in a run whose KL sits at 0.0016 does not make
+    the policy move), and the share of tied groups on the average step."""
+    t = reward_trend(m)
     kl = kl_history(m, params)
     got = tied_steps(m)
-    if kl is None or got is None or got[1] < 2:
-        return None
+    if not flat(t) or kl is None or got is None or got[1] < 2:
+        return []
     name, pts = kl
     tied_share = statistics.fmean(v for _, v in (m.get(got[2]) or []) if v is not None)
     judged_steps = schedule(m, params).judged_steps()
     at_rate = [v for s, v in pts if judged_steps is None or s in judged_steps]
-    grads = values(m.get(TRL_GRAD_NORM)) or values(m.get(H08_GRAD_NORM_BEFORE_CLIP))
+    grads = [g for g in (values(m.get(TRL_GRAD_NORM)) or values(m.get(H08_GRAD_NORM_BEFORE_CLIP))) if math.isfinite(g)]
     if len(at_rate) < 3 or tied_share > TIED_SHARE_MAX or (grads and statistics.median(grads) == 0):
-        return None
-    moved = max(at_rate)
-    if moved >= KL_MOVED_MIN:
-        return None
+        return []
+    moved = statistics.median(at_rate)
     beta = num(params, "beta", num(params, "loss.beta", -1.0))
-    ev = {f"{name} (max, steps at the scheduled rate)": moved, f"{name} (last)": pts[-1][1],
-          f"{got[2]} (mean)": tied_share, "steps judged": float(len(at_rate))}
+    ev = {f"{name} (median, steps at the scheduled rate)": moved, f"{name} (max, steps at the scheduled rate)": max(at_rate),
+          f"{name} (last)": pts[-1][1], f"{got[2]} (mean)": tied_share, "steps judged": float(len(at_rate)),
+          "reward gain (fitted)": t["gain"], "p (reward rises)": t["p_rise"]}
     if grads:
         ev["grad_norm (median)"] = statistics.median(grads)
     held = f" (or lower beta {beta:g}, if the KL penalty holds it back)" if beta > 0 else ""
-    return Finding("h08", "policy_barely_moves", True, 1.5,
-                   f"The reward is flat over {steps:.0f} logged steps although {1 - tied_share:.0%} of the groups "
-                   f"carry signal and the steps have a gradient, and the policy has barely moved: its KL to the "
-                   f"start reaches only {moved:.2g} nats/token (runs that learn pass {KL_MOVED_MIN:g}). The updates "
-                   f"are too small to change what the policy samples: raise the learning rate{held} "
-                   "(make sweep SWEEP=h08).", ev)
+    measure = Measure(f"{name} (median, steps at the scheduled rate)", moved, KL_MOVED_MIN, worse="below", log=True)
+    return judged("h08", "policy_barely_moves", moved < KL_MOVED_MIN, 1.5, ev,
+                  f"The reward is flat over {t['points']:.0f} logged steps although {1 - tied_share:.0%} of the groups "
+                  f"carry signal and the steps have a gradient, and the policy has barely moved: its KL to the start "
+                  f"sits at a median of {moved:.2g} nats/token over {len(at_rate)} steps at the scheduled rate (runs "
+                  f"that learn pass {KL_MOVED_MIN:g}). The updates are too small to change what the policy samples: "
+                  f"raise the learning rate{held} (make sweep SWEEP=h08).",
+                  f"The reward is flat, and the policy moves: its KL to the start sits at a median of {moved:.2g} "
+                  f"nats/token (past the {KL_MOVED_MIN:g} of runs that learn): the update is not where it stops.",
+                  measure)
 
 
 # ---------------------------------------------------------------- over TRL's own metric names (trl_rules.OURS)
@@ -228,30 +250,35 @@ def _kl_quarters(kl: list[float]) -> tuple[float, float, dict[str, float]]:
 @rule(stage="loss", checks={"kl_negative": Kind.DEFECT}, reads=(TRL_KL, *OURS["kl"]), needs=(TRL_KL,),
       thresholds=("KL_NEGATIVE_TOL",))
 def _kl_negative(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
-    """A sign error of the KL term, read from TRL's `kl` (a loss-stage defect; here beside the runaway
-    rule that reads the same history, which it pre-empts)."""
+    """A sign error of the KL term, read from TRL's `kl` (a loss-stage defect, here beside the runaway
+    rule that reads the same history). Judged on the run's mean: each token's k3 is >= 0, but a logged
+    step's mean of them can sit a few 1e-5 below 0 in float round-off (k3 of a tiny difference is
+    exp(d) - d - 1, computed from numbers near 1), so one step's value proves nothing; a run whose KL
+    is negative on average is a term with the wrong sign."""
     if _ours(m, "kl"):
         return []
     kl = values(m.get(TRL_KL))
-    if min(kl) >= KL_NEGATIVE_TOL:
-        return []
-    return [Finding("h03", "kl_negative", True, 3 + magnitude(1 + abs(min(kl)) / abs(KL_NEGATIVE_TOL)),
-                    f"TRL's KL estimate is negative ({min(kl):.3g}); its k3 estimator cannot be below 0 for any "
-                    "token, so the KL term's sign or its inputs are wrong.", _kl_quarters(kl)[2])]
+    mean = statistics.fmean(kl)
+    ev = {**_kl_quarters(kl)[2], f"{TRL_KL} (mean)": mean,
+          f"{TRL_KL} < 0 (share of steps)": sum(v < KL_NEGATIVE_TOL for v in kl) / len(kl)}
+    return judged("h03", "kl_negative", mean < KL_NEGATIVE_TOL, 3 + magnitude(1 + abs(mean) / abs(KL_NEGATIVE_TOL)), ev,
+                  f"TRL's KL estimate is negative on average over the run ({mean:.3g}); its k3 estimator cannot be "
+                  "below 0 for any token, so the KL term's sign or its inputs are wrong.",
+                  f"TRL's KL estimate is non-negative on average ({mean:.2g}).",
+                  Measure(f"{TRL_KL} (mean, sign)", -mean, -KL_NEGATIVE_TOL, exact=True))
 
 
 @rule(stage="policy", checks={"kl_runaway": Kind.SYMPTOM}, reads=(TRL_KL, *OURS["kl"]), needs=(TRL_KL,),
-      thresholds=("KL_RUNAWAY", "KL_GROWTH", "KL_NEGATIVE_TOL"))
+      thresholds=("KL_RUNAWAY", "KL_GROWTH"))
 def _kl_runaway(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
     if _ours(m, "kl"):
         return []
     kl = values(m.get(TRL_KL))
-    if min(kl) < KL_NEGATIVE_TOL:
-        return []  # a sign error (_kl_negative), not a runaway
     early, late, ev = _kl_quarters(kl)
     runaway = late > KL_RUNAWAY and late > KL_GROWTH * max(early, 1e-12)
     return judged("h03", "kl_runaway", runaway, 2 + magnitude(late / KL_RUNAWAY), ev,
                   f"KL to the reference runs away: {early:.3g} -> {late:.3g} nats/token. The policy has left its "
                   "reference (reward hacking, or a learning rate too high for beta); TRL's log cannot say which "
                   "tokens: run `+hypothesis=h03` (KL per token kind).",
-                  f"KL to the reference stays moderate ({early:.2g} -> {late:.2g} nats/token).")
+                  f"KL to the reference stays moderate ({early:.2g} -> {late:.2g} nats/token).",
+                  Measure(f"{TRL_KL} (last quarter mean)", late, KL_RUNAWAY, log=True))

@@ -23,6 +23,7 @@ from musique_rl.base.catalogue import (
     TRL_REWARDS,
     Metric,
 )
+from musique_rl.doctor.evidence import Measure
 from musique_rl.doctor.findings import (
     Finding,
     History,
@@ -36,14 +37,15 @@ from musique_rl.doctor.findings import (
 )
 from musique_rl.doctor.step import Kind
 from musique_rl.doctor.trl_rules import (
-    CLIPPED_MAX,
+    CONSTANT_STEP_SHARE,
     OURS,
     TREND_P,
     _ours,
     _trend,
-    clipped_share,
     constant_funcs,
     reward_funcs,
+    tied_step_share,
+    tied_value,
 )
 
 # H05: share of audited episodes whose re-scored reward differs from the one the trainer used.
@@ -86,7 +88,9 @@ def _reward_components(m: Mapping[str, History], params: Mapping[str, str]) -> l
                       f"In {d:.0%} of the episodes reward components contradict each other where their definitions "
                       "overlap (an exact match without F1 = 1, or an F1 outside its precision and recall): one of "
                       "them reads another text or parses differently.",
-                      "Overlapping reward components agree.")
+                      "Overlapping reward components agree.",
+                      Measure(f"{H05_COMPONENT_DISAGREEMENT_SHARE} (mean)", d, COMPONENT_DISAGREEMENT_MAX, exact=True,
+                              share=True))
     comps = components_logged(m, H05_COMPONENT_CONSTANT_GROUP_SHARE)
     weighted = [c for c in comps if num(params, f"reward.weights.{c}", 1.0) != 0]
     const = [c for c in weighted if min(values(m.get(H05_COMPONENT_CONSTANT_GROUP_SHARE.of(component=c))) or [0.0]) >= 1.0]
@@ -98,7 +102,10 @@ def _reward_components(m: Mapping[str, History], params: Mapping[str, str]) -> l
     return out
 
 
-@rule(stage="reward", checks={"reward_errors": Kind.DEFECT, "reward_audit": Kind.DEFECT, "answer_reward_blind": Kind.DEFECT,
+# answer_reward_blind is a fingerprint, not a proof: answer components ~0 and constant while the
+# episodes answer is what a reward that never reads the answer gives, and also what a policy that
+# cannot find the answer gives (every tool call refused upstream): a symptom the chain may explain.
+@rule(stage="reward", checks={"reward_errors": Kind.DEFECT, "reward_audit": Kind.DEFECT, "answer_reward_blind": Kind.SYMPTOM,
                           "reward_signal": Kind.DEFECT},
       reads=(H05_REWARD_ERRORS, H05_REWARD_AUDIT_MISMATCH_SHARE, H05_REWARD_AUDIT_ABS_DIFF_MAX, H05_REWARD_AUDIT_MISMATCH,
              H05_REWARD_AUDIT_CHECKED, H04_NO_ANSWER_SHARE, H05_COMPONENT_CONSTANT_GROUP_SHARE, H05_COMPONENT_MEAN,
@@ -110,7 +117,8 @@ def _h05(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
     if errs and max(errs) > 0:
         out.append(Finding("h05", "reward_errors", True, 3 + magnitude(1 + sum(errs)),
                            f"Reward functions raised {sum(errs):.0f} times (up to {max(errs):.0f} per batch): those "
-                           "completions were not scored.", {f"{H05_REWARD_ERRORS} (sum)": sum(errs)}))
+                           "completions were not scored.", {f"{H05_REWARD_ERRORS} (sum)": sum(errs)},
+                           measure=Measure(f"{H05_REWARD_ERRORS} (sum)", sum(errs), 0.0, exact=True)))
     audit = values(m.get(H05_REWARD_AUDIT_MISMATCH_SHARE))
     if audit and statistics.fmean(audit) > REWARD_AUDIT_MAX:
         a = statistics.fmean(audit)
@@ -121,7 +129,9 @@ def _h05(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
                            "the wrong sample, read from the wrong turn, or cached.",
                            {f"{H05_REWARD_AUDIT_MISMATCH_SHARE} (mean)": a,
                             f"{H05_REWARD_AUDIT_MISMATCH} (sum)": sum(values(m.get(H05_REWARD_AUDIT_MISMATCH))),
-                            f"{H05_REWARD_AUDIT_CHECKED} (sum)": sum(values(m.get(H05_REWARD_AUDIT_CHECKED)))}))
+                            f"{H05_REWARD_AUDIT_CHECKED} (sum)": sum(values(m.get(H05_REWARD_AUDIT_CHECKED)))},
+                           measure=Measure(f"{H05_REWARD_AUDIT_MISMATCH_SHARE} (mean)", a, REWARD_AUDIT_MAX, exact=True,
+                                           share=True)))
     answered = 1 - statistics.fmean(values(m.get(H04_NO_ANSWER_SHARE)) or [1.0])
     # Every answer component present must be dead: an answering policy that is always wrong still
     # earns partial F1 now and then, a reward that never reads the answer earns none.
@@ -141,10 +151,13 @@ def _h05(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
         ev.update({f"{H05_COMPONENT_MEAN.of(component=c)} (max)": v for c, _, v in dead})
         ev[f"answered share (1 - {H04_NO_ANSWER_SHARE})"] = answered
         names = ", ".join(c for c, _, _ in dead)
+        best = max(v for _, _, v in dead)
         out.append(Finding("h05", "answer_reward_blind", True, 2 + magnitude(answered / ANSWER_PRESENT_MIN * 10),
                            f"{answered:.0%} of episodes end with an answer, yet {names} is ~0 and constant in "
                            f"{min(s for _, s, _ in dead):.0%} of groups: the reward does not read the final answer "
-                           "(wrong turn parsed, or brittle parsing).", ev))
+                           "(wrong turn parsed, or brittle parsing), or the answers are all wrong.", ev,
+                           measure=Measure(f"{H05_COMPONENT_MEAN.of(component=dead[0][0])} (max)", best, DEAD_MEAN,
+                                           worse="below")))
     if not out:
         comps = components_logged(m, H05_COMPONENT_CORR_TOTAL)
         corr = {c: H05_COMPONENT_CORR_TOTAL.of(component=c) for c in comps}
@@ -163,54 +176,81 @@ def _h05(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
 # the total's rise: a trade costs the component something comparable to what the total gained. A public
 # 1,130-step run's format reward drifted -0.002 (2.7% of the total's +0.074) at p < 0.05: no trade.
 COMPONENT_FALL_MATERIAL = 0.1
-# A reward function named for the task's outcome (TRL users name them: correctness_reward_func,
-# accuracy_reward, answer_reward, outcome_reward_fn, ...) that is the same non-zero number for every
-# completion is not "saturated and harmless": the task itself no longer tells completions apart, so
-# the run learns only from the other functions (format, length). Read from the name because TRL's log
-# says nothing else about a function's role; a function whose name says format is the saturated kind.
-TASK_REWARD_NAME = re.compile(r"correct|accura|answer|outcome|task|exact|\bem\b|_em_|f1|score|solve|pass|win|success")
+# A reward function's role is read from its values first, its name only beside them: TRL's log names
+# a function, it does not say which carries the task. A function that tells no completion apart
+# (constant_funcs: the same value for the whole batch on at least CONSTANT_STEP_SHARE of the steps, so
+# one that pays on 2 of 30 steps is constant too) is the run's problem when
+#   - it is dead and the reward's main part: the value it gives everyone is 0 or below (nothing earned,
+#     or a penalty every completion gets alike) and it makes up at least MAIN_SHARE of the reward's scale
+#     (|its mean| over the sum of every function's |mean|): a constant -5 beside a 0-1 format reward,
+#     whatever the -5 function is called;
+#   - it is the reward's main part at any value and its name does not say format (a main reward that
+#     every completion earns alike: the task solved by all, or a default);
+#   - its name says it scores the task (correct, accuracy, answer, ...) and not the format: constant by
+#     its values, the task by its name (a name alone never flags: the values must say constant).
+# Otherwise it is a note: saturated (a format reward every completion earns) or a minor bonus nobody
+# earns (a strict format no completion meets).
+MAIN_SHARE = 0.5
+TASK_REWARD_NAME = re.compile(r"correct|accura|answer|outcome|task|exact|\bem\b|_em_|f1|solve|pass|success")
 FORMAT_REWARD_NAME = re.compile(r"format|xml|tag|length|len_|strict|soft|count|style|think")
 
 
 @rule(stage="reward", checks={"reward_function_constant": Kind.SYMPTOM},
-      reads=(*constant_funcs.reads, *clipped_share.reads, *OURS["reward_funcs"]), thresholds=("CLIPPED_MAX",))
+      reads=(*constant_funcs.reads, *tied_step_share.reads, *OURS["reward_funcs"]),
+      thresholds=("CONSTANT_STEP_SHARE", "MAIN_SHARE"))
 def _constant_reward_func(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
     funcs = reward_funcs(m)
     if not funcs or _ours(m, "reward_funcs"):
         return []
     const = constant_funcs(m)
+    means = {f: statistics.fmean(values(m.get(TRL_REWARDS.of(func=f, stat="mean")))) for f in funcs
+             if values(m.get(TRL_REWARDS.of(func=f, stat="mean")))}
+    scale = sum(abs(v) for v in means.values())
     out: list[Finding] = []
-    clip = clipped_share(m)
-    # completions cut before their answer score the same (usually 0) under any reward: then the
-    # constant functions are the truncation's consequence, ranked below it (the h04 finding)
-    cut = clip is not None and clip > CLIPPED_MAX
-    because = (f" A consequence of the truncation: {clip:.0%} of completions are cut before they end." if cut else
-               " Check what it reads (field, tag, parser) on a few completions.")
+    check = " Check what it reads (field, tag, parser) on a few completions."
     if const and len(const) == len(funcs):
+        tied = {f: tied_step_share(m, f) or 0.0 for f in const}
         ev = {f"rewards/{f}/mean (mean)": v for f, v in const.items()}
-        ev["reward functions constant"] = float(len(const))
+        ev.update({f"rewards/{f}/std = 0 (share of steps)": t for f, t in tied.items()})
         what = ", ".join(f"`{f}` = {v:.3g}" for f, v in const.items())
-        out.append(Finding("h05", "reward_function_constant", True, 1.5 if cut else 3.0,
-                           f"Every reward function is constant on every completion of every logged step ({what}): no "
-                           "completion is ever told apart from another, so there is nothing to learn." + because, ev))
+        # the evidence is the most constant of them (one that never tells two completions apart is
+        # categorical); each is constant on at least CONSTANT_STEP_SHARE of the steps
+        out.append(Finding("h05", "reward_function_constant", True, 3.0,
+                           f"Every reward function gives every completion the same value on {min(tied.values()):.0%} "
+                           f"or more of the logged steps ({what}): no completion is told apart from another, so there "
+                           "is nothing to learn." + check, ev,
+                           measure=Measure("reward functions tied (share of steps, most tied)", max(tied.values()),
+                                           CONSTANT_STEP_SHARE, share=True)))
         return out
-    for f, mean in const.items():
-        ev = {f"rewards/{f}/std (max)": 0.0, f"rewards/{f}/mean (mean)": mean}
-        if mean == 0:
-            out.append(Finding("h05", "reward_function_constant", True, 1.5 if cut else 2.5,
-                               f"Reward function `{f}` returns 0 for every completion at every logged step: it never "
-                               "pays, so it carries no signal." + because, ev))
-        elif TASK_REWARD_NAME.search(f.lower()) and not FORMAT_REWARD_NAME.search(f.lower()):
+    for f in const:
+        tied = tied_step_share(m, f) or 0.0
+        given = tied_value(m, f)
+        part = abs(means.get(f, 0.0)) / scale if scale > 0 else 0.0
+        fmt = bool(FORMAT_REWARD_NAME.search(f.lower()))
+        task = bool(TASK_REWARD_NAME.search(f.lower())) and not fmt
+        main = part >= MAIN_SHARE
+        ev = {f"rewards/{f}/std = 0 (share of steps)": tied, f"rewards/{f}/mean on those steps (median)": given,
+              f"rewards/{f} share of the reward's scale": part}
+        measure = Measure(f"rewards/{f}/std = 0 (share of steps)", tied, CONSTANT_STEP_SHARE, share=True)
+        if (main and (given <= 0 or not fmt)) or task:
             others = ", ".join(f"`{g}`" for g in funcs if g not in const) or "nothing"
-            out.append(Finding("h05", "reward_function_constant", True, 1.5 if cut else 2.5,
-                               f"The task's reward function `{f}` is {mean:.3g} for every completion at every logged "
-                               f"step: the task no longer tells completions apart (a parser that returns a default, "
-                               f"partial credit that is always the same, or questions every completion solves), so "
-                               f"the run learns only from {others}." + because, ev))
+            why = f"{part:.0%} of the reward's scale" if main else "by its name the task's reward"
+            out.append(Finding("h05", "reward_function_constant", True, 2.5,
+                               f"Reward function `{f}` ({why}) gives every completion {given:.3g} on {tied:.0%} of the "
+                               f"logged steps: the task no longer tells completions apart (a parser that returns a "
+                               f"default, a penalty every completion gets, partial credit that is always the same, or "
+                               f"questions every completion solves or none does), so the run learns only from "
+                               f"{others}." + check, ev, measure=measure))
+        elif given <= 0:
+            out.append(Finding("h05", "reward_function_constant", False, 0.0,
+                               f"Reward function `{f}` gives every completion {given:.3g} on {tied:.0%} of the logged "
+                               f"steps ({part:.0%} of the reward's scale): it carries no signal, harmless unless it "
+                               "was meant to carry the task.", ev, measure=measure))
         else:
             out.append(Finding("h05", "reward_function_constant", False, 0.0,
-                               f"Reward function `{f}` is {mean:.3g} for every completion (saturated): it carries "
-                               "no signal, harmless unless it was meant to be the correctness reward.", ev))
+                               f"Reward function `{f}` is {given:.3g} for every completion on {tied:.0%} of the logged "
+                               "steps (saturated: every completion earns it): it carries no signal, harmless.", ev,
+                               measure=measure))
     varying = [f for f in funcs if f not in const and values(m.get(TRL_REWARDS.of(func=f, stat="std")))]
     if varying and not any(f.flagged for f in out):
         out.append(Finding("h05", "reward_function_constant", False, 0.0,
@@ -239,10 +279,12 @@ def _reward_vs_component(m: Mapping[str, History], params: Mapping[str, str]) ->
     ev = {"reward slope per step": total[0], "p (reward rises)": total[1],
           **{f"rewards/{f}/mean slope per step": s for f, s in falling.items()}}
     names = ", ".join(f"`{f}`" for f in falling)
+    cost = max(-s for s in falling.values()) / total[0]
     return [Finding("h05", "reward_rises_component_falls", True, 1 + magnitude(1 + 10 * len(falling) / len(funcs)),
                     f"The total reward rises while {names} falls: the policy gains on the other components at "
                     f"{names}'s expense (reward hacking, or weights that trade correctness for format). Check the "
-                    "reward weights; run `+hypothesis=h05`.", ev)]
+                    "reward weights; run `+hypothesis=h05`.", ev,
+                    measure=Measure("component's fall / total's rise", cost, COMPONENT_FALL_MATERIAL))]
 
 # ---------------------------------------------------------------- at the point of use
 # Read where the loss consumes its inputs (instruments/loss_inputs.py: the loss's own gradient against
@@ -263,4 +305,6 @@ def _scorers_agree(m: Mapping[str, History], params: Mapping[str, str]) -> list[
                   f"{share:.0%} of the episodes that cite every document they were shown score a lower citation "
                   "recall than retrieval recall: one of the two scorers reads other ids than the episode's "
                   "(another turn, another message)." + stage_sentence(c),
-                  "The citation and retrieval scorers agree where they overlap." + stage_sentence(c))
+                  "The citation and retrieval scorers agree where they overlap." + stage_sentence(c),
+                  Measure(f"{H05_SCORER_OVERLAP_DISAGREEMENT_SHARE} (mean)", share, OVERLAP_DISAGREEMENT_MAX, exact=True,
+                          share=True))

@@ -27,6 +27,7 @@ from musique_rl.base.catalogue import (
     TRL_SAMPLING_LOGP_DIFFERENCE,
 )
 from musique_rl.doctor.context import gap_threshold, late_gap_threshold
+from musique_rl.doctor.evidence import Measure
 from musique_rl.doctor.findings import Finding, History, judged, magnitude, rule, stage_sentence, values
 from musique_rl.doctor.step import Kind
 from musique_rl.doctor.trl_rules import OURS, TREND_MIN_POINTS, _ours
@@ -66,6 +67,8 @@ def _agreement_at_start(m: Mapping[str, History], params: Mapping[str, str]) -> 
         ev[f"{pre_key} (first)"] = pre[0]
     if post:
         ev[f"{post_key} (first)"] = post[0]
+    # before any update sampler and trainer hold the same weights: past the measured floor is exact
+    measure = Measure(f"{H06_LOGP_GAP_MEAN} (first step)", step0, thr, exact=True, log=True)
     explained = bool(fit_t and fit_b and fit_t[0] > thr and fit_b[0] <= thr
                      and fit_b[0] <= FIT_EXPLAINS_RATIO * fit_t[0] and not (cov and min(cov) < 1))
     if step0 > thr and explained:
@@ -80,7 +83,7 @@ def _agreement_at_start(m: Mapping[str, History], params: Mapping[str, str]) -> 
                         f"{fit_b[0]:.2g} under other sampling settings (temperature x"
                         f"{setting.get('temperature_factor', 1):g}, top_p {setting.get('top_p', 1):g}, top_k "
                         f"{setting.get('top_k', 0):g}): the sampler samples with different temperature/top-p/"
-                        "top-k than the trainer scores with (set them explicitly on both).", ev)]
+                        "top-k than the trainer scores with (set them explicitly on both).", ev, measure=measure)]
     if step0 > thr:
         extra = (f" The forward pass attends to only {min(cov):.0%} of the context." if cov and min(cov) < 1 else "")
         where = (f" The gap sits after the tool results ({post[0]:.3g} vs {pre[0]:.2g} before)."
@@ -91,38 +94,67 @@ def _agreement_at_start(m: Mapping[str, History], params: Mapping[str, str]) -> 
                         f"Before any update the trainer and the sampler disagree on the sampled tokens by "
                         f"{step0:.3g} nats/token (healthy up to {thr:.2g}: {why}): the trainer does not score "
                         "the context the sampler saw (attention mask = loss mask, template drift, or "
-                        f"re-tokenised text).{extra}{where}", ev)]
+                        f"re-tokenised text).{extra}{where}", ev, measure=measure)]
     return [Finding("h02", "trainer_sampler_mismatch_at_start", False, 0.0,
                     f"Trainer and sampler agree at the first step ({step0:.2g} nats/token; healthy up to "
-                    f"{thr:.2g}: {why}).", ev)]
+                    f"{thr:.2g}: {why}).", ev, measure=measure)]
 
 
-@rule(stage="sampling", checks={"sampler_serves_base": Kind.DEFECT, "gap_grows": Kind.SYMPTOM, "sync": Kind.DEFECT},
+# sync: the parity gap says the sampler holds other weights than the trainer, not which mechanism put
+# them there (a sync one step late, one that skips tensors, the frozen start): a fingerprint that
+# sampler_serves_base, when it also holds, explains
+@rule(stage="sampling", checks={"sampler_serves_base": Kind.DEFECT, "gap_grows": Kind.SYMPTOM, "sync": Kind.SYMPTOM},
       reads=(H06_PARITY_STALE, GAP, *PARITY, *gap_threshold.reads, *late_gap_threshold.reads),
-      needs=(H06_PARITY_STALE, GAP), thresholds=("PARITY_STALE_MAX",))
+      needs=(H06_PARITY_STALE, GAP, H06_PARITY_SAMPLER_TRAINER), thresholds=("PARITY_STALE_MAX",))
 def _weight_sync(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
+    """Does the sampler sample with the trainer's weights? Measured three ways: the parity probe (fixed
+    sequences scored through the sampler's own generation path and by the trainer, after each sync:
+    equal on one set of weights, a stale or partial sync shows as a gap), whether the sampler matches
+    the frozen start instead (parity_stale), and the per-step gap on the sampled tokens, which grows
+    when the sampler falls behind."""
     out: list[Finding] = []
     stale = values(m.get(H06_PARITY_STALE))
     ev_p = {k + " (last)": values(m.get(k))[-1] for k in PARITY if values(m.get(k))}
-    if stale and max(stale) > PARITY_STALE_MAX:
-        out.append(Finding("h06", "sampler_serves_base", True, 3 + magnitude(1 + 10 * statistics.fmean(stale)),
-                           f"Parity probe: sampler matches base, not trainer (in {sum(s > PARITY_STALE_MAX for s in stale)} "
-                           f"of {len(stale)} probes). Rollouts come from stale weights, so updates never reach the "
-                           "episodes the policy learns from: fix the weight sync.", ev_p))
+    if stale:
+        share = sum(s > PARITY_STALE_MAX for s in stale) / len(stale)
+        if share > 0:
+            out.append(Finding("h06", "sampler_serves_base", True, 3 + magnitude(1 + 10 * statistics.fmean(stale)),
+                               f"Parity probe: sampler matches base, not trainer (in {sum(s > PARITY_STALE_MAX for s in stale)} "
+                               f"of {len(stale)} probes). Rollouts come from stale weights, so updates never reach the "
+                               "episodes the policy learns from: fix the weight sync.", ev_p,
+                               measure=Measure(f"{H06_PARITY_STALE} (share of probes)", share, 0.0, exact=True,
+                                               share=True)))
+    late_thr, late_why = late_gap_threshold(m, params)
+    # the probes after the first update: the sampler's weights against the trainer's, measured
+    par = [(s, v) for s, v in (m.get(H06_PARITY_SAMPLER_TRAINER) or []) if v is not None and math.isfinite(v)]
+    first_step = min((s for h in m.values() for s, _ in h), default=0)
+    later = [v for s, v in par if s > first_step]
+    if later:
+        med = statistics.median(later)
+        ev = {f"{H06_PARITY_SAMPLER_TRAINER} (median after the first step)": med,
+              "probes after the first step": float(len(later)), "gap threshold (late)": late_thr, **ev_p}
+        out += judged("h06", "sync", med > late_thr, 3.0, ev,
+                      f"Parity probe: after the updates the sampler's log-probs of fixed sequences differ from the "
+                      f"trainer's by {med:.3g} nats/token (median of {len(later)} probes; healthy up to "
+                      f"{late_thr:.2g}: {late_why}): the sampler generates with other weights than the trainer "
+                      "trains (a stale, partial or lagging weight sync). Fix the sync into the sampler.",
+                      f"Parity probe: the sampler scores fixed sequences as the trainer does ({med:.2g} nats/token "
+                      f"after the updates).",
+                      Measure(f"{H06_PARITY_SAMPLER_TRAINER} (median after the first step)", med, late_thr, exact=True, log=True))
     gap = m.get(GAP) or []
     thr, _ = gap_threshold(m)
     if len(gap) >= 4 and gap[0][1] <= thr:
-        late_thr, why = late_gap_threshold(m, params)
         tail = [v for _, v in gap[-max(2, len(gap) // 4):]]
         late = statistics.fmean(tail)
         ev = {f"{H06_LOGP_GAP_MEAN} (first)": gap[0][1], f"{H06_LOGP_GAP_MEAN} (last quarter)": late,
               "gap threshold (late)": late_thr, **ev_p}
-        if late > late_thr:
-            out.append(Finding("h06", "gap_grows", True, 2 + magnitude(late / late_thr),
-                               f"The sampler/trainer log-prob gap grows from {gap[0][1]:.2g} at the first step to "
-                               f"{late:.3g} nats/token (healthy up to {late_thr:.2g}: {why}): the sampler lags the "
-                               "trainer (weights not synced).", ev))
-    if not any(f.flagged for f in out) and (gap or stale):
+        out += judged("h06", "gap_grows", late > late_thr, 2 + magnitude(late / late_thr), ev,
+                      f"The sampler/trainer log-prob gap grows from {gap[0][1]:.2g} at the first step to "
+                      f"{late:.3g} nats/token (healthy up to {late_thr:.2g}: {late_why}): the sampler lags the "
+                      "trainer (weights not synced).",
+                      f"The sampler/trainer gap stays within {late_thr:.2g} nats/token ({gap[0][1]:.2g} -> {late:.2g}).",
+                      Measure(f"{H06_LOGP_GAP_MEAN} (last quarter)", late, late_thr, log=True))
+    if not any(f.flagged for f in out) and (gap or stale) and not any(f.check == "sync" for f in out):
         ev = dict(ev_p)
         if gap:
             ev[f"{H06_LOGP_GAP_MEAN} (max)"] = max(v for _, v in gap)
@@ -154,20 +186,23 @@ def _logp_diff(m: Mapping[str, History], params: Mapping[str, str]) -> list[Find
     mx = values(m.get(SAMPLER_DIFF_TOP))
     if mx:
         ev[f"{SAMPLER_DIFF_TOP} (median)"] = statistics.median(mx)
+    at_start = Measure(f"{SAMPLER_DIFF} (first steps)", first, LOGP_DIFF_MAX, log=True)
     if first > LOGP_DIFF_MAX:
         return [Finding("h06", "sampler_trainer_differ_at_start", True, 2 + magnitude(first / LOGP_DIFF_MAX),
                         f"From the first steps the sampler's and the trainer's log-probs differ by {first:.3g} "
                         f"nats/token (healthy bf16 stacks: 0.01-0.04): they do not compute the same distribution "
                         "(sampling settings such as temperature/top-p, a different context, or dtype/kernels). "
                         "TRL's log cannot tell which; run `+hypothesis=h06` (sampling-settings fit) and "
-                        "`+hypothesis=h02` (trainer's view of the context).", ev)]
+                        "`+hypothesis=h02` (trainer's view of the context).", ev, measure=at_start)]
     if len(vals) >= TREND_MIN_POINTS and tail > LOGP_DIFF_MAX and tail > LOGP_DIFF_GROWTH * first:
         return [Finding("h06", "sampler_trainer_drift", True, 2 + magnitude(tail / max(first, 1e-12) / LOGP_DIFF_GROWTH),
                         f"The sampler/trainer log-prob difference grows from {first:.3g} to {tail:.3g} nats/token: "
                         "the sampler falls behind the trainer (weights not synced to vLLM, or synced from the "
-                        "wrong copy). Run `+hypothesis=h06` (parity probe).", ev)]
+                        "wrong copy). Run `+hypothesis=h06` (parity probe).", ev,
+                        measure=Measure(f"{SAMPLER_DIFF} (last quarter / first steps)", tail / max(first, 1e-12),
+                                        LOGP_DIFF_GROWTH, log=True))]
     return [Finding("h06", "sampler_trainer_differ_at_start", False, 0.0,
-                    f"Sampler and trainer agree ({first:.2g} -> {tail:.2g} nats/token).", ev)]
+                    f"Sampler and trainer agree ({first:.2g} -> {tail:.2g} nats/token).", ev, measure=at_start)]
 
 # ---------------------------------------------------------------- at the point of use
 # Read where the loss consumes its inputs (instruments/loss_inputs.py: the loss's own gradient against
@@ -205,8 +240,11 @@ def _sampling_diverse(m: Mapping[str, History], params: Mapping[str, str]) -> li
     c = "sampling_not_diverse"
     t = params.get("train.temperature", "> 0")
     ev = {"identical groups": float(observed), "identical groups expected": expected, "p": p}
+    # the evidence is the Poisson tail itself: -log10 p against -log10 of the bound
+    measure = Measure("identical groups (-log10 p)", -math.log10(max(p, 1e-300)), -math.log10(IDENTICAL_P_MAX))
     return judged("h06", c, observed >= IDENTICAL_MIN and p < IDENTICAL_P_MAX, 2 + magnitude(IDENTICAL_P_MAX / max(p, 1e-300)),
                   ev, f"{observed} groups held G identical completions where the sampler's own log-probs predict "
                   f"{expected:.2g} (Poisson p = {p:.1g}, train.temperature={t}): the sampler does not sample as "
                   "configured (greedy, or the temperature applied on one side only), so groups tie and carry no "
-                  "signal." + stage_sentence(c), "Groups are as diverse as the sampler's probabilities say." + stage_sentence(c))
+                  "signal." + stage_sentence(c), "Groups are as diverse as the sampler's probabilities say." + stage_sentence(c),
+                  measure)

@@ -21,9 +21,10 @@ from musique_rl.base.catalogue import (
     PREFLIGHT_ZERO_VARIANCE_FORECAST,
     TRL_FRAC_REWARD_ZERO_STD,
 )
+from musique_rl.doctor.evidence import Measure
 from musique_rl.doctor.findings import Finding, History, helper_reads, judged, magnitude, note, rule, values
 from musique_rl.doctor.step import Kind
-from musique_rl.doctor.trl_rules import CLIPPED_MAX, OURS, _ours, clipped_share, constant_funcs, reward_funcs
+from musique_rl.doctor.trl_rules import OURS, _ours
 
 # No signal: a step on which every group tied (h01/zero_std_share = 1, TRL's frac_reward_zero_std = 1)
 # has every advantage exactly 0, so its gradient and update are 0 by construction. On at least 90%
@@ -66,13 +67,17 @@ def _advantages_from_groups(m: Mapping[str, History], params: Mapping[str, str])
     worst_sum, worst_sign = max(sums, default=0.0), max(signs, default=0.0)
     ev = {f"{H01_ADV_GROUP_SUM_REL_MAX} (max)": worst_sum, f"{H01_ADV_SIGN_MISMATCH_SHARE} (max)": worst_sign}
     bad = worst_sum > ADV_GROUP_SUM_MAX or worst_sign > ADV_SIGN_MISMATCH_MAX
+    # an exact invariant on every step: one step that breaks it is a proof
+    measure = (Measure(f"{H01_ADV_GROUP_SUM_REL_MAX} (max)", worst_sum, ADV_GROUP_SUM_MAX, exact=True)
+               if worst_sum / ADV_GROUP_SUM_MAX >= worst_sign / ADV_SIGN_MISMATCH_MAX else
+               Measure(f"{H01_ADV_SIGN_MISMATCH_SHARE} (max)", worst_sign, ADV_SIGN_MISMATCH_MAX, exact=True, share=True))
     return judged("h01", "advantages_not_from_groups", bad,
                   3 + magnitude(max(worst_sum / ADV_GROUP_SUM_MAX, worst_sign / ADV_SIGN_MISMATCH_MAX)), ev,
                   f"The advantages the loss uses do not describe the groups' rewards: a group's advantages sum to "
                   f"{worst_sum:.2g} of their scale (must be 0) and {worst_sign:.0%} have the opposite sign of "
                   "reward - group mean. Rewards and completions are paired differently where the advantages are "
                   "formed than where they are logged (re-ordered, shifted, or grouped across processes).",
-                  "Advantages sum to 0 in every group and follow the rewards' signs.")
+                  "Advantages sum to 0 in every group and follow the rewards' signs.", measure)
 
 
 def starved_of_signal(got: tuple[list[int], int, str] | None) -> bool:
@@ -93,18 +98,28 @@ def _no_signal(m: Mapping[str, History], params: Mapping[str, str]) -> list[Find
     adv = values(m.get(H01_ADV_ABS_MAX))
     if adv:
         ev[f"{H01_ADV_ABS_MAX} (max)"] = max(adv)
+    measure = Measure(f"steps with every group tied ({k} = 1, share)", len(tied) / n, NO_SIGNAL_STEP_SHARE, share=True)
     if starved_of_signal(got):
         return [Finding("h01", "no_signal", True, 3.0,
                         f"Every group tied on {len(tied)} of {n} steps: all G completions of each prompt earned the "
                         "same reward, so every advantage is 0 and the loss has no gradient to give, whatever the "
                         "learning rate. Find why the rewards do not differ within a group (the reward stage, or "
-                        "the inputs: budgets, a task too hard or too easy at this group size).", ev, starves=True)]
-    return []
+                        "the inputs: budgets, a task too hard or too easy at this group size).", ev, starves=True,
+                        measure=measure)]
+    return [Finding("h01", "no_signal", False, 0.0, f"Some group carries signal on {n - len(tied)} of {n} steps.", ev,
+                    measure=measure)]
+
+
+# Amplification past the cap is judged over the run: on more than a tenth of the logged steps, and at
+# least two of them (one step of float noise in one near-tied group proves nothing).
+AMPLIFIED_STEP_SHARE = 0.1
+AMPLIFIED_MIN_STEPS = 2
 
 
 @rule(stage="signal", checks={"std_amplification": Kind.DEFECT},
       reads=(H01_AMPLIFICATION_MAX, H01_NEAR_ZERO_STD_SHARE, H01_NEAR_TIE_ADV_SHARE, H01_ADV_ABS_MAX),
-      needs=(H01_AMPLIFICATION_MAX, H01_NEAR_ZERO_STD_SHARE), thresholds=("AMPLIFICATION_MAX",))
+      needs=(H01_AMPLIFICATION_MAX, H01_NEAR_ZERO_STD_SHARE),
+      thresholds=("AMPLIFICATION_MAX", "AMPLIFIED_STEP_SHARE", "AMPLIFIED_MIN_STEPS"))
 def _amplification(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
     amp = values(m.get(H01_AMPLIFICATION_MAX))
     near = values(m.get(H01_NEAR_ZERO_STD_SHARE))
@@ -118,15 +133,20 @@ def _amplification(m: Mapping[str, History], params: Mapping[str, str]) -> list[
     }
     worst = max(amp, default=0.0)
     steps = sum(a > AMPLIFICATION_MAX for a in amp)
-    if worst > AMPLIFICATION_MAX:
+    # a statistic over steps, not one step's value: the share of steps past the cap
+    share = steps / len(amp) if amp else 0.0
+    measure = Measure(f"steps with {H01_AMPLIFICATION_MAX} > {AMPLIFICATION_MAX:g} (share)", share, AMPLIFIED_STEP_SHARE,
+                      share=True)
+    if steps >= AMPLIFIED_MIN_STEPS and share > AMPLIFIED_STEP_SHARE:
         return [Finding("h01", "std_amplification", True, 2 + magnitude(worst / AMPLIFICATION_MAX),
                         f"Std scaling multiplied reward differences by up to {worst:.3g}x (TRL's epsilon caps it at "
                         f"{AMPLIFICATION_MAX:.0e}) on {steps} of {len(amp)} steps: near-tied groups whose rewards differ "
                         "by float noise get full-size advantages, so the gradient follows noise. Raise the std "
-                        "epsilon or stop scaling by the group std (loss.scale_rewards=none).", ev)]
+                        "epsilon or stop scaling by the group std (loss.scale_rewards=none).", ev, measure=measure)]
     return [Finding("h01", "std_amplification", False, 0.0,
-                    f"Advantage scaling within bounds (max amplification {worst:.3g}x); "
-                    f"{ev[f'{H01_NEAR_ZERO_STD_SHARE} (mean)']:.0%} of groups are near-ties on average.", ev)]
+                    f"Advantage scaling within bounds (max amplification {worst:.3g}x on {steps} of {len(amp)} steps); "
+                    f"{ev[f'{H01_NEAR_ZERO_STD_SHARE} (mean)']:.0%} of groups are near-ties on average.", ev,
+                    measure=measure)]
 
 
 
@@ -154,7 +174,8 @@ def _preflight(m: Mapping[str, History], params: Mapping[str, str]) -> list[Find
     if s < MIN_SIGNAL_SHARE and (not actual or statistics.fmean(actual) < MIN_SIGNAL_SHARE):
         return [Finding("preflight", "learnability", True, 1 + magnitude(MIN_SIGNAL_SHARE / max(s, 1e-3)) / 2,
                         f"Pre-flight: only {s:.0%} of groups are forecast to carry learning signal at this group size "
-                        f"(initial pass rate {ev.get(PREFLIGHT_PASS_RATE_MEAN, float('nan')):.2f}).", ev)]
+                        f"(initial pass rate {ev.get(PREFLIGHT_PASS_RATE_MEAN, float('nan')):.2f}).", ev,
+                        measure=Measure(PREFLIGHT_SIGNAL_SHARE_FORECAST, s, MIN_SIGNAL_SHARE, worse="below"))]
     if s < MIN_SIGNAL_SHARE:
         return [Finding("preflight", "learnability", False, 0.0,
                         f"Pre-flight: only {s:.0%} of groups forecast to carry answer signal, but the reward spreads "
@@ -174,33 +195,25 @@ ZERO_STD_STARVES = 0.95
 
 
 @rule(stage="signal", checks={"zero_variance_groups": Kind.SYMPTOM},
-      reads=(TRL_FRAC_REWARD_ZERO_STD, *OURS["zero_variance"], *constant_funcs.reads, *clipped_share.reads),
-      needs=(TRL_FRAC_REWARD_ZERO_STD,), thresholds=("ZERO_STD_MAX", "ZERO_STD_STARVES", "CLIPPED_MAX"))
+      reads=(TRL_FRAC_REWARD_ZERO_STD, *OURS["zero_variance"]),
+      needs=(TRL_FRAC_REWARD_ZERO_STD,), thresholds=("ZERO_STD_MAX", "ZERO_STD_STARVES"))
 def _zero_variance(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
     if _ours(m, "zero_variance"):
         return []
     z = values(m.get(TRL_FRAC_REWARD_ZERO_STD))
     share = statistics.fmean(z)
     ev = {"frac_reward_zero_std (mean)": share, "frac_reward_zero_std (first)": z[0], "frac_reward_zero_std (last)": z[-1]}
+    measure = Measure("frac_reward_zero_std (mean)", share, ZERO_STD_MAX, share=True)
     if share <= ZERO_STD_MAX:
         return [Finding("preflight", "zero_variance_groups", False, 0.0,
-                        f"{share:.0%} of groups have equal rewards on average: most groups carry signal.", ev)]
-    const = constant_funcs(m)
-    clip = clipped_share(m)
-    why = []
-    if clip is not None and clip > CLIPPED_MAX:
-        why.append(f"{clip:.0%} of completions are truncated (h04)")
-    if const and len(const) == len(reward_funcs(m)):
-        why.append("every reward function is constant (h05)")
-    cause = (f" A consequence of what is flagged above: {'; '.join(why)}." if why else
-             " Either the task is too hard or too easy for this policy at this group size (pass@G near 0 or 1), or "
-             "the reward cannot tell completions apart: run musique_rl's pre-flight (learnability forecast) or "
-             "`+hypothesis=h05` (reward audit) to decide.")
-    # ranked below its cause when one is flagged (truncation, constant reward)
-    sev = (1 if why else 2) + magnitude(share / ZERO_STD_MAX) * (0.5 if why else 1)
+                        f"{share:.0%} of groups have equal rewards on average: most groups carry signal.", ev,
+                        measure=measure)]
     # (nearly) every group tied on (nearly) every step: nothing reaches the gradient (this finding starves: Finding.starves)
     starves = share >= ZERO_STD_STARVES
-    return [Finding("preflight", "zero_variance_groups", True, sev,
+    return [Finding("preflight", "zero_variance_groups", True, 2 + magnitude(share / ZERO_STD_MAX),
                     f"{share:.0%} of groups have identical rewards for all their completions (TRL's "
-                    "frac_reward_zero_std): their advantages are 0, so they add no gradient." + cause, ev,
-                    starves=starves)]
+                    "frac_reward_zero_std): their advantages are 0, so they add no gradient. Unless a finding upstream "
+                    "explains it (truncation, a constant reward), the task is too hard or too easy for this policy at "
+                    "this group size (pass@G near 0 or 1), or the reward cannot tell completions apart: run "
+                    "musique_rl's pre-flight (learnability forecast) or `+hypothesis=h05` (reward audit) to decide.",
+                    ev, starves=starves, measure=measure)]

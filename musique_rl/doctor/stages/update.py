@@ -22,6 +22,7 @@ from musique_rl.base.catalogue import (
     UPDATE_RATIO_MIN,
 )
 from musique_rl.doctor.context import LR_JUDGED_SHARE, schedule
+from musique_rl.doctor.evidence import Measure
 from musique_rl.doctor.findings import Finding, History, judged, magnitude, note, num, rule, values
 from musique_rl.doctor.stages.signal import starved_of_signal, tied_steps
 from musique_rl.doctor.step import Kind
@@ -63,21 +64,29 @@ def _updates_apply(m: Mapping[str, History], params: Mapping[str, str]) -> list[
     ev = {"steps that changed nothing": float(len(idle)), f"{H08_ADAM_STEP_RATIO} (max)": big}
     if ratio:
         ev[f"{H08_ADAM_STEP_RATIO} (median)"] = statistics.median(ratio)
+    out: list[Finding] = []
     if idle:
         low = str(params.get("model.dtype", "")) in ("bfloat16", "float16")
         why = ("each step is below the precision of the bf16/fp16 weights, so rounding discards it (train with "
                "float32 master weights, or a larger learning rate), or the optimizer does not hold the parameters"
                if low else "the optimizer does not hold the parameters the loss differentiates (a copy, a "
                "re-wrapped model, parameters added after it was built)")
-        return [Finding("h08", "step_changed_nothing", True, 3 + magnitude(1 + len(idle)),
-                        f"{len(idle)} optimizer step(s) with a non-zero learning rate and gradient left every trained "
-                        f"weight unchanged (first at step {min(idle)}): {why}.", ev)]
-    return judged("h08", "step_larger_than_adam", big > ADAM_STEP_MAX, 3 + magnitude(big / ADAM_STEP_MAX), ev,
+        # an exact invariant: a step with a rate and a gradient changes a weight the optimizer holds
+        out.append(Finding("h08", "step_changed_nothing", True, 3 + magnitude(1 + len(idle)),
+                           f"{len(idle)} optimizer step(s) with a non-zero learning rate and gradient left every trained "
+                           f"weight unchanged (first at step {min(idle)}): {why}.", ev,
+                           measure=Measure("steps that changed nothing", float(len(idle)), 0.0, exact=True)))
+    # Adam's step is bounded per element (|m / sqrt(v)| <= ~3): the median step over the run past 10x
+    # that is the optimizer's rate not being the logged one, not one step's bias-correction transient
+    med = statistics.median(ratio) if ratio else 0.0
+    return out + judged("h08", "step_larger_than_adam", big > ADAM_STEP_MAX and med > ADAM_STEP_MAX / 3,
+                        3 + magnitude(big / ADAM_STEP_MAX), ev,
                   f"An optimizer step moved the weights {big:.3g}x as far as Adam at the logged learning rate can "
                   f"(at most ~3): the weights change outside the optimizer, or the learning rate applied is not "
                   "the one logged.",
                   "Every step with a gradient moved the weights, within Adam's reach "
-                  f"(step / (lr x sqrt(n)) up to {big:.2g}).")
+                  f"(step / (lr x sqrt(n)) up to {big:.2g}).",
+                  Measure(f"{H08_ADAM_STEP_RATIO} (median)", med, ADAM_STEP_MAX / 3, log=True))
 
 
 @rule(stage="update", checks={"updates_too_small": Kind.STARVED}, starving=("updates_too_small",),
@@ -129,10 +138,11 @@ def _update_size(m: Mapping[str, History], params: Mapping[str, str]) -> list[Fi
     clip = ev.get("grad clip factor (median before/after)")
     clipw = f"; clipping shrinks gradients {clip:.3g}x" if clip and clip > 2 else ""
     stuck = med < UPDATE_RATIO_MIN and (not kl or kl[-1] < KL_TO_START_MIN or med < UPDATE_RATIO_MIN / 10)
+    measure = Measure(f"{H08_UPDATE_WEIGHT_RATIO} (median)", med, UPDATE_RATIO_MIN, worse="below", log=True)
     return judged("h08", "updates_too_small", stuck, 2 + magnitude(UPDATE_RATIO_MIN / max(med, 1e-30)), ev,
                   f"At the scheduled learning rate each step changes the weights by {med:.2g} of their norm (healthy "
                   f"~1e-3){klw}{clipw}: the policy is not moving. Raise the learning rate or max_grad_norm.",
-                  f"Weights move {med:.2g} of their norm per step at the scheduled learning rate.")
+                  f"Weights move {med:.2g} of their norm per step at the scheduled learning rate.", measure)
 
 
 @rule(stage="update", checks={"lora_untrained": Kind.STARVED}, starving=("lora_untrained",), reads=(H06_LORA_B_NORM,),
@@ -143,7 +153,8 @@ def _adapter(m: Mapping[str, History], params: Mapping[str, str]) -> list[Findin
         return []
     return judged("h06", "lora_untrained", max(bnorm) == 0, 3.0, {f"{H06_LORA_B_NORM} (max)": max(bnorm)},
                   f"LoRA B matrices are still exactly 0 after {len(bnorm)} steps: the adapter never trains.",
-                  f"LoRA B matrices have left 0 (norm up to {max(bnorm):.3g}).")
+                  f"LoRA B matrices have left 0 (norm up to {max(bnorm):.3g}).",
+                  Measure(f"{H06_LORA_B_NORM} (max)", max(bnorm), 0.0, worse="below", exact=True))
 
 
 @rule(stage="update", checks={"base_drift": Kind.DEFECT}, reads=(H06_BASE_CHECKSUM_DRIFT,),
@@ -153,7 +164,8 @@ def _frozen_base(m: Mapping[str, History], params: Mapping[str, str]) -> list[Fi
     return judged("h06", "base_drift", drift > CHECKSUM_DRIFT_MAX, 3 + magnitude(drift / CHECKSUM_DRIFT_MAX),
                   {f"{H06_BASE_CHECKSUM_DRIFT} (max)": drift},
                   f"The frozen base weights changed (relative drift {drift:.3g}); merge/unmerge round trips corrupt "
-                  "the base (TRL #6688).", "The frozen base weights are unchanged.")
+                  "the base (TRL #6688).", "The frozen base weights are unchanged.",
+                  Measure(f"{H06_BASE_CHECKSUM_DRIFT} (max)", drift, CHECKSUM_DRIFT_MAX, exact=True, log=True))
 
 
 # ---------------------------------------------------------------- over TRL's own metric names (trl_rules.OURS)
@@ -182,10 +194,12 @@ def _lr_zero(m: Mapping[str, History], params: Mapping[str, str]) -> list[Findin
         ev["learning_rate (param)"] = configured
     if peak == 0:
         return [Finding("h08", "learning_rate_zero", True, 3.0,
-                        "The learning rate is 0 at every logged step: no update is ever applied.", ev)]
+                        "The learning rate is 0 at every logged step: no update is ever applied.", ev,
+                        measure=Measure("steps at ~0 (share)", 1.0, LR_ZERO_SHARE, share=True))]
     from_step = f" from step {dead[0]:g}" if dead else ""
     return judged("h08", "learning_rate_zero", share > LR_ZERO_SHARE, 2 + magnitude(share / LR_ZERO_SHARE * 10), ev,
                   f"The learning rate is ~0 (below {LR_ZERO_REL:g} of its peak {peak:.3g}){from_step} on {share:.0%} "
                   "of the logged steps: the schedule ends before the run does, so those steps update nothing "
                   "(check lr_scheduler_type / lr_scheduler_kwargs / max_steps against the run's length).",
-                  f"The learning rate stays above {LR_ZERO_REL:g} of its peak ({peak:.3g}) on most steps.")
+                  f"The learning rate stays above {LR_ZERO_REL:g} of its peak ({peak:.3g}) on most steps.",
+                  Measure("steps at ~0 (share)", share, LR_ZERO_SHARE, share=True))
