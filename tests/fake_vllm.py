@@ -56,7 +56,8 @@ class Recorder:
 # vllm.SamplingParams' defaults, for the fields TRL and musique_rl set
 SAMPLING_DEFAULTS = {"n": 1, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0,
                      "presence_penalty": 0.0, "frequency_penalty": 0.0, "max_tokens": 16, "logprobs": None,
-                     "stop_token_ids": None, "skip_special_tokens": True, "ignore_eos": False, "seed": None}
+                     "stop_token_ids": None, "skip_special_tokens": True, "ignore_eos": False, "seed": None,
+                     "prompt_logprobs": None}
 
 
 class SamplingParams(types.SimpleNamespace):
@@ -180,7 +181,29 @@ class FakeEngine:
                     f"The decoder prompt (length {len(prompt)}) is longer than the maximum model length of "
                     f"{self.max_model_len}."
                 )
-            out.append([self._sample_one(list(prompt), params, stop) for _ in range(int(params.n))])
+            samples = [self._sample_one(list(prompt), params, stop) for _ in range(int(params.n))]
+            if params.prompt_logprobs is not None:
+                scored = self._prompt_logprobs(list(prompt), int(params.prompt_logprobs))
+                for sample in samples:
+                    sample["prompt_logprobs"] = scored
+            out.append(samples)
+        return out
+
+    @torch.no_grad()
+    def _prompt_logprobs(self, prompt: list[int], top: int) -> list[dict | None]:
+        """vLLM's ``prompt_logprobs``: per prompt position (None at the first) the prompt token's own
+        log-prob and rank, plus the ``top`` most likely; from the RAW logits whatever the temperature or
+        logprobs_mode (vLLM applies neither to prompt log-probs)."""
+        lps = torch.log_softmax(self.model(input_ids=torch.tensor([prompt])).logits[0].float(), dim=-1)
+        out: list[dict | None] = [None]
+        for pos in range(1, len(prompt)):
+            row, token = lps[pos - 1], prompt[pos]
+            entry = {token: (float(row[token]), int((row > row[token]).sum()) + 1)}
+            if top > 0:
+                values, ids = torch.topk(row, top)
+                for rank, (v, t) in enumerate(zip(values.tolist(), ids.tolist(), strict=True), 1):
+                    entry.setdefault(int(t), (float(v), rank))
+            out.append(entry)
         return out
 
     @torch.no_grad()
@@ -243,13 +266,17 @@ def fake_llm_class(engine_factory, recorder: Recorder):
             ids = [p["prompt_token_ids"] for p in prompts]
             results = self.engine.generate(ids, sampling_params or SamplingParams())
             ns = types.SimpleNamespace
+            def logprob_dicts(positions):
+                return None if positions is None else [
+                    None if pos is None else {t: ns(logprob=lp, rank=rank, decoded_token=None)
+                                              for t, (lp, rank) in pos.items()}
+                    for pos in positions
+                ]
+
             return [
-                ns(prompt_token_ids=p, outputs=[
+                ns(prompt_token_ids=p, prompt_logprobs=logprob_dicts(samples[0].get("prompt_logprobs")), outputs=[
                     ns(index=i, token_ids=s["token_ids"], finish_reason=s["finish_reason"],
-                       logprobs=None if s["logprobs"] is None else [
-                           {t: ns(logprob=lp, rank=rank, decoded_token=None) for t, (lp, rank) in pos.items()}
-                           for pos in s["logprobs"]
-                       ])
+                       logprobs=logprob_dicts(s["logprobs"]))
                     for i, s in enumerate(samples)
                 ])
                 for p, samples in zip(ids, results, strict=True)
@@ -360,6 +387,11 @@ class FakeServer:
                     "logprobs": None if s["logprobs"] is None else completion_logprobs(s, body),
                     "finish_reason": s["finish_reason"],
                     "stop_reason": s["token_ids"][-1] if s["finish_reason"] == "stop" else None,
+                    # vLLM's JSON: {"<token id>": {"logprob", "rank", "decoded_token"}} per position, None first
+                    "prompt_logprobs": None if s.get("prompt_logprobs") is None else [
+                        None if pos is None else {str(t): {"logprob": lp, "rank": rank, "decoded_token": ""}
+                                                  for t, (lp, rank) in pos.items()}
+                        for pos in s["prompt_logprobs"]],
                 })
         return 200, {"id": "cmpl-fake", "object": "text_completion", "model": self.model_name, "choices": choices,
                      "usage": {"prompt_tokens": sum(map(len, prompts)),

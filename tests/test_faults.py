@@ -112,7 +112,8 @@ def test_a_clean_run_hooks_change_nothing(tiny_cfg):
 def test_each_hook_acts_only_under_its_fault(tiny_cfg):
     """Each fault changes what its declaration says it changes (the other hooks stay identity)."""
     x = torch.zeros(4, 3)
-    loss_in = {"advantages": torch.arange(4.0), "tool_mask": torch.tensor([[1, 0, 1]] * 4)}
+    loss_in = {"advantages": torch.arange(4.0), "tool_mask": torch.tensor([[1, 0, 1]] * 4),
+               "completion_mask": torch.ones(4, 3, dtype=torch.long)}
     acted = {}
     for name in FAULTS:
         cfg = OmegaConf.merge(tiny_cfg, {"fault": name})
@@ -131,7 +132,16 @@ def test_each_hook_acts_only_under_its_fault(tiny_cfg):
                      "first_turn_reward": {"reward_read_turn"}, "kl_flipped": {"kl_beta"},
                      "kl_tool_tokens": {"kl_mask"}, "stale_sampler": set(), "std_epsilon": {"rewards"},
                      "tiny_budgets": set(), "tiny_updates": set(), "inplace_merge_sync": {"weight_sync"},
-                     "adv_shuffled": {"loss_inputs"}, "loss_mask_env": {"loss_inputs"}, "kl_beta_dropped": {"kl_beta"}}
+                     "adv_shuffled": {"loss_inputs"}, "loss_mask_env": {"loss_inputs"}, "kl_beta_dropped": {"kl_beta"},
+                     "turn_end_dropped": {"loss_inputs"}}
+
+
+def test_turn_end_dropped_leaves_each_turns_last_trained_token_out():
+    h = faults.of(OmegaConf.merge(OmegaConf.create({}), {"fault": "turn_end_dropped"}))
+    completion = torch.tensor([[1, 1, 1, 1, 1, 1, 0]])
+    tool = torch.tensor([[1, 1, 0, 0, 1, 1, 1]])  # two assistant turns (0-1, 4-5), a tool result between, padding
+    out = h.loss_inputs({"completion_mask": completion, "tool_mask": tool})
+    assert out["tool_mask"].tolist() == [[1, 0, 0, 0, 1, 0, 1]] and out["completion_mask"] is completion
 
 
 def test_std_epsilon_noise_is_float_level_and_the_same_for_a_step(tiny_cfg):

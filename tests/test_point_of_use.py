@@ -59,9 +59,11 @@ POINT_OF_USE_RULES = ("_advantages_paired", "_loss_mask_and_normaliser", "_kl_ac
 
 def _flagged(seen, params=None) -> set[str]:
     """The point-of-use rules' flagged checks on a run's metrics."""
+    from musique_rl.doctor import diagnose  # noqa: F401  (every rule registered: without it RULES may be empty)
     from musique_rl.doctor.findings import RULES
 
     mine = set(POINT_OF_USE_RULES)
+    assert mine <= {r.fn.__name__ for r in RULES}, "a point-of-use rule is not registered"
     out = set()
     for r in RULES:
         if r.fn.__name__ in mine:
@@ -279,3 +281,124 @@ def test_overlapping_scorers_disagree_when_one_reads_another_turn(toy_record):
     bad = share(misread)
     assert bad["h05/scorer_overlap_disagreement_share"] == 1.0
     assert [f.flagged for f in _scorers_agree({k: [(0, v)] for k, v in bad.items()}, {})] == [True]
+
+
+# ---------------------------------------------------------------- beta > 0: TRL's KL bias correction
+def _kl_loss_reading(drop: tuple[int, ...] = (), bias_correction: str | None = "token", beta: float = 0.04,
+                     at_start: bool = False):
+    """One constructed micro-batch through TRL 1.16's dapo loss with a KL term (its formula, float32):
+    2 groups x 4 completions of 12 tokens (assistant 0-3, tool 4-6, assistant 7-11). Group 0 ties (its
+    advantages are exactly 0), group 1 does not; the policy moved from its reference by ~0.3 nats on a
+    third of the tokens and by ~1e-6 on the rest (where float32's k3 rounds to 0). ``drop``: token
+    positions the loss's mask leaves out (a mask defect). ``at_start``: the policy is its reference
+    (step 0), except that the dropped tokens' reference log-probs came from another context (a mask cut
+    after TRL scored the reference). Returns the point-of-use reading."""
+    from musique_rl.instruments.ledger import Source
+    from musique_rl.instruments.loss_inputs import LossInputCheck
+
+    g = torch.Generator().manual_seed(0)
+    n, c = 8, 12
+    sources = torch.full((n, c), int(Source.ASSISTANT))
+    sources[:, 4:7] = int(Source.TOOL)
+    rewards_ = torch.tensor([0.5, 0.5, 0.5, 0.5, 1.0, 0.0, 0.0, 1.0])
+    prompt_ids = torch.arange(n).unsqueeze(1).repeat(1, 3)  # distinct rows: the reference is keyed by content
+    completion_ids = torch.randint(10, 100, (n, c), generator=g)
+    check = LossInputCheck(num_generations=4, loss_type="dapo", scale_rewards="group", adv_epsilon=1e-4, beta=beta)
+    check.remember(rewards=rewards_, local=slice(0, n), prompt_ids=prompt_ids, completion_ids=completion_ids,
+                   token_sources=sources)
+    adv = trainer_mod.group_advantages(rewards_, 4, "group", 1e-4)
+    completion_mask = torch.ones(n, c)
+    tool_mask = (sources == int(Source.ASSISTANT)).float()
+    for t in drop:
+        tool_mask[:, t] = 0.0
+    logps = (-2.0 * torch.rand(n, c, generator=g)).requires_grad_(True)
+    moved = torch.rand(n, c, generator=g) < 0.33
+    shift = torch.where(moved, 0.3 * torch.randn(n, c, generator=g), 1e-6 * torch.randn(n, c, generator=g))
+    if at_start:
+        shift = torch.zeros(n, c)
+        shift[:, list(drop)] = 0.5
+    probe = check.arm({"prompt_ids": prompt_ids, "completion_ids": completion_ids, "advantages": adv,
+                       "ref_per_token_logps": (logps + shift).detach(), "completion_mask": completion_mask,
+                       "tool_mask": tool_mask})
+    check.watch(probe, logps)
+    inputs = probe.inputs
+    mask = completion_mask * inputs["tool_mask"]
+    # TRL 1.16 _compute_loss (dapo, num_iterations 1, token-level importance sampling)
+    coef_1 = torch.exp(logps - logps.detach())
+    ref = inputs["ref_per_token_logps"]
+    per_token_kl = torch.exp(ref - logps) - (ref - logps) - 1
+    if bias_correction:
+        per_token_kl = per_token_kl * coef_1
+    a = inputs["advantages"].unsqueeze(1)
+    per_token_loss = -torch.min(coef_1 * a, torch.clamp(coef_1, 0.8, 1.2) * a) + beta * per_token_kl
+    loss = (per_token_loss * mask).sum() / (sources == int(Source.ASSISTANT)).sum()
+    loss.backward()
+    return check.read(probe, accumulation=1.0, kl_bias_correction=bias_correction, loss_mask=mask)
+
+
+def test_a_kl_term_leaves_no_sampled_token_out_on_constructed_tensors():
+    """TRL's default use_bias_correction_kl multiplies k3 by the importance ratio exp(logp - old), whose
+    gradient (beta x weight x k3) reaches dL/dlogp but not dL/dref: read as 'policy term', it gave the tied
+    group a spurious advantage (~beta x mean k3) carried only by the tokens where the policy moved, so its
+    other tokens read 'left out' (the healthy beta > 0 false alarm, 3% of tokens on the default job).
+    With the term taken out, the tied rows carry no signal and every trained token reads trained."""
+    healthy = _kl_loss_reading()
+    assert healthy["h02/loss_assistant_left_out_share"] == 0.0
+    assert healthy["h02/loss_tool_token_share"] == 0.0
+    assert healthy["h01/loss_adv_pairing_error"] < 1e-5  # the applied advantage is the rows' own, exactly
+    assert abs(healthy["h03/kl_beta_applied_ratio"] - 1) < 1e-3
+    # the reading as it was (the correction's gradient taken for the policy's): the false alarm
+    assert _kl_loss_reading(bias_correction="token").keys() == healthy.keys()
+    from musique_rl.instruments.loss_inputs import LossInputCheck
+
+    original = LossInputCheck.read
+    try:
+        LossInputCheck.read = lambda self, probe, **kw: original(self, probe, **{**kw, "kl_bias_correction": None})
+        assert _kl_loss_reading()["h02/loss_assistant_left_out_share"] > 0.2
+    finally:
+        LossInputCheck.read = original
+    # a loss computed without the correction reads clean without it too
+    assert _kl_loss_reading(bias_correction=None)["h02/loss_assistant_left_out_share"] == 0.0
+
+
+def test_a_mask_that_drops_sampled_tokens_reads_far_above_healthy_with_a_kl_term():
+    """The resolution that hides round-off must not hide a mask defect: a token the loss's mask drops
+    gets no gradient at all (resolution 0). Each turn's last token dropped: 2 of 9 assistant tokens of the
+    rows with signal (group 1: 4 rows x 9 tokens) read left out, with the KL term and its correction on."""
+    reading = _kl_loss_reading(drop=(3, 11))
+    assert reading["h02/loss_assistant_left_out_share"] == pytest.approx(2 / 9)
+    assert reading["h03/kl_term_zero_with_beta"] == 0.0
+
+
+def test_a_mask_cut_after_the_reference_was_scored_is_not_read_as_a_kl_dropped():
+    """loss_mask_first_turn_only ($MUSIQUE_RL_DATA/cases, set B) with beta 0.04 read 'kl_penalty_not_applied' at
+    steps 0-1: the cut tokens' reference log-probs (scored before the cut) differ from the loss's, so
+    the policy looked 'moved' (0.15 nats/token at step 0) where no KL can act. The KL is judged on the
+    tokens the loss's mask covers: at the start the policy is its reference there, nothing to judge."""
+    reading = _kl_loss_reading(drop=(3, 11), at_start=True)
+    assert reading["h02/loss_assistant_left_out_share"] == pytest.approx(2 / 9)
+    assert reading["h03/loss_kl_moved"] == 0.0 and "h03/kl_term_zero_with_beta" not in reading
+
+
+def test_a_healthy_kl_run_leaves_no_sampled_token_out(tiny_cfg, warm_tiny, tmp_path):
+    """The default job with loss.beta=0.04, 20 steps (nothing planted): 3% of the sampled tokens read
+    'left out' before (tiny model, seed 1: mean 0.030, max 0.106, on 6 of 20 steps); 0 on every step now."""
+    t = tiny_cfg.train  # the default job's batch and schedule (_cfg shrinks them for the short tests)
+    seen = _run(_cfg(tiny_cfg, {"loss.beta": 0.04, "train.max_steps": 20, "train.prompts_per_step": t.prompts_per_step,
+                                "train.num_generations": t.num_generations, "seed": 1,
+                                "loss.warmup_steps": tiny_cfg.loss.warmup_steps}), warm_tiny, tmp_path)
+    left_out = _first(seen, "h02/loss_assistant_left_out_share")
+    assert len(left_out) == 20 and max(left_out) == 0.0
+    assert max(_first(seen, "h03/loss_kl_moved")) > 1e-3  # the policy moved: the KL term acted on every step after 0
+    assert max(_first(seen, "h02/loss_tool_token_share")) == 0.0
+    assert "loss_leaves_sampled_tokens_out" not in _flagged(seen, {"loss.beta": "0.04"})
+
+
+def test_a_planted_mask_that_drops_turn_ends_is_caught_with_a_kl_term(tiny_cfg, warm_tiny, tmp_path):
+    """fault=turn_end_dropped with loss.beta=0.04: each turn's last sampled token leaves the loss's mask;
+    the rollout's mask (the h02 ledger's reading) stays clean, the gradient shows the tokens missing."""
+    seen = _run(_cfg(tiny_cfg, {"fault": "turn_end_dropped", "loss.beta": 0.04, "train.max_steps": 2}),
+                warm_tiny, tmp_path)
+    assert max(seen["h02/assistant_tokens_without_loss_share"]) == 0.0  # the old instrument: clean
+    assert min(_first(seen, "h02/loss_assistant_left_out_share")) > 0.03
+    assert "loss_leaves_sampled_tokens_out" in _flagged(seen, {"loss.beta": "0.04"})

@@ -76,7 +76,8 @@ TARGETS: tuple[Target, ...] = (
 # Names that mark a statement as the instruments' (see the module docstring).
 INSTRUMENT_NAMES = ("instruments", "merge_metrics", "step_clock", "_loss_probes", "probe",
                     "_parity_probe", "_scored_batch", "_rollout_reference", "_observe_importance_sampling",
-                    "_read_loss_probes", "_token_sources", "token_sources", "captured_logps", "last_attention")
+                    "_read_loss_probes", "_token_sources", "token_sources", "captured_logps", "last_attention",
+                    "_sampler_scorer", "observe_reference")
 
 
 def module_path(module: str) -> Path:

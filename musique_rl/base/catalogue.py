@@ -202,6 +202,17 @@ H05_REWARD_AUDIT_MISMATCH_SHARE = _m("h05/reward_audit_mismatch_share", "share o
 H05_REWARD_AUDIT_MISMATCH = _m("h05/reward_audit_mismatch", "episodes", "reward", _AUDIT)
 H05_REWARD_AUDIT_CHECKED = _m("h05/reward_audit_checked", "episodes", "reward", _AUDIT)
 H05_REWARD_AUDIT_ABS_DIFF_MAX = _m("h05/reward_audit_abs_diff_max", "reward", "reward", _AUDIT)
+H05_ANSWER_CHECK_CHECKED = _m("h05/answer_check_checked", "episodes", "reward", "instruments/answer_check.py")
+# bound: > 0, an exact invariant: an independent exact-match/F1 of the same definition scores every answered
+# episode as the reward's answer_em/answer_f1 do; any difference is one scorer wrong.
+H05_ANSWER_CHECK_DISAGREEMENT_SHARE = _m("h05/answer_check_disagreement_share", "share of answered episodes", "reward",
+                                         "instruments/answer_check.py")
+H05_ANSWER_CHECK_MATCHED = _m("h05/answer_check_matched", "episodes", "reward", "instruments/answer_check.py")
+# bound: > 0, an exact invariant: of the answers either exact-match scorer accepts, the other must accept each
+# (a one-sided normalisation reads ~1).
+H05_ANSWER_CHECK_MATCH_DISAGREEMENT_SHARE = _m("h05/answer_check_match_disagreement_share",
+                                               "share of episodes either scorer calls an exact match", "reward",
+                                               "instruments/answer_check.py")
 TRL_REWARD = _m("reward", "reward", "reward", FOREIGN)
 TRL_REWARD_STD = _m("reward_std", "reward", "reward", FOREIGN)
 TRL_REWARDS = _m("rewards/{func}/{stat}", "reward", "reward", FOREIGN)
@@ -241,6 +252,11 @@ H03_KL_NEGATIVE_SHARE = _m("h03/kl_negative_share", "share of tokens", "loss", "
 H03_KL_MODEL_MEAN = _m("h03/kl_model_mean", "nats/token", "loss", "instruments/kl.py")
 H03_KL_MODEL_MAX = _m("h03/kl_model_max", "nats/token", "loss", "instruments/kl.py")
 H03_KL_ENV_MEAN = _m("h03/kl_env_mean", "nats/token", "loss", "instruments/kl.py")
+# The metrics of the reference, answer-check and optimizer-step instruments carry their bound as a comment ("bound: ..."): a bound needs a
+# rule that reads it (tests/test_catalogue.py), and the doctor's rules for them are written beside the doctor.
+# bound: > 0.5, an exact invariant with beta > 0: the KL's reference must not share the trained weights (the
+# policy object itself, or a copy aliasing its parameters, makes the KL 0 however far the policy moves).
+H03_REF_IS_POLICY = _m("h03/ref_is_policy", "flag (0/1)", "loss", "instruments/reference.py")
 H06_IS_MASKED_SEQ_SHARE = _m("h06/is_masked_seq_share", "share of sequences", "loss", "core/importance.py")
 H06_IS_MASKED_TOKEN_SHARE = _m("h06/is_masked_token_share", "share of tokens", "loss", "core/importance.py")
 H06_IS_CLIPPED_SHARE = _m("h06/is_clipped_share", "share of tokens", "loss", "core/importance.py")
@@ -260,6 +276,21 @@ H08_UPDATE_WEIGHT_RATIO = _m("h08/update_weight_ratio", "ratio", "update", _UPD,
    ("<", UPDATE_RATIO_MIN, "a healthy Adam step changes weights by ~1e-3 of their norm (not judged in warm-up)"))
 H08_UPDATE_NORM = _m("h08/update_norm", "L2 norm", "update", _UPD)
 H08_ADAM_STEP_RATIO = _m("h08/adam_step_ratio", "ratio", "update", _UPD)
+# bound: outside [0.5, 2], an exact invariant (1): the rate in the optimizer's parameter groups is what the job's
+# schedule sets for this step; 0 is an optimizer that stopped stepping (a scheduler built for other steps).
+H08_LR_APPLIED_OVER_CONFIGURED = _m("h08/lr_applied_over_configured", "ratio", "update", _UPD)
+# bound: outside [0.5, 2], an exact invariant (1): the rate the optimizer applies is the rate the trainer logs
+# (learning_rate, its scheduler's); anything else makes the logged rate fiction.
+H08_LR_APPLIED_OVER_LOGGED = _m("h08/lr_applied_over_logged", "ratio", "update", _UPD)
+# RMS change per trained element / the configured rate: Adam moves each element by ~the rate x |m/sqrt(v)|
+# (~1 at the first steps, 0.1-1 later), so ~0 is parameters the step did not move (an optimizer rate of 0,
+# LoRA B left out). bound: none for one value: a step whose gradient is exactly 0 (every group tied at step 0)
+# reads 0 on a healthy run; a statistic over steps against the healthy runs' spread.
+H08_STEP_OVER_CONFIGURED_LR = _m("h08/step_over_configured_lr", "ratio", "update", _UPD)
+# bound: > 0, an exact invariant: every parameter that requires grad is in an optimizer parameter group (LoRA B
+# left out keeps B = 0: the adapter never changes the model).
+H08_TRAINABLE_OUTSIDE_OPTIMIZER_SHARE = _m("h08/trainable_outside_optimizer_share", "share of trainable elements",
+                                           "update", _UPD)
 H06_LORA_B_NORM = _m("h06/lora_b_norm", "L2 norm", "update", "instruments/suite.py")
 H06_BASE_CHECKSUM_DRIFT = _m("h06/base_checksum_drift", "relative change", "update", "instruments/suite.py",
    (">", CHECKSUM_DRIFT_MAX, "frozen weights must not change (float64 checksum of an untouched tensor)"))

@@ -26,6 +26,14 @@ The rollout (musique_rl/core/rollout.py) never decodes and re-encodes: what is s
 
 ``build_generator(train, ...)`` is the one place a backend is chosen (``train.backend``, and
 ``train.vllm_mode`` as resolved into the trainer's GRPOConfig).
+
+Every backend here also scores (``Scoring``): ``score(input_ids, attention_mask, logits_to_keep,
+temperature)`` returns the log-probs of fixed token sequences under exactly the weights the backend
+would sample from next (the model object the in-process backends hold, LoRA included; vLLM's own copy
+of the weights, through its prompt log-probs). The parity probe measures the sampler through it
+(core/trainer.py ``_parity_probe``), so a sampler that lags the trainer or a sync that skips tensors is
+measured on every backend, never assumed away. ``Scoring`` is a protocol of its own, so a ``Generator``
+without it (a test's scripted one) still is one: the probe then reports no sampler reading.
 """
 
 from __future__ import annotations
@@ -77,6 +85,68 @@ class Generator(Protocol):
     def any_live(self, local: bool) -> bool:
         """Whether any process still has a live episode (``local``: this process's answer)."""
         ...
+
+
+@runtime_checkable
+class Scoring(Protocol):
+    """A backend that can score fixed sequences under the weights it samples from (module docstring)."""
+
+    def score(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
+              temperature: float | None = None) -> torch.Tensor:
+        """(N, logits_to_keep) float32 CPU log-probs of each row's last ``logits_to_keep`` tokens (the
+        rows as the trainer holds them: (N, P + C) ids, left-padded prompt, right-padded completion, and
+        their attention mask), each under log_softmax(logits / temperature) of the weights this backend
+        samples from next (``temperature`` None: its own sampling temperature); no top-k / top-p (the
+        weights' distribution, as the trainer scores it). Positions the mask leaves out read 0.
+        Raises ``ScoringUnavailable`` where it cannot score at that temperature."""
+        ...
+
+
+class ScoringUnavailable(RuntimeError):
+    """A backend cannot score at the asked temperature (vLLM's prompt log-probs are the raw logits',
+    temperature 1): the probe then has no sampler reading, rather than a wrong one."""
+
+
+@torch.no_grad()
+def score_with_model(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
+                     temperature: float, batch_size: int = 1) -> torch.Tensor:
+    """``Scoring.score`` through an HF causal LM's forward pass, ``batch_size`` rows at a time on its device
+    (one row at a time by default: the trainer-side scorer of the parity probe does the same, so two
+    holders of the same weights read exactly the same numbers). Only the last ``logits_to_keep + 1``
+    positions' logits are computed (a probe set's full logits would be (N, P + C, vocab))."""
+    device = next(model.parameters()).device
+    out = []
+    for start in range(0, input_ids.shape[0], batch_size):
+        ids = input_ids[start : start + batch_size].to(device)
+        mask = attention_mask[start : start + batch_size].to(device)
+        logits = model(input_ids=ids, attention_mask=mask, logits_to_keep=logits_to_keep + 1).logits
+        logits = logits[:, -logits_to_keep - 1 : -1, :].float()
+        targets = ids[:, -logits_to_keep:]
+        lp = torch.log_softmax(logits / temperature, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        out.append(lp.cpu())
+    return torch.cat(out, dim=0) if out else torch.zeros(0, logits_to_keep)
+
+
+def unpadded(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int) -> list[tuple[list[int], int]]:
+    """Each row as an engine takes it: (its real ids, how many of them precede the completion)."""
+    rows = []
+    prompt_width = input_ids.shape[1] - logits_to_keep
+    for ids, mask in zip(input_ids.tolist(), attention_mask.bool().tolist(), strict=True):
+        rows.append(([t for t, m in zip(ids, mask, strict=True) if m], sum(mask[:prompt_width])))
+    return rows
+
+
+def scatter_completion(per_row: list[list[float]], attention_mask: torch.Tensor, logits_to_keep: int) -> torch.Tensor:
+    """(N, logits_to_keep) from each row's log-probs of its real completion tokens, in order, placed where
+    the completion's attention mask is 1 (0 elsewhere)."""
+    out = torch.zeros(attention_mask.shape[0], logits_to_keep, dtype=torch.float32)
+    where = attention_mask[:, -logits_to_keep:].bool()
+    for i, lps in enumerate(per_row):
+        cols = where[i].nonzero().flatten()
+        if len(lps) != len(cols):
+            raise ValueError(f"row {i}: {len(lps)} log-probs for {len(cols)} completion tokens")
+        out[i, cols] = torch.tensor(lps, dtype=torch.float32)
+    return out
 
 
 @dataclass
@@ -225,6 +295,18 @@ class HFGenerator:
                 if was_training:
                     model.train()
 
+    def score(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
+              temperature: float | None = None) -> torch.Tensor:
+        """``Scoring.score`` through the model this generator samples from: the one its session holds
+        (a fixed model, or the trainer's unwrapped / gathered one), inside a session of its own when
+        none is open. HFGenerator's session only, not a subclass's engine: the paged and static
+        engines sample from the same model object, whose weights are what is scored."""
+        t = self.settings.temperature if temperature is None else float(temperature)
+        if getattr(self, "_model", None) is not None:
+            return score_with_model(self._model, input_ids, attention_mask, logits_to_keep, t)
+        with HFGenerator.session(self):
+            return score_with_model(self._model, input_ids, attention_mask, logits_to_keep, t)
+
     def _held(self, attr: str) -> Any:
         """What ``session`` holds for ``generate`` (the model, the engine); outside a session there is none."""
         held = getattr(self, attr, None)
@@ -356,6 +438,29 @@ class _TrainerVLLM:
         return local
 
 
+def _vllm_score_temperature(settings: SamplingSettings, temperature: float | None) -> None:
+    """vLLM computes prompt log-probs from the raw logits whatever the request's temperature (vLLM
+    0.10-0.12: neither temperature nor ``logprobs_mode`` reaches them), so it scores at temperature 1 only."""
+    t = settings.temperature if temperature is None else float(temperature)
+    if abs(t - 1.0) > 1e-12:
+        raise ScoringUnavailable(f"vLLM scores prompt tokens at temperature 1 only (asked {t}): its prompt "
+                                 "log-probs are the raw logits'")
+
+
+def _vllm_prompt_logprobs(outputs: Any, rows: list[tuple[list[int], int]]) -> list[list[float]]:
+    """Each row's completion tokens' log-probs from vLLM ``RequestOutput.prompt_logprobs`` (one dict
+    {token id: Logprob} per prompt position, None at the first)."""
+    per_row = []
+    for out, (ids, start) in zip(outputs, rows, strict=True):
+        lps = []
+        for pos in range(start, len(ids)):
+            entry = (out.prompt_logprobs or [None] * len(ids))[pos] or {}
+            got = entry.get(ids[pos])
+            lps.append(float("nan") if got is None else float(getattr(got, "logprob", got)))
+        per_row.append(lps)
+    return per_row
+
+
 class VLLMServerGenerator(_TrainerVLLM):
     """TRL's vLLM server client (``trainer.vllm_generation.vllm_client``), one request per turn.
 
@@ -387,6 +492,30 @@ class VLLMServerGenerator(_TrainerVLLM):
         broadcast_object_list(box, from_process=0)
         start = sum(len(ctxs) for ctxs, _ in gathered[: accelerator.process_index])
         return box[0][start : start + len(contexts)]
+
+    def score(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
+              temperature: float | None = None) -> torch.Tensor:
+        """``Scoring.score`` by the server's own copy of the weights (TRL's ``VLLMClient.get_sequence_logprobs``:
+        prompt log-probs, nothing generated). A collective call, like ``generate``: every process sends its
+        rows, the main process asks the server, each gets its own back."""
+        from accelerate.utils import broadcast_object_list, gather_object
+
+        _vllm_score_temperature(self.settings, temperature)
+        rows = unpadded(input_ids, attention_mask, logits_to_keep)
+        gathered = gather_object([rows])
+        accelerator = self.trainer.accelerator
+        if accelerator.is_main_process:
+            every = [r for part in gathered for r in part]
+            got = self.trainer.vllm_generation.vllm_client.get_sequence_logprobs(
+                sequences=[ids for ids, _ in every], prompt_lengths=[start for _, start in every],
+                top_logprobs=1, temperature=1.0) if every else {"actual_logprobs": []}
+            payload = [[float(x[0]) for x in row] for row in got["actual_logprobs"]]
+        else:
+            payload = None
+        box = [payload]
+        broadcast_object_list(box, from_process=0)
+        first = sum(len(part) for part in gathered[: accelerator.process_index])
+        return scatter_completion(box[0][first : first + len(rows)], attention_mask, logits_to_keep)
 
     def _request(self, contexts: list[list[int]], limits: list[int], greedy: bool) -> list[Sample]:
         client = self.trainer.vllm_generation.vllm_client
@@ -446,6 +575,24 @@ class VLLMColocateGenerator(_TrainerVLLM):
         completion_ids = [list(o.token_ids) for out in outputs for o in out.outputs]
         logprobs, _ = extract_logprobs(outputs)
         return samples_from_vllm({"completion_ids": completion_ids, "logprobs": logprobs}, max_new_tokens, set(s.stop_ids))
+
+
+    def score(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
+              temperature: float | None = None) -> torch.Tensor:
+        """``Scoring.score`` by this process's engine, the copy TRL synced before the rollout: each row
+        as a prompt, one token generated, its prompt log-probs read (``prompt_logprobs=0``: the given
+        token's own)."""
+        from vllm import SamplingParams
+
+        _vllm_score_temperature(self.settings, temperature)
+        rows = unpadded(input_ids, attention_mask, logits_to_keep)
+        if not rows:
+            return torch.zeros(0, logits_to_keep)
+        params = SamplingParams(n=1, max_tokens=1, temperature=1.0, prompt_logprobs=0, min_p=0.0,
+                                repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0)
+        outputs = self.trainer.vllm_generation.llm.generate(
+            [{"prompt_token_ids": ids} for ids, _ in rows], sampling_params=params, use_tqdm=False)
+        return scatter_completion(_vllm_prompt_logprobs(outputs, rows), attention_mask, logits_to_keep)
 
 
 def samples_from_vllm(out: dict, limits: list[int], stop_ids: set[int]) -> list[Sample]:

@@ -86,8 +86,11 @@ class LossPass:
 class LossLayout:
     """How TRL's loss divides one micro-batch, for reading what it multiplied: micro-batches per step
     (``accumulation``), trainer processes, micro-batches per generation batch, the completion budget,
-    the importance-sampling ratio the loss applied (None: none), and whether every sampled token of a
-    row with signal must train (no masking of truncated completions, entropy or off-policy rows)."""
+    the importance-sampling ratio the loss applied (None: none), whether every sampled token of a
+    row with signal must train (no masking of truncated completions, entropy or off-policy rows),
+    the level of the importance ratio TRL multiplied its KL term by (``use_bias_correction_kl``: "token"
+    or "sequence"; None: not multiplied; that ratio's gradient reaches the log-probs but not the
+    reference's), and the mask TRL's loss multiplied (N, T)."""
 
     accumulation: float
     num_processes: int
@@ -95,6 +98,8 @@ class LossLayout:
     max_completion_length: int
     is_ratio: torch.Tensor | None
     expect_full_mask: bool
+    kl_bias_correction: str | None = None
+    loss_mask: torch.Tensor | None = None
 
 
 class Instrumentation(Protocol):
@@ -124,8 +129,15 @@ class Instrumentation(Protocol):
         """Whether this step gets a parity probe."""
 
     def probe_models(self, model: Any, *, temperature: float, sampler_model: Any = None,
-                     base_model: Any = None) -> dict[str, float]:
-        """Trained model, sampler and frozen start scored on the probe set (right after a weight sync)."""
+                     base_model: Any = None, sampler: Callable[..., torch.Tensor] | None = None) -> dict[str, float]:
+        """Trained model, sampler and frozen start scored on the probe set (right after a weight sync).
+        ``sampler``: (input_ids, attention_mask, logits_to_keep) -> log-probs through the sampler's own
+        generation path (the trainer passes its generator's ``score``); else ``sampler_model``'s forward;
+        neither: no sampler reading."""
+
+    def observe_reference(self, model: Any, reference: Any, *, beta: float) -> dict[str, float]:
+        """Whether the KL's reference (TRL's ``ref_model``; None: the policy with adapters disabled) shares
+        the trained weights: at the first training step and at every parity probe."""
 
     def callback(self, sink: Callable[[dict[str, float]], None]) -> Any:
         """The TrainerCallback that measures each optimizer step and hands its metrics to ``sink``."""

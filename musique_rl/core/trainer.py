@@ -58,6 +58,8 @@ from musique_rl.core.faults import Fault
 from musique_rl.core.generation import (
     Generator,
     HFGenerator,
+    Scoring,
+    ScoringUnavailable,
     build_generator,
     frozen_copy,
     generation_config_of,
@@ -221,7 +223,7 @@ class MusiqueGRPOTrainer(GRPOTrainer):
         self.musique_engine = engine
         self.instruments: Instrumentation | None = None if instruments is None else step_time.TimedCalls(
             instruments, self.step_clock, "instruments")
-        self._sampler_model = sampler_model  # None = the sampler is the trained model itself
+        self._sampler_model = sampler_model  # None = the sampler is the trained model (the parity probe asks the generator)
         self._base_model = base_model  # frozen start (full fine-tuning), for the parity probe
         self._adv_epsilon = adv_epsilon
         self._fault = fault  # the job's planted fault's hooks (a clean run's leave everything as is)
@@ -448,13 +450,17 @@ class MusiqueGRPOTrainer(GRPOTrainer):
     def _read_loss_probes(self) -> None:
         """Point-of-use metrics of the micro-batches whose backward has run (loss_inputs.py)."""
         probes, self._loss_probes = self._loss_probes, []
-        for probe, is_ratio in probes:
+        for probe, is_ratio, loss_mask in probes:
             self.merge_metrics(self.instruments.read_loss(probe, LossLayout(
                 accumulation=float(self.args.gradient_accumulation_steps),
                 num_processes=self.accelerator.num_processes, steps_per_generation=self.args.steps_per_generation,
                 max_completion_length=self.max_completion_length, is_ratio=is_ratio,
                 expect_full_mask=self.top_entropy_quantile >= 1.0 and self.off_policy_mask_threshold is None
                 and not self.mask_truncated_completions,
+                # TRL's KL x importance ratio: its gradient reaches the log-probs only
+                kl_bias_correction=str(self.importance_sampling_level)
+                if getattr(self.args, "use_bias_correction_kl", False) else None,
+                loss_mask=loss_mask,
             )), "train")
 
     def _parity_probe(self) -> None:
@@ -465,15 +471,38 @@ class MusiqueGRPOTrainer(GRPOTrainer):
         if not self.instruments.should_probe(int(self.state.global_step)):
             return
         model = self.accelerator.unwrap_model(self.model)
+        observe_reference = getattr(self.instruments, "observe_reference", None)  # an older Instrumentation lacks it
+        if observe_reference is not None:  # the objects as they are now (step 0 is always probed: the start)
+            reference = None if self.ref_model is None else self.accelerator.unwrap_model(self.ref_model)
+            self.merge_metrics(observe_reference(model, reference, beta=float(self.beta)))
         was_training = model.training
         model.eval()
         try:
             metrics = self.instruments.probe_models(
-                model, temperature=float(self.temperature), sampler_model=self._sampler_model, base_model=self._base_model
+                model, temperature=float(self.temperature), sampler=self._sampler_scorer(), base_model=self._base_model
             )
         finally:
             model.train(was_training)
         self.merge_metrics(metrics)  # after train() is restored: merge_metrics files by model.training
+
+    def _sampler_scorer(self) -> Any:
+        """The parity probe's sampler side: whatever ``musique_generator`` is now (a backend, a stand-in, a
+        copy someone put there), scoring through the weights it samples from (generation.Scoring), at the
+        trainer's temperature so the probe compares weights, not settings (the sampling fit reads those).
+        None when the generator cannot score: the probe then has no sampler reading (never an assumed 0)."""
+        generator = self.musique_generator
+        if not isinstance(generator, Scoring):
+            return None
+        temperature = float(self.temperature)
+
+        def score(ids: torch.Tensor, mask: torch.Tensor, keep: int) -> torch.Tensor | None:
+            try:
+                return generator.score(ids, mask, keep, temperature=temperature)
+            except ScoringUnavailable as why:  # no reading rather than a wrong one
+                log.warning("parity probe: no sampler reading: %s", why)
+                return None
+
+        return score
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
         scoring = self._pass or ScoringPass()  # a forward pass outside ours reads and keeps nothing
@@ -518,7 +547,7 @@ class MusiqueGRPOTrainer(GRPOTrainer):
         if probe is not None:
             applies_is = (self.use_vllm or self._hf_is) and self.vllm_importance_sampling_correction \
                 and self.loss_type != "vespo" and "importance_sampling_ratio" in inputs
-            self._loss_probes.append((probe, inputs["importance_sampling_ratio"] if applies_is else None))
+            self._loss_probes.append((probe, inputs["importance_sampling_ratio"] if applies_is else None, loss_mask))
         per_token_logps = scoring.captured_logps
         attention = scoring.last_attention  # what the scoring pass attended to (blind under blind_context)
         if attention is None:

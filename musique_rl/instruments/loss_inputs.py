@@ -17,10 +17,21 @@ tensors TRL's ``_compute_loss`` consumes:
 - ``dL/d(ref log-probs)``: the reference log-probs are a leaf too. Only the KL term depends on them
   (k3 = exp(ref - logp) - (ref - logp) - 1), so their gradient is the KL term as the loss applied it
   (zero iff no penalty acts), and its per-token value against beta x (exp(ref - logp) - 1) gives the
-  beta actually applied. ``dL/dlogp`` of that term is exactly its negative, so
-- ``dL/dlogp + dL/dref`` is the policy term alone: per row, its sum over the tokens divided by the
-  row's weight is the advantage that multiplied the row (``A_applied``); its non-zero tokens are the
-  tokens the policy loss trains.
+  beta actually applied. ``dL/dlogp`` of k3 is exactly its negative; TRL 1.16's default
+  ``use_bias_correction_kl`` multiplies k3 by the importance ratio exp(logp - old), whose gradient
+  adds beta x weight x ratio x k3 to ``dL/dlogp`` only: that is ``dL/dref x k3 / expm1(ref - logp)``
+  on the tokens TRL's loss applied it to (``LossLayout.kl_bias_correction``, ``loss_mask``). So
+- ``dL/dlogp + dL/dref`` (less that bias-correction term) is the policy term alone: per row, its sum
+  over the tokens divided by the row's weight is the advantage that multiplied the row
+  (``A_applied``); its tokens above the measurement's resolution are the tokens the policy loss trains.
+
+Resolution: every gradient here is a float32 (or bf16) sum of a few terms as large as beta x the
+token's weight (the KL term's pieces) or as the policy term itself, so the policy term is known to
+``RESOLUTION_ULPS`` x eps x (|dL/dlogp| + |dL/dref| + beta x the token's weight). A token counts as
+trained only above that; a row has signal only when its applied advantage is above the sum of its
+tokens' resolutions; a token is judged for being left out only where its expected policy term (the
+row's applied advantage x its weight) is above its resolution. A token a mask drops gets no gradient at
+all (resolution 0), so a real mask defect is judged at every token it drops.
 
 References, never the quantity under test: the advantages are recomputed here from the rollout's
 rewards (group mean / std, float64, ``loss.scale_rewards`` and ``loss.adv_epsilon``) and attached to
@@ -69,6 +80,12 @@ PAIRING_RTOL = 1e-2
 NEAR_TIE_SCALE = 1e-3
 # Rows whose applied advantage is below this carry no gradient to read a mask from.
 SIGNAL_MIN = 1e-6
+# The policy term read from the gradients is known to this many ulps of the largest terms summed into
+# them (module docstring, "Resolution"). Measured on a healthy beta=0.04 run (tiny model, float32, 20
+# steps, seed 1): on rows whose advantage is exactly 0 the residue stays below 0.65 ulps of that sum;
+# a trained token of a row with an advantage ~1 sits 1e6 ulps above it. 8 leaves 12x margin for sums of
+# more terms (bf16 casts, importance weights) and misses no trained token by 5 orders of magnitude.
+RESOLUTION_ULPS = 8.0
 # Mean |ref - logp| (nats/token) above which the policy has moved from its reference, so the KL
 # term's gradient beta x (exp(ref - logp) - 1) is non-zero in float32 (exp's ulp near 1 is 1.2e-7).
 MOVED_MIN = 1e-5
@@ -105,6 +122,20 @@ def reference_advantages(rewards: torch.Tensor, num_generations: int, scale_rewa
     # an exactly tied group's advantages are exactly 0 (no round-off to amplify): reported as scale 1
     tied = (centred == 0).all(dim=1, keepdim=True).expand_as(g)
     return adv.flatten(), torch.where(tied, 1.0, scale).flatten()
+
+
+def _kl_ratio_gradient(ref_grad: torch.Tensor, d: torch.Tensor, level: str, loss_mask: torch.Tensor | None) -> torch.Tensor:
+    """(N, T) what TRL's KL bias correction (k3 x importance ratio, ``use_bias_correction_kl``) adds to
+    dL/dlogp, from dL/dref = beta x weight x ratio x expm1(d), d = ref - logp (float64):
+    per token, beta x weight x ratio x k3 = dL/dref x k3 / expm1(d); at sequence level the ratio is
+    exp(the row's mean log-ratio), so each masked token gets the row's sum of that / its mask count."""
+    em1 = torch.expm1(d)
+    term = torch.where(em1 != 0, ref_grad * (em1 - d) / torch.where(em1 != 0, em1, 1.0), 0.0)
+    mask = (ref_grad != 0).double() if loss_mask is None else loss_mask
+    term = term * mask
+    if level == "sequence":
+        return term.sum(dim=1, keepdim=True) * mask / mask.sum(dim=1, keepdim=True).clamp(min=1.0)
+    return term
 
 
 def _row_key(prompt_row: torch.Tensor, completion_row: torch.Tensor) -> bytes:
@@ -227,17 +258,29 @@ class LossInputCheck:
     @torch.no_grad()
     def read(self, probe: LossProbe, *, accumulation: float, num_processes: int = 1,
              steps_per_generation: int = 1, max_completion_length: int | None = None,
-             is_ratio: torch.Tensor | None = None, expect_full_mask: bool = True) -> dict[str, float]:
-        """Point-of-use metrics of one micro-batch after its backward (``METRICS``)."""
+             is_ratio: torch.Tensor | None = None, expect_full_mask: bool = True,
+             kl_bias_correction: str | None = None, loss_mask: torch.Tensor | None = None) -> dict[str, float]:
+        """Point-of-use metrics of one micro-batch after its backward (``METRICS``).
+
+        kl_bias_correction: the level ("token" | "sequence") of the importance ratio TRL multiplied its KL
+        term by (``use_bias_correction_kl``), None: not multiplied. ``loss_mask``: the mask TRL's loss
+        multiplied (None: wherever the reference log-probs got a gradient). That ratio's share of
+        dL/dlogp is taken out of the policy term."""
         inputs = probe.inputs
         if probe.logps is None:
             return {}
         lp = probe.logps.detach().double().cpu()
         n, t = lp.shape
-        G = probe.logps_grad[0].double().cpu() if probe.logps_grad else torch.zeros_like(lp)
-        R = probe.ref_leaf.grad if probe.ref_leaf is not None else None
-        R = R.double().cpu() if R is not None else torch.zeros_like(lp)
-        P = G + R  # the policy term alone (the KL term's dL/dlogp is exactly -dL/dref)
+        G32 = probe.logps_grad[0] if probe.logps_grad else None
+        R32 = probe.ref_leaf.grad if probe.ref_leaf is not None else None
+        G = G32.double().cpu() if G32 is not None else torch.zeros_like(lp)
+        R = R32.double().cpu() if R32 is not None else torch.zeros_like(lp)
+        P = G + R  # the policy term alone, less the KL's bias correction (below)
+        if kl_bias_correction and R32 is not None and probe.ref_leaf is not None:
+            P = P - _kl_ratio_gradient(R, probe.ref_leaf.detach().double().cpu() - lp, kl_bias_correction,
+                                       None if loss_mask is None else loss_mask.detach().cpu()[:, -t:].double())
+        # the gradients' own precision: eps of the dtype they were summed in (float32, or bf16)
+        eps = max(torch.finfo(x.dtype).eps for x in (G32, R32, probe.logps) if x is not None and x.is_floating_point())
         out: dict[str, float] = {}
 
         # -- the reference of each row, by content
@@ -273,6 +316,12 @@ class LossInputCheck:
             ratio = expected_row[ok] / row[ok]  # per row: 1 when the loss divides as loss_type says
             out[H02_LOSS_NORMALISER_RATIO] = float(ratio[ratio.abs().log().abs().argmax()])  # the worst row
 
+        # -- what the gradients can resolve, per token (module docstring, "Resolution"): the policy term is
+        # a float sum of terms up to |G|, |R| and (KL pieces) beta x the token's weight
+        per_tok = (row / (weight_tok * assistant).sum(dim=1).clamp(min=1e-30)).abs()  # measured weight per token
+        kl_scale = abs(self.beta) * per_tok.unsqueeze(1) * weight_tok if probe.ref_leaf is not None else 0.0
+        res = RESOLUTION_ULPS * eps * (G.abs() + R.abs() + kl_scale)
+
         # -- the advantage that multiplied each row, vs its own
         a_applied = torch.where(row.abs() > 0, -P.sum(dim=1) / row.where(row.abs() > 0, torch.ones_like(row)), 0.0)
         tol = PAIRING_ATOL + PAIRING_RTOL * a_ref.abs()
@@ -286,20 +335,26 @@ class LossInputCheck:
             out[H01_LOSS_ADV_PAIRING_ERROR] = float(err[judged].max())
             out[H01_LOSS_ADV_MISALIGNED_SHARE] = float((err[judged] > tol[judged]).double().mean())
 
-        # -- which tokens the policy loss trains, vs the rollout's sources
-        signal = matched & (a_applied.abs() > SIGNAL_MIN)
-        trained = P != 0
+        # -- which tokens the policy loss trains, vs the rollout's sources: a row has signal when its applied
+        # advantage is above its own round-off; a token trains when its policy term is above its resolution
+        signal = matched & (a_applied.abs() > SIGNAL_MIN) & (P.sum(dim=1).abs() > (res * (assistant | env)).sum(dim=1))
+        trained = P.abs() > res
         env_sig = env & signal.unsqueeze(1)
         if env_sig.any():
             out[H02_LOSS_TOOL_TOKEN_SHARE] = float((trained & env_sig).sum() / env_sig.sum())
         if expect_full_mask:
             dropped = torch.zeros_like(clipped) if is_ratio is None else is_ratio.detach().cpu() == 0
-            asst_sig = assistant & signal.unsqueeze(1) & ~clipped & ~dropped
+            # judged only where the policy term it should carry is above what the gradients resolve there
+            resolvable = (a_applied.abs() * per_tok).unsqueeze(1) * weight_tok > res
+            asst_sig = assistant & signal.unsqueeze(1) & ~clipped & ~dropped & resolvable
             if asst_sig.any():
                 out[H02_LOSS_ASSISTANT_LEFT_OUT_SHARE] = float((asst_sig & ~trained).sum() / asst_sig.sum())
 
-        # -- the KL term, as the loss applied it
-        out.update(self._kl(probe, lp, R, assistant, env, row, weight_tok))
+        # -- the KL term, as the loss applied it: judged on the sampled tokens TRL's loss covers (its mask
+        # is where a KL term can act; a token a mask defect cut is h02's, and its reference log-prob may
+        # come from another context: a mask cut after TRL scored the reference)
+        kl_where = assistant if loss_mask is None else assistant & (loss_mask.detach().cpu()[:, -t:] > 0)
+        out.update(self._kl(probe, lp, R, kl_where, env, row, weight_tok))
         return out
 
     def _per_token_normaliser(self, n_ref: torch.Tensor, rows: int, accumulation: float, num_processes: int,
@@ -322,6 +377,7 @@ class LossInputCheck:
 
     def _kl(self, probe: LossProbe, lp: torch.Tensor, R: torch.Tensor, assistant: torch.Tensor,
             env: torch.Tensor, row: torch.Tensor, weight_tok: torch.Tensor) -> dict[str, float]:
+        """The h03 point-of-use metrics; ``assistant``: the sampled tokens the KL term should cover."""
         out: dict[str, float] = {}
         if probe.ref_leaf is None:
             # no reference log-probs reached the loss: it cannot hold a KL term

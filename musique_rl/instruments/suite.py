@@ -185,6 +185,10 @@ class Instruments:
 
             out.update(environment_integrity(episodes, self.records_by_id, self.tokenizer, completion_ids,
                                              token_sources))
+            # an exact-match / F1 of its own beside the reward's answer components (answer_check.py)
+            from musique_rl.instruments.answer_check import answer_agreement
+
+            out.update(answer_agreement(episodes, reward_components, self.records_by_id))
         if episodes and self.reward_audit is not None and completion_ids is not None and token_sources is not None:
             out.update(self.reward_audit(rewards, episodes, completion_ids, token_sources))
         if self.preflight is None and reward_components and "answer_em" in reward_components:
@@ -253,7 +257,8 @@ class Instruments:
         return self.loss_check.read(
             probe, accumulation=layout.accumulation, num_processes=layout.num_processes,
             steps_per_generation=layout.steps_per_generation, max_completion_length=layout.max_completion_length,
-            is_ratio=layout.is_ratio, expect_full_mask=layout.expect_full_mask)
+            is_ratio=layout.is_ratio, expect_full_mask=layout.expect_full_mask,
+            kl_bias_correction=layout.kl_bias_correction, loss_mask=layout.loss_mask)
 
     # ------------------------------------------------------------------ 3. around optimizer.step()
     def observe_update(
@@ -269,12 +274,22 @@ class Instruments:
         """
         if not self.enabled:
             return {}
-        out = update_metrics(**step)
+        out = update_metrics(**step)  # the update's size, the optimizer's rates and groups (updates.py)
         if lora_b_norm is not None:
             out[H06_LORA_B_NORM] = lora_b_norm
         if base_checksum_drift is not None:
             out[H06_BASE_CHECKSUM_DRIFT] = base_checksum_drift
         return out
+
+    # ------------------------------------------------------------------ 3b. the KL's reference
+    def observe_reference(self, model: Any, reference: Any, *, beta: float) -> dict[str, float]:
+        """``h03/ref_is_policy`` (reference.py): whether the reference TRL scores the KL with shares the
+        trained weights (``reference`` None: the policy with its adapters disabled, under PEFT)."""
+        if not self.enabled:
+            return {}
+        from musique_rl.instruments.reference import reference_is_policy
+
+        return reference_is_policy(model, reference, beta)
 
     # ------------------------------------------------------------------ 4. after a weight sync
     def probe_inputs(self) -> dict[str, Any] | None:
@@ -322,15 +337,22 @@ class Instruments:
         return InstrumentsCallback(self, sink=sink)
 
     def probe_models(
-        self, model: Any, *, temperature: float, sampler_model: Any = None, base_model: Any = None
+        self, model: Any, *, temperature: float, sampler_model: Any = None, base_model: Any = None,
+        sampler: Scorer | None = None,
     ) -> dict[str, float]:
-        """`parity_probe` over HF models: the trained one, the sampler's own copy (None: the trained
-        model samples) and the frozen start (a PEFT model's base with adapters disabled, else
-        `base_model`, else none)."""
+        """`parity_probe` over HF models: the trained one, the sampler and the frozen start (a PEFT
+        model's base with adapters disabled, else `base_model`, else none).
+
+        The sampler is measured, never assumed: `sampler` (a `Scorer` through the sampler's own
+        generation path: the trainer passes its generator's `score`, core/generation.py `Scoring`), else
+        `sampler_model`'s forward pass; neither: no `h06/parity_sampler_*` reading at all (an in-process
+        sampler that "cannot lag" is exactly what a sampler bug breaks: a copy one step stale, a sync
+        that skips tensors)."""
         if not self.enabled or self._probe is None:
             return {}
         trainer = model_scorer(model, temperature)
-        sampler = model_scorer(sampler_model, temperature) if sampler_model is not None else trainer
+        if sampler is None and sampler_model is not None:
+            sampler = model_scorer(sampler_model, temperature)
         if hasattr(model, "disable_adapter"):
             base = peft_base_scorer(model, temperature)
         else:

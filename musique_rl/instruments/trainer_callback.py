@@ -17,7 +17,7 @@ from transformers import TrainerCallback
 
 from musique_rl.base.catalogue import H08_GRAD_NORM_BEFORE_CLIP
 from musique_rl.instruments.sync import BaseChecksum, lora_b_norm
-from musique_rl.instruments.updates import UpdateMeter
+from musique_rl.instruments.updates import ConfiguredSchedule, UpdateMeter, optimizer_numbers
 
 Sink = Callable[[dict[str, float]], None]
 
@@ -30,22 +30,37 @@ class InstrumentsCallback(TrainerCallback):
         self.sink = sink
         self.meter: UpdateMeter | None = None
         self.checksum: BaseChecksum | None = None
+        self.schedule: ConfiguredSchedule | None = None
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         if self.instruments.enabled and model is not None:
             self.meter = UpdateMeter(model)
             self.checksum = BaseChecksum(model)
+            try:  # the rate the configuration sets, beside the one the optimizer applies (updates.py)
+                self.schedule = ConfiguredSchedule(args, int(state.max_steps), int(state.global_step))
+            except (ValueError, TypeError, AttributeError):  # a schedule transformers cannot rebuild alone
+                self.schedule = None
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         if self.meter is not None:
             self.meter.before_step()
 
-    def on_optimizer_step(self, args, state, control, model=None, optimizer=None, **kwargs):
+    def on_optimizer_step(self, args, state, control, model=None, optimizer=None, lr_scheduler=None, **kwargs):
         if self.meter is None:
             return
         numbers: dict[str, Any] = dict(self.meter.after_step())
         if optimizer is not None:
             numbers["learning_rate"] = float(optimizer.param_groups[0]["lr"])
+            if model is not None:
+                # before the scheduler steps: its last rate is the one this step used (what it logs)
+                logged = list(lr_scheduler.get_last_lr()) if lr_scheduler is not None and hasattr(
+                    lr_scheduler, "get_last_lr") else None
+                base = getattr(args, "learning_rate", None)  # the configured rate (None: no TrainingArguments)
+                numbers.update(optimizer_numbers(optimizer, model, logged,
+                                                 None if self.schedule is None else self.schedule.factor(),
+                                                 None if base is None else float(base)))
+        if self.schedule is not None:
+            self.schedule.advance()
         if model is not None:
             numbers["lora_b_norm"] = lora_b_norm(model)
         # a pass over every frozen weight: on the probe cadence only (seconds for a 7B base)
