@@ -151,7 +151,8 @@ def test_the_declarations_cover_every_check_the_chain_reasons_over():
     assert {c.name for c in CHECK_DECLARATIONS.values()} == {c for r in RULES for c in r.checks}
     starving = {c.name for c in CHECK_DECLARATIONS.values() if c.starving}
     assert starving == {"no_signal", "importance_weights_vanish", "learning_rate_zero", "gradient_zero",
-                        "updates_too_small", "lora_untrained", "step_changed_nothing"}
+                        "updates_too_small", "lora_untrained", "step_changed_nothing",
+                        "parameters_outside_optimizer"}
     # only the flat-reward summary judges the others' findings: every check runs on its own
     assert [r.name for r in RULES if r.last] == ["reward_power._flat_reward"]
 

@@ -209,3 +209,54 @@ def test_no_check_is_flagged_on_the_healthy_histories_beyond_what_they_allow():
     assert len(t["histories"]) >= 15
     allowed = {"void_turns", "learnability"}  # the Qwen2.5 stand-in's allowed notes (healthy_runs/expected.json)
     assert {c for c, v in t["checks"].items() if v["flagged"]} <= allowed
+
+
+# ---------------------------------------------------------------- mechanisms the new instruments observe
+def test_a_reference_that_is_the_policy_is_a_loss_stage_proof():
+    from tests.test_doctor import clean
+
+    m = clean()
+    m["h03/ref_is_policy"] = [(0, 1.0), (10, 1.0)]
+    d = diagnose_metrics(m, {"loss.beta": "0.04"})
+    assert (d.top.hypothesis, d.top.check, d.top.stage) == ("h03", "reference_is_policy", "loss")
+    m["h03/ref_is_policy"] = [(0, 0.0), (10, 0.0)]
+    assert not diagnose_metrics(m, {"loss.beta": "0.04"}).flagged
+
+
+def test_an_exact_match_the_independent_scorer_disagrees_with_is_the_reward_stage():
+    from tests.test_doctor import clean
+
+    m = clean()
+    n = len(m["h05/answer_em/mean"])
+    m["h05/answer_check_disagreement_share"] = steps([0.3] * n, start=0)
+    m["h05/answer_check_match_disagreement_share"] = steps([0.95] * n, start=0)
+    d = diagnose_metrics(m, {})
+    assert (d.top.hypothesis, d.top.check, d.top.stage) == ("h05", "answer_scorer_wrong", "reward")
+    m["h05/answer_check_disagreement_share"] = steps([0.0] * n, start=0)
+    m["h05/answer_check_match_disagreement_share"] = steps([0.0] * n, start=0)
+    assert not diagnose_metrics(m, {}).flagged
+
+
+def test_an_optimizer_whose_rate_is_0_while_the_schedule_says_otherwise_is_named_and_starves_what_follows():
+    from tests.test_doctor import clean
+
+    m = clean()
+    n = len(m["h08/update_weight_ratio"])
+    m["h08/lr_applied_over_configured"] = steps([1.0, 1.0] + [0.0] * (n - 2), start=0)
+    m["h08/lr_applied_over_logged"] = steps([1.0] * n, start=0)
+    m["h08/update_weight_ratio"] = steps([1e-3, 1e-3] + [0.0] * (n - 2), start=0)
+    d = diagnose_metrics(m, {})
+    top = d.top
+    assert (top.hypothesis, top.check) == ("h08", "learning_rate_not_applied") and top.starves
+    assert all(str(f.role) == "consequence" for f in d.flagged if f is not top and f.stage in ("update", "policy"))
+
+
+def test_trainable_parameters_outside_the_optimizer_are_a_proof():
+    from tests.test_doctor import clean
+
+    m = clean()
+    m["h08/trainable_outside_optimizer_share"] = [(1, 0.5), (2, 0.5)]
+    m["h06/lora_b_norm"] = [(s, 0.0) for s in range(0, 20, 5)]
+    d = diagnose_metrics(m, {"lora.r": "8"})
+    assert (d.top.hypothesis, d.top.check) == ("h08", "parameters_outside_optimizer")
+    assert str(d.find("lora_untrained").role) == "consequence"

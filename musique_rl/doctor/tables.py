@@ -21,7 +21,8 @@ from pathlib import Path
 
 from musique_rl.base.catalogue import Metric, declared, lookup
 from musique_rl.doctor import diagnose  # noqa: F401  (imports every rule module: the registry is whole)
-from musique_rl.doctor.evidence import false_alarm_rate, table
+from musique_rl.doctor.evidence import false_alarm_rate
+from musique_rl.doctor.evidence import table as healthy_null
 from musique_rl.doctor.findings import CHECK_DECLARATIONS, RULES, Rule
 from musique_rl.doctor.step import STAGES
 
@@ -60,7 +61,7 @@ def _false_alarms(check: str) -> str:
 def rules_table() -> str:
     """Each rule's declaration: where it sits, what it can conclude, what it reads and judges by, and
     how often each check is flagged on the healthy histories (its false-alarm rate)."""
-    n = len(table()["histories"])
+    n = len(healthy_null()["histories"])
     rows = [f"| rule | stage | checks (kind) | reads | thresholds | flagged on healthy histories (of {n}: flagged/judged) |",
             "|---|---|---|---|---|---|"]
     for r in RULES:

@@ -28,6 +28,7 @@ from musique_rl.base.catalogue import (
     H03_KL_TERM_ZERO_WITH_BETA,
     H03_LOSS_KL_ENV_TOKEN_SHARE,
     H03_LOSS_KL_MOVED,
+    H03_REF_IS_POLICY,
     H06_IS_ESS,
     H06_IS_MASKED_SEQ_SHARE,
     H06_IS_MASKED_TOKEN_SHARE,
@@ -403,3 +404,23 @@ def _kl_acts(m: Mapping[str, History], params: Mapping[str, str]) -> list[Findin
                       "The loss's KL term stays on the policy's tokens." + stage_sentence(c),
                       Measure(f"{H03_LOSS_KL_ENV_TOKEN_SHARE} (max)", env, 0.0, exact=True, share=True))
     return out
+
+
+# ---------------------------------------------------------------- the reference model (instruments/reference.py)
+@rule(stage="loss", checks={"reference_is_policy": Kind.DEFECT}, reads=(H03_REF_IS_POLICY,), needs=(H03_REF_IS_POLICY,))
+def _reference_is_policy(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
+    """With beta > 0, the reference the KL is scored against must be a model of its own: read from the
+    objects at the start and at every probe (an exact invariant, not a statistic). A reference that is the
+    trained module, or aliases its weights, makes the KL 0 at every step however far the policy moves."""
+    flags = values(m.get(H03_REF_IS_POLICY))
+    share = sum(v > 0.5 for v in flags) / len(flags)
+    c = "reference_is_policy"
+    beta = params.get("loss.beta", params.get("beta", "> 0"))
+    return judged("h03", c, share > 0, 3.5, {f"{H03_REF_IS_POLICY} (share of probes)": share},
+                  f"The KL's reference is the policy itself (or shares the weights the optimizer trains) on "
+                  f"{share:.0%} of the probes: with loss.beta={beta} the KL term is 0 at every step however far "
+                  "the policy moves, so the penalty holds nothing back. Load the reference as a model of its own "
+                  "(or, under PEFT, score it with the adapters disabled)." + stage_sentence(c),
+                  "The KL's reference is a model of its own (no storage shared with the trained weights)."
+                  + stage_sentence(c),
+                  Measure(f"{H03_REF_IS_POLICY} (share of probes)", share, 0.0, exact=True, share=True))

@@ -8,6 +8,10 @@ from collections.abc import Mapping
 
 from musique_rl.base.catalogue import (
     H04_NO_ANSWER_SHARE,
+    H05_ANSWER_CHECK_CHECKED,
+    H05_ANSWER_CHECK_DISAGREEMENT_SHARE,
+    H05_ANSWER_CHECK_MATCH_DISAGREEMENT_SHARE,
+    H05_ANSWER_CHECK_MATCHED,
     H05_COMPONENT_CONSTANT_GROUP_SHARE,
     H05_COMPONENT_CORR_TOTAL,
     H05_COMPONENT_DISAGREEMENT_SHARE,
@@ -308,3 +312,41 @@ def _scorers_agree(m: Mapping[str, History], params: Mapping[str, str]) -> list[
                   "The citation and retrieval scorers agree where they overlap." + stage_sentence(c),
                   Measure(f"{H05_SCORER_OVERLAP_DISAGREEMENT_SHARE} (mean)", share, OVERLAP_DISAGREEMENT_MAX, exact=True,
                           share=True))
+
+
+# ---------------------------------------------------------------- an independent scorer (instruments/answer_check.py)
+# Episodes whose final answer the reward's answer_em/answer_f1 score differently from an exact match and
+# F1 written independently from the same definition: any is one scorer wrong; 1% tolerates one episode
+# in a hundred with a decode quirk (as components_disagree).
+ANSWER_CHECK_MAX = 0.01
+
+
+@rule(stage="reward", checks={"answer_scorer_wrong": Kind.DEFECT},
+      reads=(H05_ANSWER_CHECK_DISAGREEMENT_SHARE, H05_ANSWER_CHECK_MATCH_DISAGREEMENT_SHARE, H05_ANSWER_CHECK_CHECKED,
+             H05_ANSWER_CHECK_MATCHED),
+      needs=(H05_ANSWER_CHECK_DISAGREEMENT_SHARE,), thresholds=("ANSWER_CHECK_MAX",))
+def _answer_scorer(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
+    """The reward's answer scores against an independent scorer of the same definition, on every answered
+    training episode: the share that disagree (a mean over the run), and, of the answers either scorer
+    calls an exact match, the share the other does not (a one-sided normalisation reads ~1 there while
+    the overall share stays small when few answers are right)."""
+    share = mean_of(m, H05_ANSWER_CHECK_DISAGREEMENT_SHARE) or 0.0
+    matched = [v for v in values(m.get(H05_ANSWER_CHECK_MATCH_DISAGREEMENT_SHARE))]
+    match_share = statistics.fmean(matched) if matched else 0.0
+    checked = sum(values(m.get(H05_ANSWER_CHECK_CHECKED)))
+    ev = {f"{H05_ANSWER_CHECK_DISAGREEMENT_SHARE} (mean)": share,
+          f"{H05_ANSWER_CHECK_MATCH_DISAGREEMENT_SHARE} (mean)": match_share,
+          f"{H05_ANSWER_CHECK_CHECKED} (sum)": checked,
+          f"{H05_ANSWER_CHECK_MATCHED} (sum)": sum(values(m.get(H05_ANSWER_CHECK_MATCHED)))}
+    worst_key, worst = max(((f"{H05_ANSWER_CHECK_DISAGREEMENT_SHARE} (mean)", share),
+                            (f"{H05_ANSWER_CHECK_MATCH_DISAGREEMENT_SHARE} (mean)", match_share)), key=lambda kv: kv[1])
+    c = "answer_scorer_wrong"
+    return judged("h05", c, worst > ANSWER_CHECK_MAX, 3 + magnitude(1 + 100 * worst), ev,
+                  f"The reward's answer scores disagree with an independent exact match and F1 of the same "
+                  f"definition on {share:.0%} of the answered episodes ({match_share:.0%} of the answers either "
+                  "calls an exact match): the reward's answer scorer is wrong (a normalisation applied to one side, "
+                  "another field read, a parser that drops part of the answer), so the policy is paid for "
+                  "something else than right answers." + stage_sentence(c),
+                  "The reward's answer scores agree with an independent scorer of the same definition."
+                  + stage_sentence(c),
+                  Measure(worst_key, worst, ANSWER_CHECK_MAX, exact=True, share=True))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Mapping
+from dataclasses import replace
 
 from musique_rl.base.catalogue import (
     CHECKSUM_DRIFT_MAX,
@@ -15,6 +16,10 @@ from musique_rl.base.catalogue import (
     H08_GRAD_NORM_BEFORE_CLIP,
     H08_KL_TO_START,
     H08_LEARNING_RATE,
+    H08_LR_APPLIED_OVER_CONFIGURED,
+    H08_LR_APPLIED_OVER_LOGGED,
+    H08_STEP_OVER_CONFIGURED_LR,
+    H08_TRAINABLE_OUTSIDE_OPTIMIZER_SHARE,
     H08_UPDATE_NORM,
     H08_UPDATE_WEIGHT_RATIO,
     TRL_GRAD_NORM,
@@ -203,3 +208,75 @@ def _lr_zero(m: Mapping[str, History], params: Mapping[str, str]) -> list[Findin
                   "(check lr_scheduler_type / lr_scheduler_kwargs / max_steps against the run's length).",
                   f"The learning rate stays above {LR_ZERO_REL:g} of its peak ({peak:.3g}) on most steps.",
                   Measure("steps at ~0 (share)", share, LR_ZERO_SHARE, share=True))
+
+
+# ---------------------------------------------------------------- the step the optimizer applies (instruments/updates.py)
+# The rate in the optimizer's parameter groups is, at every step, what the job's schedule sets (rebuilt
+# from the config) and what the trainer logs: an exact invariant per step. A step off by more than 2x
+# (either way) is a different rate; judged over the run: more than LR_OFF_STEP_SHARE of the steps (one
+# step at a scheduler's boundary, read before or after it moved, proves nothing).
+LR_OFF_BAND = (0.5, 2.0)
+LR_OFF_STEP_SHARE = 0.1
+# An applied rate below this share of the configured one is no update at all: nothing flows past it.
+LR_DEAD = 1e-3
+
+
+def _off(r: float) -> bool:
+    return not LR_OFF_BAND[0] <= r <= LR_OFF_BAND[1]
+
+
+@rule(stage="update", checks={"learning_rate_not_applied": Kind.DEFECT}, starving=(),
+      reads=(H08_LR_APPLIED_OVER_CONFIGURED, H08_LR_APPLIED_OVER_LOGGED, H08_STEP_OVER_CONFIGURED_LR),
+      needs=(H08_LR_APPLIED_OVER_CONFIGURED, H08_LR_APPLIED_OVER_LOGGED),
+      thresholds=("LR_OFF_BAND", "LR_OFF_STEP_SHARE", "LR_DEAD"))
+def _rate_applied(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
+    """The optimizer's own rate against the configured schedule and against the logged rate: a scheduler
+    built for another run length (the rate 0 after a few steps), or an optimizer stepping with another
+    rate than the one logged, makes every learning-rate figure of the run fiction."""
+    conf = values(m.get(H08_LR_APPLIED_OVER_CONFIGURED))
+    logged = values(m.get(H08_LR_APPLIED_OVER_LOGGED))
+    step = values(m.get(H08_STEP_OVER_CONFIGURED_LR))
+    ev: dict[str, float] = {}
+    worst_share, what, median = 0.0, "", 1.0
+    for name, xs, against in ((H08_LR_APPLIED_OVER_CONFIGURED, conf, "the configured schedule"),
+                              (H08_LR_APPLIED_OVER_LOGGED, logged, "the logged learning_rate")):
+        if not xs:
+            continue
+        off = sum(_off(r) for r in xs) / len(xs)
+        ev[f"{name} (median)"] = statistics.median(xs)
+        ev[f"{name} off by > 2x (share of steps)"] = off
+        if off > worst_share:
+            worst_share, what, median = off, against, statistics.median(xs)
+    if step:
+        ev[f"{H08_STEP_OVER_CONFIGURED_LR} (median)"] = statistics.median(step)
+    dead = median < LR_DEAD
+    c = "learning_rate_not_applied"
+    measure = Measure("optimizer rate off by > 2x (share of steps)", worst_share, LR_OFF_STEP_SHARE, exact=True,
+                      share=True)
+    found = judged("h08", c, worst_share > LR_OFF_STEP_SHARE and len(conf or logged) >= 2,
+                   3 + magnitude(1 + 10 * worst_share), ev,
+                   f"The rate in the optimizer's parameter groups is not {what} on {worst_share:.0%} of the steps "
+                   f"(median {median:.2g}x of it"
+                   + ("; the optimizer applies ~0: those steps update nothing" if dead else "") +
+                   "): the scheduler or the optimizer steps with another rate than the one the job sets and "
+                   "logs (a scheduler built for another run length, a second scheduler, a rate written into the "
+                   "optimizer's groups).",
+                   "The optimizer applies the configured, logged rate at every step.", measure)
+    # a rate of ~0 leaves nothing to update: what follows (no update, a still policy) is its consequence
+    return [replace(f, starves=dead) if f.flagged else f for f in found]
+
+
+@rule(stage="update", checks={"parameters_outside_optimizer": Kind.DEFECT}, starving=("parameters_outside_optimizer",),
+      reads=(H08_TRAINABLE_OUTSIDE_OPTIMIZER_SHARE,), needs=(H08_TRAINABLE_OUTSIDE_OPTIMIZER_SHARE,))
+def _outside_optimizer(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
+    """Every parameter that requires a gradient is in an optimizer group: an exact invariant. LoRA's B
+    matrices left out keep B = 0, so A's gradient is 0 too and the adapter never changes the model
+    (starving what follows)."""
+    share = max(values(m.get(H08_TRAINABLE_OUTSIDE_OPTIMIZER_SHARE)))
+    c = "parameters_outside_optimizer"
+    return judged("h08", c, share > 0, 3.5, {f"{H08_TRAINABLE_OUTSIDE_OPTIMIZER_SHARE} (max)": share},
+                  f"{share:.0%} of the trainable parameter elements are in no optimizer parameter group: they get a "
+                  "gradient and are never stepped (a per-matrix grouping that drops a group, parameters added after "
+                  "the optimizer was built). With LoRA, B matrices left out stay 0 and the adapter never trains.",
+                  "Every trainable parameter is in an optimizer group.",
+                  Measure(f"{H08_TRAINABLE_OUTSIDE_OPTIMIZER_SHARE} (max)", share, 0.0, exact=True, share=True))
