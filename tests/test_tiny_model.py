@@ -252,6 +252,30 @@ def test_a_warm_start_that_fails_its_gate_raises_with_the_numbers_and_saves_noth
     assert len(kept) == 1 and not json.loads((kept[0] / "build.json").read_text())["gate_passed"]
 
 
+def test_a_build_stuck_after_its_rounds_restarts_from_the_same_weights_with_another_data_order(tiny_cfg, tmp_path,
+                                                                                                 monkeypatch):
+    """The single-step lookup forms in a sudden transition or never, by the data order: with
+    model.tiny.sft_restarts the build starts over from the initial weights with the next order
+    (seed 1000 x restart) and records which restart passed; unset, the key and the build are the
+    ones shipped before restarts existed."""
+    cfg = with_keys(tiny_cfg, {"model.tiny.sft_records": 40, "model.tiny.sft_max_rounds": 1,
+                               "model.tiny.sft_restarts": 2, "model.tiny.cache_dir": str(tmp_path / "cache")})
+    assert tiny_model.build_key(cfg) != tiny_model.build_key(with_keys(cfg, {"model.tiny.sft_restarts": 0}))
+    assert "sft_restarts" not in tiny_model.build_settings(tiny_cfg)["tiny"]  # the shipped keys stay
+    seeds, inits = [], []
+    monkeypatch.setattr(warm_start, "sft", lambda *a, **k: seeds.append(k["seed"]) or {"steps": 0})
+    weak = {"sampled_em": 0.06, "pass8": 0.27, "greedy_em": 0.02}
+    ok = {"sampled_em": 0.6, "pass8": 1.0, "greedy_em": 1.0}
+    rounds = iter([weak, weak, ok])
+    monkeypatch.setattr(warm_start, "measure", lambda *a, **k: {"tool": next(rounds), "single_step": weak})
+    build_model = tiny_model.build_model
+    monkeypatch.setattr(tiny_model, "build_model", lambda *a, **k: inits.append(1) or build_model(*a, **k))
+    monkeypatch.setattr(tiny_model, "SHIPPED_DIR", tmp_path / "shipped")
+    report = json.loads((warm_start.ensure(cfg) / "build.json").read_text())
+    assert seeds == [0, 1, 1000] and len(inits) == 2  # the first model, then one restart's fresh one
+    assert report["gate_passed"] and report["sft_restart"] == 1 and len(report["gate_history"]) == 3
+
+
 def test_concurrent_jobs_build_a_missing_warm_start_once(tiny_cfg, raw_tiny, tmp_path, monkeypatch):
     """Jobs of a sweep with non-default model.tiny settings start together: one builds the warm
     start into the cache, the others wait on the lock beside it and use the result."""

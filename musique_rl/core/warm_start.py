@@ -12,11 +12,11 @@ musique's):
 ``model.tiny.gate_shapes`` names the shapes the build must pass (the others are measured and
 recorded); a job refuses to train from a warm start that did not pass its episode shape.
 The schedule: ``model.tiny.sft_epochs`` at ``sft_learning_rate`` (warmup, constant, decay over
-the last quarter), then, while the gate fails, up to ``sft_max_rounds`` more epochs at a quarter
-of the rate, and, while it still fails, up to ``sft_restarts`` fresh starts from the same initial
-weights with another data order (a skill that forms in a sudden transition or never: the
-single-step shape's). A gate that still fails raises ``WarmStartGateError`` with the numbers: a
-weak model is never handed to training silently.
+the last quarter), then, while the gate fails, up to ``sft_max_rounds`` more epochs at
+``sft_extra_lr_scale`` times the rate (decaying to 0), and, while it still fails, up to
+``sft_restarts`` fresh starts from the same initial weights with another data order (a skill that
+forms in a sudden transition or never: the single-step shape's). A gate that still fails raises
+``WarmStartGateError`` with the numbers: a weak model is never handed to training silently.
 
 Deterministic as torch allows on a CPU: one thread, deterministic algorithms, fixed seeds (two
 builds on one machine give the same weights hash, ``build.json``). Different CPUs and GPUs still
