@@ -19,10 +19,11 @@ from musique_rl.core import tiny_model
 from musique_rl.core.warm_start_builder import WarmStartGateError, build_into, ensure
 
 # The warm starts committed to musique_rl/warm_starts/ (`make warm-start`), each as overrides of
-# conf/train.yaml: the default's and the arith control task's (env=arith; its key follows
-# its task's conf/warm_start/arith.yaml, not the multi-hop one). A single-step warm start for h07's treatment
-# does not pass its gate on this model (docs/warm_start.md), and a start that fails is never shipped.
-SHIPPED_CONFIGS: dict[str, list[str]] = {"default": [], "arith": ["env=arith", "reward=answer_em"]}
+# conf/train.yaml: the default's, the single-step shape's (h07's treatment: its key follows
+# conf/warm_start/musique.yaml's shapes.single_step recipe) and the arith control task's (env=arith;
+# its key follows its task's conf/warm_start/arith.yaml, not the multi-hop one).
+SHIPPED_CONFIGS: dict[str, list[str]] = {"default": [], "single_step": ["env.supporting_in_prompt=true"],
+                                         "arith": ["env=arith", "reward=answer_em"]}
 
 
 def compose_config(overrides: list[str]) -> Any:

@@ -87,15 +87,52 @@ def test_build_key_follows_the_build_inputs_not_the_seed(tiny_cfg, monkeypatch):
 
 def test_both_arms_of_every_hypothesis_start_from_the_same_warm_start(tiny_cfg):
     """The warm start is built in a fixed environment, not the run's: h04's small budgets or any
-    env knob must not hand one arm other starting weights (a confound, and a build that fails)."""
+    env knob must not hand one arm other starting weights (a confound, and a build that fails).
+    The one exception is the episode shape h07 varies (next test)."""
     from conftest import job_cfg
 
     key = tiny_model.build_key(tiny_cfg)
-    for h in ("h02", "h04", "h07"):
+    for h in ("h02", "h04"):
         for arm in ("control", "treatment"):
             cfg = job_cfg(["tracking.enabled=false", f"+hypothesis={h}", f"hypothesis.arm={arm}"])
             assert tiny_model.build_key(cfg) == key, (h, arm)
+    cfg = job_cfg(["tracking.enabled=false", "+hypothesis=h07", "hypothesis.arm=control"])
+    assert tiny_model.build_key(cfg) == key
     assert tiny_model.build_key(job_cfg(["env.top_n=3", "env.max_turns=2"])) == key
+
+
+def test_a_single_step_run_starts_from_the_single_step_start_keyed_by_its_shape(tiny_cfg):
+    """Single-step runs (env.supporting_in_prompt, h07's treatment) start from the start built by
+    conf/warm_start/musique.yaml's shapes.single_step recipe: its own key, whatever else the run
+    changes, and the shape is the only run setting that picks it (tiny_model.shape_knobs)."""
+    from conftest import job_cfg
+
+    key = tiny_model.build_key(tiny_cfg)
+    single = with_keys(tiny_cfg, {"env.supporting_in_prompt": True})
+    ss_key = tiny_model.build_key(single)
+    assert ss_key != key
+    treatment = job_cfg(["tracking.enabled=false", "+hypothesis=h07", "hypothesis.arm=treatment"])
+    assert tiny_model.build_key(treatment) == ss_key
+    assert tiny_model.build_key(with_keys(single, {"seed": 3, "env.max_turns": 2})) == ss_key
+    settings = tiny_model.build_settings(single)
+    assert settings["shape"] == "single_step" and "shape" not in tiny_model.build_settings(tiny_cfg)
+    recipe = tiny_model.task_of(single).warm_start().shapes["single_step"]
+    assert {k: settings["tiny"][k] for k in recipe} == recipe  # the recipe replaces model.tiny's sft_* keys
+    assert settings["tiny"]["hidden_size"] == tiny_cfg.model.tiny.hidden_size  # the architecture stays
+    # applied twice, the same start: the warm-start config keeps the run's shape
+    ws_cfg = tiny_model.warm_start_config(single)
+    assert ws_cfg.env.supporting_in_prompt and tiny_model.build_key(ws_cfg) == ss_key
+    assert tiny_model.shape_knobs() == ("env.supporting_in_prompt",)
+
+
+def test_a_shape_recipe_for_an_unknown_shape_fails_naming_it(tiny_cfg, monkeypatch):
+    from musique_rl.env.config import WarmStartConfig
+
+    task = tiny_model.task_of(tiny_cfg)
+    bad = WarmStartConfig(env=task.warm_start().env, shapes={"single_stpe": {"sft_noise": 0.4}})
+    monkeypatch.setattr(type(task), "warm_start", lambda self: bad)
+    with pytest.raises(ValueError, match=r"musique.yaml shapes: unknown shape\(s\) \['single_stpe'\]"):
+        tiny_model.build_key(tiny_cfg)
 
 
 def test_the_default_warm_start_is_shipped_gated_and_unaltered(tiny_cfg):
@@ -145,18 +182,42 @@ def test_warm_start_is_decent_but_improvable(tiny_cfg, warm_tiny):
 
 
 def test_a_run_refuses_a_shape_whose_gate_failed(tiny_cfg, warm_tiny):
-    """Every shape is measured and recorded; a job on a shape the shipped start did not pass
-    (single-step, h07's treatment, on the tiny model) stops with the numbers instead of training."""
+    """Every shape is measured and recorded; a job on a shape its start did not pass stops with the
+    numbers instead of training. The common start fails the single-step shape (sampled/greedy
+    answer EM 0.02/0.08), so a single-step run handed it refuses, and a single-step run starts from
+    the single-step start instead, which passed that shape (and not the tool one)."""
     cfg = tiny_cfg
-    report = json.loads((tiny_model.locate(cfg) / "build.json").read_text())
-    assert set(report["shape_passed"]) == {"tool", "single_step"} and report["shape_passed"]["tool"]
+    common = tiny_model.locate(cfg)
+    report = json.loads((common / "build.json").read_text())
+    assert report["shape_passed"] == {"tool": True, "single_step": False}
     assert warm_start_builder.provenance(cfg)["warm_start/hash"] == report["weights_hash"]
-    cfg = with_keys(cfg, {"env.supporting_in_prompt": True})
-    if report["shape_passed"]["single_step"]:
-        assert warm_start_builder.provenance(cfg)["warm_start/hash"] == report["weights_hash"]
-    else:
-        with pytest.raises(warm_start_builder.WarmStartGateError, match="'single_step' episodes"):
-            warm_start_builder.provenance(cfg)
+    single = with_keys(cfg, {"env.supporting_in_prompt": True})
+    with pytest.raises(warm_start_builder.WarmStartGateError, match=r"tiny-4639a2cf82bc did not pass .*'single_step' episodes"):
+        warm_start_builder.provenance(single, common)
+    own = tiny_model.locate(single)
+    ss_report = json.loads((own / "build.json").read_text())
+    assert ss_report["shape_passed"] == {"tool": False, "single_step": True}
+    assert warm_start_builder.provenance(single)["warm_start/hash"] == ss_report["weights_hash"] != report["weights_hash"]
+    with pytest.raises(warm_start_builder.WarmStartGateError, match="'tool' episodes"):
+        warm_start_builder.provenance(cfg, own)
+
+
+def test_the_single_step_warm_start_is_shipped_and_passed_its_shape(tiny_cfg):
+    """h07's treatment trains from a committed start too (`make warm-start` builds it): its key
+    matches the current code and recipe, it passed the single-step gate with the task's bounds,
+    and its weights are the gated ones."""
+    single = with_keys(tiny_cfg, {"env.supporting_in_prompt": True})
+    path = tiny_model.locate(single)
+    assert path is not None and path.parent == tiny_model.SHIPPED_DIR, (
+        f"no shipped warm start tiny-{tiny_model.build_key(single)}: run `make warm-start` and commit musique_rl/warm_starts/"
+    )
+    report = json.loads((path / "build.json").read_text())
+    assert report["gate_shapes"] == ["single_step"] and report["gate_passed"]
+    assert warm_start_builder.gate_failures(report["gate"], ["single_step"]) == []
+    n = report["gate"]["single_step"]
+    assert 0.40 <= n["sampled_em"] <= 0.70 and n["greedy_em"] >= 0.80 and n["pass8"] >= n["sampled_em"] + 0.30
+    assert report["settings"]["shape"] == "single_step"
+    assert tiny_model.weights_hash(path) == report["weights_hash"]
 
 
 def test_gate_names_each_failing_criterion():
@@ -189,6 +250,30 @@ def test_a_warm_start_that_fails_its_gate_raises_with_the_numbers_and_saves_noth
     assert tiny_model.locate(cfg) is None  # nothing a job could load
     kept = list((tmp_path / "cache").glob("tiny-*.failed"))  # the weak model is kept for inspection
     assert len(kept) == 1 and not json.loads((kept[0] / "build.json").read_text())["gate_passed"]
+
+
+def test_a_build_stuck_after_its_rounds_restarts_from_the_same_weights_with_another_data_order(tiny_cfg, tmp_path,
+                                                                                                 monkeypatch):
+    """The single-step lookup forms in a sudden transition or never, by the data order: with
+    model.tiny.sft_restarts the build starts over from the initial weights with the next order
+    (seed 1000 x restart) and records which restart passed; unset, the key and the build are the
+    ones shipped before restarts existed."""
+    cfg = with_keys(tiny_cfg, {"model.tiny.sft_records": 40, "model.tiny.sft_max_rounds": 1,
+                               "model.tiny.sft_restarts": 2, "model.tiny.cache_dir": str(tmp_path / "cache")})
+    assert tiny_model.build_key(cfg) != tiny_model.build_key(with_keys(cfg, {"model.tiny.sft_restarts": 0}))
+    assert "sft_restarts" not in tiny_model.build_settings(tiny_cfg)["tiny"]  # the shipped keys stay
+    seeds, inits = [], []
+    monkeypatch.setattr(warm_start_builder, "sft", lambda *a, **k: seeds.append(k["seed"]) or {"steps": 0})
+    weak = {"sampled_em": 0.06, "pass8": 0.27, "greedy_em": 0.02}
+    ok = {"sampled_em": 0.6, "pass8": 1.0, "greedy_em": 1.0}
+    rounds = iter([weak, weak, ok])
+    monkeypatch.setattr(warm_start_builder, "measure", lambda *a, **k: {"tool": next(rounds), "single_step": weak})
+    build_model = tiny_model.build_model
+    monkeypatch.setattr(tiny_model, "build_model", lambda *a, **k: inits.append(1) or build_model(*a, **k))
+    monkeypatch.setattr(tiny_model, "SHIPPED_DIR", tmp_path / "shipped")
+    report = json.loads((warm_start_builder.ensure(cfg) / "build.json").read_text())
+    assert seeds == [0, 1, 1000] and len(inits) == 2  # the first model, then one restart's fresh one
+    assert report["gate_passed"] and report["sft_restart"] == 1 and len(report["gate_history"]) == 3
 
 
 def test_concurrent_jobs_build_a_missing_warm_start_once(tiny_cfg, raw_tiny, tmp_path, monkeypatch):

@@ -176,8 +176,8 @@ def test_runs_from_different_warm_starts_are_confounded_and_the_hashes_named():
 
 
 def test_arms_whose_knob_is_the_warm_start_may_differ_in_it_but_not_within_an_arm():
-    """h07 gives each episode shape its own gated warm start (a model.tiny setting differs between
-    the arms): one hash per arm is the design; two hashes inside an arm are still a confound."""
+    """An arm whose knob is a model.* setting (a model.tiny recipe) starts from its own start: one
+    hash per arm is the design; two hashes inside an arm are still a confound."""
     s = sweep(H_DOWN, {1: 0.50, 2: 0.55, 3: 0.45}, {1: 0.40, 2: 0.46, 3: 0.33})
     for r in s.runs:
         share = "0.25" if r.arm == "control" else "1.0"
@@ -187,6 +187,54 @@ def test_arms_whose_knob_is_the_warm_start_may_differ_in_it_but_not_within_an_ar
     assert v["status"] == "Validated" and v["confounds"] == [] and v["warm_start"] == ["aaaaaaaaaaaa", "bbbbbbbbbbbb"]
     s.runs[4].warm_start = "cccccccccccc"
     assert V.judge(s)["confounds"][0].startswith("the runs start from different warm starts")
+
+
+def test_arms_that_differ_in_the_episode_shape_may_start_from_their_shapes_warm_starts():
+    """h07 varies env.supporting_in_prompt, and a single-step run starts from the single-step start
+    (tiny_model.shape_knobs): one hash per arm is the knob, said in the notes; a second hash inside
+    an arm stays a confound, and so does any other knob that came with different weights."""
+    s = sweep(H_UP, {1: 0.30, 2: 0.35, 3: 0.25}, {1: 0.40, 2: 0.46, 3: 0.33})
+    for r in s.runs:
+        r.params = {"seed": str(r.seed), "hypothesis.arm": r.arm,
+                    "env.supporting_in_prompt": "False" if r.arm == "control" else "True"}
+        r.warm_start = "aaaaaaaaaaaa" if r.arm == "control" else "bbbbbbbbbbbb"
+    v = V.judge(s)
+    assert v["status"] == "Validated" and v["confounds"] == [] and v["warm_start"] == ["aaaaaaaaaaaa", "bbbbbbbbbbbb"]
+    assert ("the arms start from different warm starts by design, the start being part of the knob "
+            "(env.supporting_in_prompt): control aaaaaaaaaaaa, treatment bbbbbbbbbbbb") in v["notes"]
+    s.runs[4].warm_start = "cccccccccccc"
+    assert V.judge(s)["confounds"][0].startswith("the runs start from different warm starts")
+    s.runs[4].warm_start = "bbbbbbbbbbbb"
+    for r in s.runs:  # the same weights story under a knob no start is keyed by: a confound
+        r.params = {"seed": str(r.seed), "hypothesis.arm": r.arm, "env.top_n": "1" if r.arm == "control" else "3"}
+    assert V.judge(s)["confounds"][0].startswith("the runs start from different warm starts")
+
+
+def test_h07s_composed_arms_differ_only_in_the_knob_and_its_warm_start():
+    """The pair `make sweep SWEEP=h07` runs, as its jobs record it (the resolved config as MLflow
+    params, the warm start each job trains from): the arms differ in env.supporting_in_prompt
+    alone, each arm has one start (the common one, the single-step one), and the design check
+    accepts that as the knob."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from conftest import compose_cfg
+
+    from musique_rl.core import tiny_model, warm_start_builder
+    from musique_rl.schema import job_config
+    from musique_rl.tracking.provenance import config_params
+
+    runs = []
+    for arm, value in (("control", 0.30), ("treatment", 0.40)):
+        for seed in (1, 2, 3):
+            cfg = compose_cfg(["tracking.enabled=false", "+hypothesis=h07", f"hypothesis.arm={arm}", f"seed={seed}"])
+            path = tiny_model.locate(job_config(cfg))
+            prov = warm_start_builder.provenance(job_config(cfg), path)  # refuses a start that did not pass this arm's shape
+            runs.append(V.Run(arm, seed, "FINISHED", value + 0.01 * seed, f"{arm}-{seed}", params=config_params(cfg),
+                              warm_start=prov["warm_start/hash"], machine="cpu"))
+    differ, confounds = V.design_check(runs)
+    assert differ == {"env.supporting_in_prompt": ["False", "True"]} and confounds == []
+    v = V.judge(V.Sweep(V.load_hypothesis_file("h07"), runs, [1, 2, 3], source={"kind": "test"}))
+    assert v["confounds"] == [] and len(v["warm_start"]) == 2
+    assert any(n.startswith("the arms start from different warm starts by design") for n in v["notes"])
 
 
 def test_a_failed_run_on_other_weights_does_not_confound_the_pairs_it_is_not_in():

@@ -72,13 +72,17 @@ class TinyModelConfig(ReadOnly):
     sft_single_step_share: float = 0.25  # of SFT episodes posed single-step (gold paragraphs, no tool: h07)
     sft_max_rounds: int = 3  # extra SFT epochs while the quality gate fails
     sft_extra_lr_scale: float = 1.0  # an extra epoch's peak rate / sft_learning_rate (then linear decay to 0)
+    # while the gate still fails after the extra rounds: start over from the same initial weights
+    # with another data order, up to this many times (a skill that forms in a sudden transition or
+    # never, as the single-step lookup does on the 2-layer model: docs/warm_start.md)
+    sft_restarts: int = 0
     # episode shapes the warm start must pass the gate for (tool | single_step); others are measured
     gate_shapes: List[str] = field(default_factory=lambda: ["tool"])
     # MUSIQUE_RL_CACHE stays an environment variable: it says where this machine keeps caches, not
     # how a run runs (the same run on another machine caches elsewhere and computes the same).
     cache_dir: str = "${oc.env:MUSIQUE_RL_CACHE,${oc.env:HOME}/.cache/musique_rl}"
 
-    RULES: ClassVar = {"sft_learning_rate": POSITIVE, "sft_epochs": POSITIVE}
+    RULES: ClassVar = {"sft_learning_rate": POSITIVE, "sft_epochs": POSITIVE, "sft_restarts": at_least(0)}
 
 
 @dataclass

@@ -201,17 +201,49 @@ def cpu_threads_for_tiny() -> None:
 # (conf/warm_start/<task>.yaml: env.* and, for a task with its own SFT recipe,
 # model.tiny.* in place of the configured sft_* settings): a warm start is a fixed artifact (like a
 # downloaded checkpoint), so both arms of a sweep that changes the env (h04's small budgets, another
-# retriever) start from the same weights.
+# retriever) start from the same weights. The one run setting a start is keyed by is the episode
+# shape, and only for a shape with its own recipe (``shapes`` in that file: musique's single-step
+# shape, h07's treatment), so that arm's start is part of its knob (verdict/design.py).
 def task_of(cfg: JobConfig) -> Task:
     """The run's task (``env.task``); it holds the warm start's environment and recipe."""
     return task_for(cfg.env)
 
 
+def shape_recipe(cfg: JobConfig) -> tuple[str, dict]:
+    """(the run's episode shape, that shape's own SFT recipe: model.tiny.* keys, empty when the
+    shape trains from the task's common start). The recipe is conf/warm_start/<task>.yaml's
+    ``shapes.<shape>``: a start is keyed by the shape where one start cannot pass every shape's gate
+    (on the 2-layer model, finding the right paragraph in the prompt and copying from it forms only
+    from single-step data; docs/warm_start.md)."""
+    task = task_of(cfg)
+    shapes = task.warm_start().shapes
+    unknown = sorted(set(shapes) - set(task.gate_shapes))
+    if unknown:
+        raise ValueError(f"conf/warm_start/{task.name}.yaml shapes: unknown shape(s) {unknown}; "
+                         f"choose from {sorted(task.gate_shapes)}")
+    shape = task.shape_of(cfg.env)
+    return shape, dict(shapes.get(shape, {}))
+
+
+def shape_knobs() -> tuple[str, ...]:
+    """The run settings (``env.*`` keys) that pick an episode shape with its own recipe, over every
+    task: runs that differ in one start from different weights by design, the start being part of
+    that knob (verdict/design.py reads this; musique: ``env.supporting_in_prompt``)."""
+    keys = {f"env.{k}" for task in TASKS.values() for shape in task.warm_start().shapes
+            for k in task.gate_shapes.get(shape, {})}
+    return tuple(sorted(keys))
+
+
 def warm_start_config(cfg: JobConfig) -> JobConfig:
-    """``cfg`` with its task's fixed warm-start environment (and SFT recipe) in place of the run's."""
-    setting = task_of(cfg).warm_start()
-    tiny = overlay(cfg.model.tiny, setting.tiny)
-    return dataclasses.replace(cfg, env=overlay(cfg.env, setting.env), model=dataclasses.replace(cfg.model, tiny=tiny))
+    """``cfg`` with its task's fixed warm-start environment (and SFT recipe, and its episode shape's
+    own recipe if it has one) in place of the run's. The run's shape is kept (the shape's env.* keys
+    over the fixed environment), so this is idempotent: applied twice, the same start."""
+    task = task_of(cfg)
+    setting = task.warm_start()
+    shape, recipe = shape_recipe(cfg)
+    tiny = overlay(overlay(cfg.model.tiny, setting.tiny), recipe)
+    env = overlay(cfg.env, {**setting.env, **task.gate_shapes[shape]})
+    return dataclasses.replace(cfg, env=env, model=dataclasses.replace(cfg.model, tiny=tiny))
 
 
 def tools_for(env_cfg: EnvConfig) -> list[dict] | None:
@@ -237,6 +269,11 @@ def render_texts(episodes: list[list[dict]], envs: list) -> list[str]:
 
 
 # ---------------------------------------------------------------- where a warm start lives
+# model.tiny settings added after warm starts were shipped, hashed only when set (value here: unset),
+# so the shipped starts keep their keys: a setting at this value builds exactly what it built before.
+KEYED_WHEN_SET = {"sft_restarts": 0}
+
+
 def build_settings(cfg: JobConfig) -> dict:
     """Every setting the built warm start depends on: ``model.tiny`` (with the task's SFT recipe),
     the task and its fixed warm-start environment (not the run's env or seed: seeds and arms vary
@@ -244,7 +281,13 @@ def build_settings(cfg: JobConfig) -> dict:
     task = task_of(cfg)
     tiny = dataclasses.asdict(warm_start_config(cfg).model.tiny)
     tiny.pop("cache_dir", None)
-    return {"build": BUILD_VERSION, **task.key_fields(), "tiny": tiny, "env": task.warm_start().env}
+    for k, unset in KEYED_WHEN_SET.items():
+        if tiny.get(k) == unset:
+            tiny.pop(k)
+    shape, recipe = shape_recipe(cfg)
+    # a shape with its own recipe is named (the common start's settings, and so its key, name none)
+    keyed = {"shape": shape} if recipe else {}
+    return {"build": BUILD_VERSION, **task.key_fields(), **keyed, "tiny": tiny, "env": task.warm_start().env}
 
 
 def build_key(cfg: JobConfig) -> str:

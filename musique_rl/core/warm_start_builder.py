@@ -12,9 +12,11 @@ musique's):
 ``model.tiny.gate_shapes`` names the shapes the build must pass (the others are measured and
 recorded); a job refuses to train from a warm start that did not pass its episode shape.
 The schedule: ``model.tiny.sft_epochs`` at ``sft_learning_rate`` (warmup, constant, decay over
-the last quarter), then, while the gate fails, up to ``sft_max_rounds`` more epochs at a quarter
-of the rate. A gate that still fails raises ``WarmStartGateError`` with the numbers: a weak model
-is never handed to training silently.
+the last quarter), then, while the gate fails, up to ``sft_max_rounds`` more epochs at
+``sft_extra_lr_scale`` times the rate (decaying to 0), and, while it still fails, up to
+``sft_restarts`` fresh starts from the same initial weights with another data order (a skill that
+forms in a sudden transition or never: the single-step shape's). A gate that still fails raises
+``WarmStartGateError`` with the numbers: a weak model is never handed to training silently.
 
 Deterministic as torch allows on a CPU: one thread, deterministic algorithms, fixed seeds (two
 builds on one machine give the same weights hash, ``build.json``). Different CPUs and GPUs still
@@ -47,6 +49,7 @@ from musique_rl.env.tasks import gate_of
 log = logging.getLogger(__name__)
 
 GATE_SAMPLES = 8  # samples per question (pass@8)
+RESTART_SEED_STRIDE = 1000  # a restart's data-order seed: stride x restart (its extra rounds add 1, 2, ...)
 
 
 def shapes_for(cfg: JobConfig) -> tuple[str, ...]:
@@ -253,20 +256,30 @@ def _build(cfg: JobConfig, out: Path, t0: float) -> dict:
     model, tokenizer, _, episodes, envs = tiny_model.build_untrained(cfg)
     rows = sft_rows(tokenizer, episodes, envs)
     lr = tiny.sft_learning_rate
-    stages = [sft(model, tokenizer, rows, out / "sft", epochs=tiny.sft_epochs, lr=lr, warmup=30, decay_share=0.25, seed=0)]
-    numbers = measure(cfg, model, tokenizer)
-    history = [numbers]
-    failures = gate_failures(numbers, required)
-    log.info("warm start gate after %d SFT steps: %s", stages[-1]["steps"], numbers)
-    for extra in range(1, tiny.sft_max_rounds + 1):
-        if not failures:
-            break
-        stages.append(sft(model, tokenizer, rows, out / "sft", epochs=1.0, lr=lr * tiny.sft_extra_lr_scale,
-                          warmup=0, decay_share=1.0, seed=extra))
+    history: list[dict] = []
+    failures: list[str] = []
+    for restart in range(tiny.sft_restarts + 1):
+        if restart:  # the same initial weights (build_model's seed), the next data order
+            model = tiny_model.build_model(tiny, tokenizer)
+            log.info("warm start gate still failing (%s): restart %d of %d", "; ".join(failures), restart, tiny.sft_restarts)
+        seed = RESTART_SEED_STRIDE * restart  # restart 0: the data order of every build before restarts
+        stages = [sft(model, tokenizer, rows, out / "sft", epochs=tiny.sft_epochs, lr=lr, warmup=30, decay_share=0.25,
+                      seed=seed)]
         numbers = measure(cfg, model, tokenizer)
         history.append(numbers)
         failures = gate_failures(numbers, required)
-        log.info("warm start gate after extra round %d: %s", extra, numbers)
+        log.info("warm start gate after %d SFT steps: %s", stages[-1]["steps"], numbers)
+        for extra in range(1, tiny.sft_max_rounds + 1):
+            if not failures:
+                break
+            stages.append(sft(model, tokenizer, rows, out / "sft", epochs=1.0, lr=lr * tiny.sft_extra_lr_scale,
+                              warmup=0, decay_share=1.0, seed=seed + extra))
+            numbers = measure(cfg, model, tokenizer)
+            history.append(numbers)
+            failures = gate_failures(numbers, required)
+            log.info("warm start gate after extra round %d: %s", extra, numbers)
+        if not failures:
+            break
     report = {
         "key": out.name.removeprefix("tiny-"),
         "gate": numbers,
@@ -275,9 +288,10 @@ def _build(cfg: JobConfig, out: Path, t0: float) -> dict:
         "gate_failures": failures,
         # every measured shape, required or not: a job refuses to train a shape whose gate failed
         "shape_passed": {shape: not gate_failures(numbers, [shape]) for shape in numbers},
-        "gate_history": history,
+        "gate_history": history,  # every round of every restart
         "gate_criteria": gate_criteria(cfg),
-        "sft": stages,
+        "sft": stages,  # the last restart's stages (the one that passed)
+        **({"sft_restart": restart} if tiny.sft_restarts else {}),
         "sft_rows": len(rows),
         "params": sum(p.numel() for p in model.parameters()),
         "vocab": len(tokenizer),
@@ -293,9 +307,9 @@ def _build(cfg: JobConfig, out: Path, t0: float) -> dict:
     (target / "build.json").write_text(json.dumps(report, indent=1, default=str))
     if failures:
         raise WarmStartGateError(
-            f"the tiny warm start failed its quality gate after {len(stages)} SFT stage(s): " + "; ".join(failures)
+            f"the tiny warm start failed its quality gate after {len(history)} SFT stage(s): " + "; ".join(failures)
             + f". Numbers per round: {json.dumps(history)}. Not used; kept for inspection in {target}. Change "
-            "model.tiny.* (sft_epochs, sft_learning_rate, sft_noise, sft_max_rounds) or see docs/warm_start.md"
+            "model.tiny.* (sft_epochs, sft_learning_rate, sft_noise, sft_max_rounds, sft_restarts) or see docs/warm_start.md"
         )
     log.info("tiny warm start built in %.0f s: weights %s, gate %s", report["seconds"], report["weights_hash"], numbers)
     return report

@@ -153,6 +153,9 @@ class WarmStartConfig(ReadOnly):
 
     env: Dict[str, Any] = field(default_factory=dict)  # env.* keys the warm start is trained and gated in
     tiny: Dict[str, Any] = field(default_factory=dict)  # model.tiny.* keys the task's own SFT recipe replaces
+    # An episode shape's own recipe (a gate shape name -> model.tiny.* keys over ``tiny``): runs of
+    # that shape start from their own gated warm start, keyed by the shape (h07's single-step arm)
+    shapes: Dict[str, Dict[str, Any]] = field(default_factory=dict)
 
 
 def warm_start_config(task: str) -> WarmStartConfig:

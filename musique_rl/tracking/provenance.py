@@ -144,7 +144,7 @@ def run_tags(cfg: DictConfig) -> dict[str, str]:
 
 
 def origin_tags(origin: Mapping[str, Any]) -> dict[str, Any]:
-    """Tags for what a run's figures depend on besides code and config (``warm_start.provenance``):
+    """Tags for what a run's figures depend on besides code and config (``warm_start_builder.provenance``):
     every ``warm_start/*`` and ``machine/*`` value, plus ``warm_start_hash`` and one ``machine``
     string that the verdict compares across the runs of a sweep."""
     from musique_rl.core.warm_start_builder import machine_string

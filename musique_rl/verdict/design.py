@@ -7,8 +7,10 @@ else, and every seed ran the same setup:
   while the sweep ran, say) are a confound;
 - warm start: runs that started from different weights (the ``warm_start/hash`` each job records)
   are a confound, compared over the runs that have a value, since only those enter the effect;
-  within an arm always, across arms unless the arms differ in a ``model.*`` setting (then the
-  warm start is part of the treatment: h07 gives each shape its own gated start);
+  within an arm always, across arms unless the arms differ in a setting the warm start is keyed
+  by: a ``model.*`` setting, or a knob that picks an episode shape with its own warm start
+  (``tiny_model.shape_knobs``: h07's ``env.supporting_in_prompt``, whose single-step arm starts
+  from the single-step start). Then the start is part of the knob, and the notes say so;
 - code and machine: several commits, a dirty tree or several machines are pointed out in the
   notes, not confounds (a docs-only commit changes nothing; CPUs differ in rounding, not in kind).
 A confounded sweep is reported Inconclusive with the culprits named, whatever the numbers say.
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from musique_rl.core.tiny_model import shape_knobs
 from musique_rl.verdict.sweep import ARMS, UNKNOWN, Run
 
 IGNORED_PARAMS = ("seed", "hypothesis.arm", "sweep.resume")  # what legitimately differs between the jobs of a sweep (sweep.resume: the jobs a resume ran)
@@ -77,13 +80,17 @@ def warm_start_check(runs: list[Run], differ: Any = ()) -> tuple[list[str], str 
     hashes = sorted({r.warm_start for r in used})
     known_runs = [r for r in used if r.warm_start != UNKNOWN]
     known = _cells_by(known_runs, "warm_start")
-    by_design = any(str(k).startswith("model.") for k in differ)
+    keyed_by = sorted(str(k) for k in differ if str(k).startswith("model.") or str(k) in shape_knobs())
     within_arm = any(len({r.warm_start for r in known_runs if r.arm == arm}) > 1 for arm in {r.arm for r in known_runs})
     confound = None
-    if len(known) > 1 and (within_arm or not by_design):
+    notes = []
+    if len(known) > 1 and (within_arm or not keyed_by):
         confound = "the runs start from different warm starts: " + "; ".join(
             f"{h} ({', '.join(cells)})" for h, cells in known.items())
-    notes = []
+    elif len(known) > 1:
+        per_arm = {arm: r.warm_start for arm in ARMS for r in known_runs if r.arm == arm}
+        notes.append("the arms start from different warm starts by design, the start being part of the knob "
+                     f"({', '.join(keyed_by)}): " + ", ".join(f"{arm} {h}" for arm, h in per_arm.items()))
     unknown = sorted(r.cell for r in used if r.warm_start == UNKNOWN)
     if used and len(unknown) == len(used):
         notes.append("no run records its warm-start hash (older code): the runs may not share a warm start")

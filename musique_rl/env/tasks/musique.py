@@ -205,7 +205,9 @@ def noisy_oracle_dataset(
     records = [per_world[i % len(worlds)][i // len(worlds)] for i in range(n_records)]
     tool_env = dataclasses.replace(env_cfg, supporting_in_prompt=False)
     single_env = dataclasses.replace(env_cfg, supporting_in_prompt=True)
-    retriever = build_retriever(tool_env, records)
+    # indexes built on first use, for the episodes posed with the tool only (a single-step start's
+    # 64,000 records would otherwise each be indexed for nothing); the same results either way
+    retriever = build_retriever(tool_env, records, warm=False)
     rng = random.Random(rng_seed)
     episodes, envs = [], []
     for rec in records:
