@@ -89,6 +89,8 @@ def test_advantages_equal_trls_own_on_a_real_batch(tiny_cfg, warm_tiny, tmp_path
     out = _batch(tr)
     ours = trainer_mod.group_advantages(tr.last_batch.rewards, 8, "group", 1e-4)
     assert torch.allclose(out["advantages"], ours, atol=1e-6)
+    # a patch written against earlier versions reads the batch's rewards under their old name
+    assert tr._last_rewards is tr.last_batch.rewards and tr._last_rewards.shape == out["advantages"].shape
     tr._adv_epsilon = 0.5
     torch.manual_seed(0)
     out = _batch(tr)

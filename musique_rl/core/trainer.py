@@ -290,6 +290,14 @@ class MusiqueGRPOTrainer(GRPOTrainer):
                                best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
         self.accelerator.wait_for_everyone()
 
+    @property
+    def _last_rewards(self) -> torch.Tensor | None:
+        """The last scored batch's reward totals, gathered over every process (NaN: unscorable).
+        Read-only, under the attribute name earlier versions kept them in: patches and plug-ins written
+        against those versions (a user's own defect or advantage experiment) read it, and a rename
+        would crash them mid-run. New code reads ``last_batch.rewards``."""
+        return self.last_batch.rewards if self.last_batch is not None else None
+
     def merge_metrics(self, metrics: dict[str, float] | None, mode: str | None = None) -> None:
         """The one way our metrics join TRL's: appended to the per-step `_metrics[mode]`, which TRL
         averages and clears at each log. `mode` None = by the model's state (train | eval)."""
