@@ -120,3 +120,39 @@ def raw_tiny():
     from musique_rl.core.tiny_model import build_untrained
 
     return build_untrained(job_cfg([*TEST_OVERRIDES, "model.tiny.sft_records=120"]))
+
+
+def instrumented_trainer(cfg, warm_tiny, tmp_path, *, records_by_id: bool = False, by_step: bool = True):
+    """A tiny trainer with the instruments on (a deep copy of the warm start, the first 40 records), and
+    ``seen``: what it merges into TRL's metrics as it trains, {metric: {step: value}} (``by_step``) or
+    {metric: [value, ...]} in merge order (one per micro-batch for the point-of-use reads). Patch the
+    trainer, then ``trainer.train()``. ``records_by_id`` hands the instruments the records (the answer
+    check scores against their gold answers)."""
+    import copy
+
+    from musique_rl.core import faults
+    from musique_rl.core import trainer as trainer_mod
+    from musique_rl.env import rewards
+    from musique_rl.env.data import load_records
+    from musique_rl.env.retrieval import build_retriever
+    from musique_rl.instruments.suite import Instruments
+
+    model, tok = warm_tiny
+    recs = load_records(cfg.env.data, cfg.env, int(cfg.seed))[:40]
+    by_id = {r["id"]: r for r in recs}
+    inst = Instruments.from_config(cfg, tokenizer=tok, artifact_logger=None, **({"records_by_id": by_id} if records_by_id else {}))
+    tr = trainer_mod.build_trainer(cfg, copy.deepcopy(model), tok, recs, build_retriever(cfg.env, recs),
+                                   rewards.RewardFunction(cfg.reward, by_id), tmp_path, fault=faults.of(cfg), instruments=inst)
+    seen: dict = {}
+    merge = tr.merge_metrics
+
+    def record(metrics, mode=None):
+        for k, v in (metrics or {}).items():
+            if by_step:
+                seen.setdefault(str(k), {})[int(tr.state.global_step)] = float(v)
+            else:
+                seen.setdefault(str(k), []).append(float(v))
+        return merge(metrics, mode)
+
+    tr.merge_metrics = record
+    return tr, seen

@@ -11,18 +11,14 @@ import random
 
 import pytest
 import torch
-from conftest import with_keys
+from conftest import instrumented_trainer, with_keys
 
-from musique_rl.core import faults
 from musique_rl.core import trainer as trainer_mod
 from musique_rl.core.generation import frozen_copy
 from musique_rl.env import rewards
-from musique_rl.env.data import load_records
 from musique_rl.env.episode import EpisodeSummary, StopReason
-from musique_rl.env.retrieval import build_retriever
 from musique_rl.instruments.answer_check import answer_agreement, score_answer
 from musique_rl.instruments.reference import reference_is_policy
-from musique_rl.instruments.suite import Instruments
 from musique_rl.instruments.updates import ConfiguredSchedule, optimizer_numbers
 
 
@@ -31,21 +27,7 @@ def _run(tiny_cfg, warm_tiny, tmp_path, overrides=None, patch=None, steps=3):
     cfg = with_keys(tiny_cfg, {"train.max_steps": steps, "train.prompts_per_step": 2, "train.num_generations": 4,
                                "train.save_steps": 1000, "loss.warmup_steps": 1, "seed": 3,
                                "diagnostics.parity_probe_every": 1, **(overrides or {})})
-    model, tok = warm_tiny
-    recs = load_records(cfg.env.data, cfg.env, int(cfg.seed))[:40]
-    inst = Instruments.from_config(cfg, tokenizer=tok, artifact_logger=None, records_by_id={r["id"]: r for r in recs})
-    tr = trainer_mod.build_trainer(cfg, copy.deepcopy(model), tok, recs, build_retriever(cfg.env, recs),
-                                   rewards.RewardFunction(cfg.reward, {r["id"]: r for r in recs}), tmp_path,
-                                   fault=faults.of(cfg), instruments=inst)
-    seen: dict[str, dict[int, float]] = {}
-    merge = tr.merge_metrics
-
-    def record(metrics, mode=None):
-        for k, v in (metrics or {}).items():
-            seen.setdefault(str(k), {})[int(tr.state.global_step)] = float(v)
-        return merge(metrics, mode)
-
-    tr.merge_metrics = record
+    tr, seen = instrumented_trainer(cfg, warm_tiny, tmp_path, records_by_id=True)
     if patch is not None:
         patch(tr)
     tr.train()

@@ -14,7 +14,7 @@ import types
 
 import pytest
 import torch
-from conftest import with_keys
+from conftest import instrumented_trainer, with_keys
 from fake_vllm import (
     FakeEngine,
     FakeServer,
@@ -25,8 +25,6 @@ from fake_vllm import (
     patch_vllm_client,
 )
 
-from musique_rl.core import faults
-from musique_rl.core import trainer as trainer_mod
 from musique_rl.core.generation import (
     HFGenerator,
     PagedGenerator,
@@ -38,10 +36,6 @@ from musique_rl.core.generation import (
     VLLMServerGenerator,
     frozen_copy,
 )
-from musique_rl.env import rewards
-from musique_rl.env.data import load_records
-from musique_rl.env.retrieval import build_retriever
-from musique_rl.instruments.suite import Instruments
 from musique_rl.instruments.sync import model_scorer
 
 
@@ -157,21 +151,8 @@ def _probed_run(tiny_cfg, warm_tiny, tmp_path, sampler_defect=None, steps: int =
     cfg = with_keys(tiny_cfg, {"train.max_steps": steps, "train.prompts_per_step": 2, "train.num_generations": 4,
                                "train.save_steps": 1000, "loss.warmup_steps": 0, "seed": 3,
                                "diagnostics.parity_probe_every": 1})
-    model, tok = warm_tiny
-    recs = load_records(cfg.env.data, cfg.env, int(cfg.seed))[:40]
-    inst = Instruments.from_config(cfg, tokenizer=tok, artifact_logger=None)
-    tr = trainer_mod.build_trainer(cfg, copy.deepcopy(model), tok, recs, build_retriever(cfg.env, recs),
-                                   rewards.RewardFunction(cfg.reward, {r["id"]: r for r in recs}), tmp_path,
-                                   fault=faults.of(cfg), instruments=inst)
-    seen: dict[str, dict[int, float]] = {}
-    merge = tr.merge_metrics
-
-    def record(metrics, mode=None):
-        for k, v in (metrics or {}).items():
-            seen.setdefault(k, {})[int(tr.state.global_step)] = float(v)
-        return merge(metrics, mode)
-
-    tr.merge_metrics = record
+    tok = warm_tiny[1]
+    tr, seen = instrumented_trainer(cfg, warm_tiny, tmp_path)
     original = tr._generate_and_score_completions
     skip = ("q_proj", "k_proj", "v_proj")
 

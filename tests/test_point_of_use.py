@@ -5,18 +5,12 @@ steps 0-2; the clean run reads clean."""
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
-from conftest import with_keys
+from conftest import instrumented_trainer, with_keys
 
-from musique_rl.core import faults
 from musique_rl.core import trainer as trainer_mod
 from musique_rl.env import rewards
-from musique_rl.env.data import load_records
-from musique_rl.env.retrieval import build_retriever
-from musique_rl.instruments.suite import Instruments
 
 
 def _cfg(tiny_cfg, overrides: dict):
@@ -27,21 +21,7 @@ def _cfg(tiny_cfg, overrides: dict):
 
 def _run(cfg, warm_tiny, tmp_path, patch=None):
     """Train cfg.train.max_steps steps with instruments; the point-of-use metrics of every micro-batch."""
-    model, tok = warm_tiny
-    recs = load_records(cfg.env.data, cfg.env, int(cfg.seed))[:40]
-    reward_fn = rewards.RewardFunction(cfg.reward, {r["id"]: r for r in recs})
-    inst = Instruments.from_config(cfg, tokenizer=tok, artifact_logger=None)
-    tr = trainer_mod.build_trainer(cfg, copy.deepcopy(model), tok, recs, build_retriever(cfg.env, recs), reward_fn,
-                                   tmp_path, fault=faults.of(cfg), instruments=inst)
-    seen: dict[str, list[float]] = {}
-    merge = tr.merge_metrics
-
-    def record(metrics, mode=None):
-        for k, v in (metrics or {}).items():
-            seen.setdefault(k, []).append(float(v))
-        return merge(metrics, mode)
-
-    tr.merge_metrics = record
+    tr, seen = instrumented_trainer(cfg, warm_tiny, tmp_path, by_step=False)
     if patch is not None:
         patch(tr)
     tr.train()
