@@ -7,7 +7,8 @@ Each cell is ``python -m musique_rl train.max_steps=20 train.eval_episodes=8 tra
 model.dtype=D <variant overrides> hydra.run.dir=DIR/<variant>-<dtype>-s<S>`` (variants: ``default``, ``kl``
 = ``loss.beta=0.04``, ``lora`` = ``lora=r8 loss.learning_rate=1e-2``, LoRA at 10x the rate), run under ``nice -n 10`` with one torch thread, at most
 ``--parallel`` at once. Resumable: a cell whose run directory holds a finished ``diagnosis.json`` is kept.
-Prints one line per cell (the doctor's top flagged finding, or clean) and, last, one JSON object:
+Prints one line per cell (the top flagged finding of this checkout's doctor, or clean) and, last, one JSON object
+(``--record docs/records/healthy_runs.md`` also writes them with their provenance):
 ``{"runs", "finished", "clean", "flagged": {cell: "hNN check"}, "failed": [cell]}``.
 ``python benchmarks/healthy_fixtures.py NAME=DIR ...`` makes test fixtures of some of them.
 """
@@ -49,14 +50,17 @@ def command(run_dir: Path, variant: str, dtype: str, seed: int, steps: int) -> l
 
 
 def top_finding(run_dir: Path) -> str | None:
-    """'clean', or the top flagged finding's 'hNN check'; None when the run has no diagnosis."""
-    try:
-        findings = json.loads((run_dir / "diagnosis.json").read_text())
-    except (OSError, ValueError):
+    """'clean', or the top flagged finding's 'hNN check', judged by this checkout's doctor on the run's
+    metrics (not the diagnosis.json the job wrote: a kept cell is judged by the doctor of today's commit);
+    None when the run did not finish (no diagnosis.json)."""
+    if not (run_dir / "diagnosis.json").is_file():
         return None
-    rows = findings.get("findings", findings) if isinstance(findings, dict) else findings
-    flagged = [f for f in rows if isinstance(f, dict) and f.get("flagged")]
-    return "clean" if not flagged else f"{flagged[0].get('hypothesis')} {flagged[0].get('check', '')}".strip()
+    from musique_rl.doctor.diagnose import diagnose_metrics
+    from musique_rl.doctor.sources import read_run_dir
+
+    run = read_run_dir(run_dir)
+    top = diagnose_metrics(run.histories, run.params).top
+    return "clean" if top is None else f"{top.hypothesis} {top.check}"
 
 
 def run_cell(out: Path, variant: str, dtype: str, seed: int, steps: int) -> tuple[str, str | None, float]:
@@ -104,4 +108,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import record  # benchmarks/record.py: --record PATH also writes the table with its provenance
+
+    raise SystemExit(record.run(main, title="Healthy runs: the doctor's false alarms on clean jobs (healthy_runs.py)"))
