@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import torch
-
 from musique_rl.base.catalogue import H02_LOSS_ASSISTANT_LEFT_OUT_SHARE
 from musique_rl.core.faults import Fault
 
@@ -22,6 +20,8 @@ class TurnEndDropped(Fault):
                    "loss's gradient does not reach, vs the rollout's token sources)")
 
     def loss_inputs(self, inputs: dict) -> dict:
+        import torch  # here, not at import: composing a config loads every fault and must not load torch
+
         completion = inputs["completion_mask"]
         tool = inputs.get("tool_mask")
         trained = completion if tool is None else completion * tool
