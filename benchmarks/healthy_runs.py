@@ -6,7 +6,7 @@
 Each cell is ``python -m musique_rl train.max_steps=20 train.eval_episodes=8 tracking.enabled=false seed=S
 model.dtype=D <variant overrides> hydra.run.dir=DIR/<variant>-<dtype>-s<S>`` (variants: ``default``, ``kl``
 = ``loss.beta=0.04``, ``lora`` = ``lora=r8 loss.learning_rate=1e-2``, LoRA at 10x the rate), run under ``nice -n 10`` with one torch thread, at most
-``--parallel`` at once. Resumable: a cell whose run directory holds a finished ``diagnosis.json`` is kept.
+``--parallel`` at once. Resumable: a cell whose run directory holds the diagnosis its job wrote at the end is kept.
 Prints one line per cell (the top flagged finding of this checkout's doctor, or clean) and, last, one JSON object
 (``--record docs/records/healthy_runs.md`` also writes them with their provenance):
 ``{"runs", "finished", "clean", "flagged": {cell: "hNN check"}, "failed": [cell]}``.
@@ -53,11 +53,12 @@ def top_finding(run_dir: Path) -> str | None:
     """'clean', or the top flagged finding's 'hNN check', judged by this checkout's doctor on the run's
     metrics (not the diagnosis.json the job wrote: a kept cell is judged by the doctor of today's commit);
     None when the run did not finish (no diagnosis.json)."""
-    if not (run_dir / "diagnosis.json").is_file():
-        return None
+    from musique_rl.base import rundir
     from musique_rl.doctor.diagnose import diagnose_metrics
     from musique_rl.doctor.sources import read_run_dir
 
+    if not (run_dir / rundir.DIAGNOSIS).is_file():
+        return None
     run = read_run_dir(run_dir)
     top = diagnose_metrics(run.histories, run.params).top
     return "clean" if top is None else f"{top.hypothesis} {top.check}"
