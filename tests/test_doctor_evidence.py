@@ -111,6 +111,29 @@ def test_every_tool_call_refused_outranks_the_answer_reward_it_starves():
     assert blind.flagged and str(blind.role) == "consequence" and blind.explained_by is d.top
 
 
+def test_every_group_identical_is_a_proof_that_explains_the_tied_groups_it_causes():
+    """Greedy rollouts: every group's G completions identical, so every group ties. The share of
+    identical groups at its worst end is categorical, as strong as the tied groups downstream, so the
+    sampling stage is the cause and the missing signal its consequence (the Poisson tail, which floors
+    near 1e-16, graded it below the tie and left the signal stage on top)."""
+    from tests.test_doctor import clean
+
+    m = clean()
+    n = len(m["h07/tool_failure_rate"])
+    m["h06/identical_group_share"] = steps([1.0] * n, start=0)
+    m["h06/identical_group_expected_share"] = steps([0.002] * n, start=0)
+    m["h01/zero_std_share"] = steps([1.0] * n, start=0)
+    m["h01/adv_abs_max"] = steps([0.0] * n, start=0)
+    d = diagnose_metrics(m, {"train.prompts_per_step": "8"})
+    assert d.top is not None and (d.top.hypothesis, d.top.check) == ("h06", "sampling_not_diverse"), flagged(d)
+    tied = d.find("no_signal")
+    assert tied.flagged and str(tied.role) == "consequence" and tied.explained_by is d.top
+    # most groups identical, not all: the tail is the measure, and a weaker one
+    m["h06/identical_group_share"] = steps([0.5] * n, start=0)
+    d = diagnose_metrics(m, {"train.prompts_per_step": "8"})
+    assert int(d.find("sampling_not_diverse").severity) < 3
+
+
 def test_a_weak_truncation_does_not_explain_a_task_reward_that_is_the_same_for_every_completion():
     n = 30
     m = {"rewards/environment_reward_function/mean": steps([-5.0] * n),

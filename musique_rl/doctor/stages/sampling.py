@@ -27,7 +27,7 @@ from musique_rl.base.catalogue import (
     TRL_SAMPLING_LOGP_DIFFERENCE,
 )
 from musique_rl.doctor.context import gap_threshold, late_gap_threshold
-from musique_rl.doctor.evidence import Measure
+from musique_rl.doctor.evidence import CATEGORICAL_SLACK, Measure
 from musique_rl.doctor.findings import Finding, History, judged, magnitude, rule, stage_sentence, values
 from musique_rl.doctor.step import Kind
 from musique_rl.doctor.trl_rules import OURS, TREND_MIN_POINTS, _ours
@@ -240,8 +240,16 @@ def _sampling_diverse(m: Mapping[str, History], params: Mapping[str, str]) -> li
     c = "sampling_not_diverse"
     t = params.get("train.temperature", "> 0")
     ev = {"identical groups": float(observed), "identical groups expected": expected, "p": p}
-    # the evidence is the Poisson tail itself: -log10 p against -log10 of the bound
+    # the evidence is the Poisson tail itself: -log10 p against -log10 of the bound; but when every
+    # group of the run came out identical the share of groups is categorical (greedy sampling acts on
+    # every group alike), a proof as strong as the tied groups it causes downstream, and the tail
+    # (which floors at float precision near 1e-16) would understate it
+    judged_groups = len(pairs) * groups
+    share = observed / judged_groups if judged_groups else 0.0
     measure = Measure("identical groups (-log10 p)", -math.log10(max(p, 1e-300)), -math.log10(IDENTICAL_P_MAX))
+    if share >= 1.0 - CATEGORICAL_SLACK and observed >= IDENTICAL_MIN:
+        ev["identical groups (share of groups judged)"] = share
+        measure = Measure("identical groups (share of groups judged)", share, expected / judged_groups, share=True)
     return judged("h06", c, observed >= IDENTICAL_MIN and p < IDENTICAL_P_MAX, 2 + magnitude(IDENTICAL_P_MAX / max(p, 1e-300)),
                   ev, f"{observed} groups held G identical completions where the sampler's own log-probs predict "
                   f"{expected:.2g} (Poisson p = {p:.1g}, train.temperature={t}): the sampler does not sample as "
