@@ -112,4 +112,5 @@ if __name__ == "__main__":
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import record  # benchmarks/record.py: --record PATH also writes the table with its provenance
 
-    raise SystemExit(record.run(main, title="Healthy runs: the doctor's false alarms on clean jobs (healthy_runs.py)"))
+    raise SystemExit(record.run(main, title="Healthy runs: the doctor's false alarms on clean jobs (healthy_runs.py)",
+                                 dtype="float32 and bfloat16 (each cell names its own)"))
