@@ -75,7 +75,7 @@ def provenance(argv: list[str], *, dtype: str, tokenizer: str, warm_start: str) 
     import torch
 
     return {
-        "command": "python " + shlex.join([_relative(argv[0]), *argv[1:]]),
+        "command": portable("python " + shlex.join([_relative(argv[0]), *argv[1:]])),
         "commit": git_commit(),
         "machine": machine(),
         "torch": torch.__version__,
@@ -92,6 +92,15 @@ def render(title: str, fields: dict[str, str], body: str, status: int) -> str:
     lines += [f"- {k}: {v}" for k, v in fields.items() if k != "command"]
     lines += ["", f"Output (exit status {status}):", "", "```text", body.rstrip("\n"), "```", ""]
     return "\n".join(lines)
+
+
+def portable(command: str) -> str:
+    """The command as a stranger reruns it: the data folder outside the repository (cases, public logs,
+    MuSiQue files) written as ``$MUSIQUE_RL_DATA``, not as this machine's path to it."""
+    data = os.environ.get("MUSIQUE_RL_DATA")
+    if not data:
+        return command
+    return command.replace(str(Path(data).resolve()), "$MUSIQUE_RL_DATA").replace(data.rstrip("/"), "$MUSIQUE_RL_DATA")
 
 
 def _relative(path: str) -> str:

@@ -166,6 +166,18 @@ def test_a_benchmark_run_with_record_writes_its_output_under_a_provenance_header
     assert "Output (exit status 1)" in text and "arm  tok/s\nhf   3119\n```" in text
 
 
+def test_a_record_names_the_data_folder_as_a_stranger_has_it(tmp_path, monkeypatch):
+    """A command that read the data outside the repository is recorded with $MUSIQUE_RL_DATA, not with
+    this machine's path to it (which names a folder a stranger does not have)."""
+    record = _record_module()
+    data = tmp_path / "data"
+    (data / "cases").mkdir(parents=True)
+    monkeypatch.setenv("MUSIQUE_RL_DATA", str(data))
+    out = tmp_path / "rec.md"
+    record.run(lambda: print("ok"), title="A bench", argv=["bench_x.py", "--cases", str(data / "cases"), "--record", str(out)])
+    assert "--cases $MUSIQUE_RL_DATA/cases" in out.read_text() and str(data) not in out.read_text()
+
+
 def test_without_record_a_benchmark_writes_nothing(tmp_path, monkeypatch):
     record = _record_module()
     monkeypatch.chdir(tmp_path)
