@@ -3,6 +3,7 @@
     python benchmarks/bench_mutants.py --salt S --sample N --seeds 1 --out DIR            # draw, run, judge
     python benchmarks/bench_mutants.py --salt S --sample N --seeds 1 --out DIR --split test --record docs/records/mutants.json
     python benchmarks/bench_mutants.py --salt S --sample N --seeds 1 --out DIR --rejudge  # the doctor only: seconds
+    python benchmarks/bench_mutants.py --salt S --sample N --split test --out DIR --blind --exclude OLD  # run, judge later
     python benchmarks/bench_mutants.py --salt S --sample N --list                         # the drawn mutants, nothing run
     python benchmarks/bench_mutants.py --measure-coverage --out DIR                       # rewrite mutants/executed_lines.json
 
@@ -40,7 +41,12 @@ The draw (mutants/population.py): sha256(salt, id) orders the population and the
 sha256(salt, "split", id) puts each into the ``dev`` or ``test`` half. ``--split`` runs one half of
 the N drawn. The figure of record is the test half, run once per doctor change before anyone looks
 at its failures (docs/diagnostics.md, "First contact"); studied test failures move to development
-with a fresh salt.
+with a fresh salt, and ``--exclude FILE`` (one mutant id per line, as docs/records/mutants_studied.txt
+lists the studied ones, or a judged draw's out folder) keeps those mutants out of the new draw, before
+it is drawn. The jobs do not depend on the doctor (it only
+reads their run dirs), so ``--blind`` runs a test half while the doctor is still being worked on and
+prints nothing of how it is judged (no classes, no causes); ``--rejudge`` with the same arguments,
+once the doctor is frozen, is its first contact.
 
 The LAST line printed is one JSON object: ``mutants, harmful, harmless, equivalent, ambiguous,
 crashed`` (counts of mutants), ``detected, right_stage, harmless_clean`` (fractions; null when there
@@ -91,6 +97,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--parallel", type=int, default=2, help="jobs at once (default 2)")
     ap.add_argument("--split", choices=("dev", "test", "all"), default="all", help="which half of the draw to run")
     ap.add_argument("--rejudge", action="store_true", help="no training: judge the stored runs with the current doctor")
+    ap.add_argument("--blind", action="store_true",
+                    help="run the jobs, print neither classes nor causes, write no table (judge later with --rejudge)")
+    ap.add_argument("--exclude", type=Path, action="append", default=[], metavar="FILE",
+                    help="leave these mutants out of the draw: a file of ids (one per line, # comments) or a "
+                         "judged draw's out folder (its results.jsonl); repeatable")
     ap.add_argument("--list", action="store_true", help="print the drawn mutants and exit")
     ap.add_argument("--record", type=Path, help="write the summary with its provenance to this JSON file")
     ap.add_argument("--timeout", type=float, default=None,
@@ -106,7 +117,23 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         ap.error(f"--parallel must be at least 1, got {args.parallel}")
     if not args.list and args.out is None:
         ap.error("--out DIR is required (runs and results are kept there)")
+    if args.blind and (args.rejudge or args.record):
+        ap.error("--blind runs jobs without judging them: it cannot --rejudge or --record")
+    for d in args.exclude:
+        if not (d.is_file() or (d / "results.jsonl").is_file()):
+            ap.error(f"--exclude {d}: neither a file of mutant ids nor a judged draw's folder (no results.jsonl)")
     return args
+
+
+def studied_ids(paths: list[Path]) -> set[str]:
+    """Mutant ids from files of ids (one per line, ``#`` starts a comment) or judged draws' folders."""
+    ids: set[str] = set()
+    for p in paths:
+        if p.is_dir():
+            ids |= {json.loads(line)["id"] for line in (p / "results.jsonl").read_text().splitlines() if line.strip()}
+        else:
+            ids |= {line.split("#")[0].strip() for line in p.read_text().splitlines()} - {""}
+    return ids
 
 
 # ---------------------------------------------------------------- coverage
@@ -234,10 +261,12 @@ def main(argv: list[str] | None = None) -> int:
         pop = population.population(cov)
     except stages.StageMapError as e:
         raise SystemExit(str(e)) from None
+    studied = studied_ids(args.exclude)
+    pop = [d for d in pop if d.id not in studied]
     drawn = population.draw(pop, args.salt, args.sample, args.split)
     if args.list:
         print(f"{len(drawn)} mutants ({args.split}) of {args.sample} drawn with salt {args.salt!r} "
-              f"from a population of {len(pop)}")
+              f"from a population of {len(pop)}" + (f" ({len(studied)} studied left out)" if studied else ""))
         print("\n".join(list_rows(drawn)))
         return 0
     out: Path = args.out
@@ -298,6 +327,10 @@ def main(argv: list[str] | None = None) -> int:
             if runs is None:
                 not_run.append(d.id)
                 continue
+            if args.blind:
+                secs = "/".join(f"{f.seconds:.0f}s" for f in runs.values() if f.seconds is not None)
+                print(f"[{done}/{len(drawn)}] {d.mutant.path}:{d.mutant.site.line} ran {secs}", flush=True)
+                continue
             row, js = judge(d, runs, clean, sp, out)
             rows.append(row)
             judged.extend(js)
@@ -306,6 +339,10 @@ def main(argv: list[str] | None = None) -> int:
                   f"({row['why']}); doctor: {row['cause']}"
                   + (f" [{row['cause_stage']}, step {row['steps']}]" if row["cause_stage"] else "") + f" {secs}",
                   flush=True)
+    if args.blind:
+        print(f"{done} mutants run blind in {time.time() - t_start:.0f}s; judge them with the same arguments "
+              "and --rejudge (without --blind) once the doctor is frozen")
+        return 0
     rows.sort(key=lambda r: order[r["id"]])
     write_table(out, rows)
     if not_run:
@@ -322,7 +359,8 @@ def main(argv: list[str] | None = None) -> int:
         import record  # benchmarks/record.py
 
         prov = {"split": args.split, "commit": record.git_commit(), "doctor_commit": doctor_commit(),
-                "salt": args.salt, "sample": args.sample, "seeds": args.seeds, "clean_seeds": args.clean_seeds,
+                "salt": args.salt, "sample": args.sample, "seeds": args.seeds,
+                "excluded": len(studied), "clean_seeds": args.clean_seeds,
                 "command": "python " + shlex.join(["benchmarks/bench_mutants.py", *(argv if argv is not None else sys.argv[1:])]),
                 "machine": record.machine(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                 "clean_spread": {"sd": sp.sd, "centre": sp.centre}, "timeout_s": timeout}
