@@ -216,3 +216,47 @@ def test_vanishing_importance_weights_alone_are_the_cause_of_the_stillness():
     assert found["updates_too_small"].explained_by.name == "h06 importance_weights_vanish"
     assert "importance_weights_vanish" not in {x.check for x in diagnose_metrics(with_({
         "sampling/importance_sampling_ratio/mean": series(lambda s: 1.0)})) if x.flagged}
+
+
+# ---------------------------------------------------------------- which side is wrong: decided by a third measurement
+def test_a_first_step_gap_the_plain_forward_pass_does_not_share_is_the_trainers_scoring_in_the_loss():
+    """A sampler/trainer gap before any update says two computations differ, not which one: the probe's
+    plain forward pass of the trainer's weights over the sampled tokens decides. Reproducing the
+    sampler (TRL's label mask inverted in its per-token log-probs: gap 0.18, forward 1e-6): the loss
+    stage's scoring; not reproducing it (the generator's attention mask cut short): the sampling stage."""
+    gap = {"h06/logp_gap_mean": series(lambda s: 0.18), "h06/logp_gap_floor": [(0, 0.0), (10, 1e-6)]}
+    trainer_side = diagnose_metrics(with_({**gap, "h06/fit_gap_trainer": [(0, 1e-6)], "h06/fit_gap_best": [(0, 1e-6)]}))
+    assert (trainer_side[0].check, trainer_side[0].stage) == ("trainer_logps_differ_from_forward", "loss")
+    assert not next(f for f in trainer_side if f.check == "trainer_sampler_mismatch_at_start").flagged
+    sampler_side = diagnose_metrics(with_({**gap, "h06/fit_gap_trainer": [(0, 0.04)], "h06/fit_gap_best": [(0, 0.04)]}))
+    assert (sampler_side[0].check, sampler_side[0].stage) == ("trainer_sampler_mismatch_at_start", "sampling")
+    assert not next(f for f in sampler_side if f.check == "trainer_logps_differ_from_forward").flagged
+
+
+def test_budget_stops_the_lengths_refute_are_the_episode_loops_misreading_not_a_binding_budget():
+    """Every episode 'ends at the turn budget' while no completion is half a turn's budget long (a loop
+    that files every stopped turn as cut): the budget claim is refuted by the lengths, and the
+    environment's stop reasons are named. Where the lengths reach the budget, the budget binds."""
+    params = {"env.max_tokens_per_turn": "48", "env.max_completion_tokens": "512"}
+    misread = with_({"h04/budget_cap_share": series(lambda s: 1.0), "h04/no_answer_share": series(lambda s: 1.0),
+                     "h04/completion_len_max": series(lambda s: 13.0)})
+    d = diagnose_metrics(misread, params)
+    assert (d[0].hypothesis, d[0].check, d[0].stage) == ("h04", "stop_reasons_contradict_lengths", "environment")
+    assert not next(f for f in d if f.check == "budgets_binding").flagged
+    binding = with_({"h04/budget_cap_share": series(lambda s: 1.0), "h04/no_answer_share": series(lambda s: 1.0),
+                     "h04/completion_len_max": series(lambda s: 48.0 + 85)})
+    d = diagnose_metrics(binding, params)
+    assert d[0].check == "budgets_binding" and d[0].flagged
+    assert not next(f for f in d if f.check == "stop_reasons_contradict_lengths").flagged
+
+
+def test_advantages_off_by_round_off_on_a_few_rows_are_their_own_and_another_rows_advantage_is_not():
+    """A reward scaled 16x leaves 12% of rows 0.001 off their recomputed advantage (past the instrument's
+    1e-3 line, within 1% of a unit): the rows carry their own advantages. Rows off by half a unit do not."""
+    pairing = {"h01/loss_rows_unmatched_share": series(lambda s: 0.0), "h01/loss_adv_from_inputs": series(lambda s: 1.0)}
+    round_off = with_({**pairing, "h01/loss_adv_misaligned_share": series(lambda s: 0.125 if s % 4 == 1 else 0.0),
+                       "h01/loss_adv_pairing_error": series(lambda s: 0.001)})
+    assert "advantages_not_paired_in_loss" not in [f.check for f in diagnose_metrics(round_off) if f.flagged]
+    swapped = with_({**pairing, "h01/loss_adv_misaligned_share": series(lambda s: 0.125),
+                     "h01/loss_adv_pairing_error": series(lambda s: 0.5)})
+    assert diagnose_metrics(swapped)[0].check == "advantages_not_paired_in_loss"

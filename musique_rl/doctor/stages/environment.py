@@ -6,6 +6,9 @@ import statistics
 from collections.abc import Mapping
 
 from musique_rl.base.catalogue import (
+    H02_LOSS_ASSISTANT_LEFT_OUT_SHARE,
+    H04_BUDGET_CAP_SHARE,
+    H04_COMPLETION_LEN_MAX,
     H04_TOOL_RESULTS_ALTERED,
     H04_TOOL_RESULTS_ALTERED_SHARE,
     H07_TOOL_CALLS_MEAN,
@@ -16,7 +19,8 @@ from musique_rl.base.catalogue import (
     TOOL_FAILURE_MAX,
 )
 from musique_rl.doctor.evidence import Measure
-from musique_rl.doctor.findings import Finding, History, judged, magnitude, rule, values
+from musique_rl.doctor.findings import Finding, History, judged, magnitude, rule, stage_sentence, values
+from musique_rl.doctor.stages.inputs import budget_stops_unreached
 from musique_rl.doctor.step import Kind
 
 # H04: share of tool results that differ from their source. Any difference is a defect (a tool
@@ -77,3 +81,28 @@ def _tool_failures(m: Mapping[str, History], params: Mapping[str, str]) -> list[
     return judged("h07", "tool_failures", f > TOOL_FAILURE_MAX, 1 + magnitude(f / TOOL_FAILURE_MAX), ev,
                   f"{f:.0%} of tool calls fail: the multi-turn machinery, not the policy's choices, decides the episodes.",
                   f"Tool calls mostly succeed ({f:.0%} fail).", measure)
+
+
+# The episode loop's reading of how each turn ended (an answer, a tool call, a budget), checked against
+# the lengths: a budget stop on an episode shorter than every budget is a stop the loop misread (the
+# turn ended on its stop id and was filed as cut), and every later turn of the episode is lost with it.
+@rule(stage="environment", checks={"stop_reasons_contradict_lengths": Kind.DEFECT},
+      reads=(H04_BUDGET_CAP_SHARE, H04_COMPLETION_LEN_MAX, H02_LOSS_ASSISTANT_LEFT_OUT_SHARE),
+      needs=(H04_BUDGET_CAP_SHARE, H04_COMPLETION_LEN_MAX))
+def _stop_reasons(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
+    unreached = budget_stops_unreached(m, params)
+    if unreached is None:
+        return []
+    bad, claimed, budget = unreached
+    share = bad / claimed
+    c = "stop_reasons_contradict_lengths"
+    ev = {"steps with a budget stop": float(claimed), "of them with no episode as long as a budget": float(bad),
+          "smallest token budget (env.max_tokens_per_turn, env.max_completion_tokens)": budget}
+    return judged("h04", c, share > 0.5, 3 + magnitude(1 + 10 * share), ev,
+                  f"On {bad} of the {claimed} steps whose episodes are said to end at a token budget, no episode is "
+                  f"{budget:.0f} tokens long (the smallest budget): those turns ended before any budget, and the "
+                  "episode loop filed them as cut (it misreads how a turn ended: its stop id, the generator's "
+                  "stopped flag), ending the episode there." + stage_sentence(c),
+                  "Every episode said to end at a token budget is as long as one." + stage_sentence(c),
+                  Measure("h04/budget stops with no episode at a budget (share of steps)", share, 0.0, exact=True,
+                          share=True))

@@ -7,7 +7,9 @@ from collections.abc import Mapping
 
 from musique_rl.base.catalogue import (
     BUDGET_SHARE_MAX,
+    H02_LOSS_ASSISTANT_LEFT_OUT_SHARE,
     H04_BUDGET_CAP_SHARE,
+    H04_COMPLETION_LEN_MAX,
     H04_DROPPED_TOOL_RESULTS_SHARE,
     H04_NO_ANSWER_SHARE,
     H04_PROMPT_AT_CAP_SHARE,
@@ -16,7 +18,8 @@ from musique_rl.base.catalogue import (
     TRL_COMPLETIONS_CLIPPED_RATIO,
 )
 from musique_rl.doctor.evidence import Measure
-from musique_rl.doctor.findings import Finding, History, judged, magnitude, num, rule, values
+from musique_rl.doctor.findings import Finding, History, judged, magnitude, mean_of, num, rule, values
+from musique_rl.doctor.stages.loss import LEFT_OUT_MAX
 from musique_rl.doctor.step import Kind
 from musique_rl.doctor.trl_rules import CLIPPED_MAX, OURS, _ours, clipped_share
 
@@ -30,8 +33,32 @@ MEAN_LENGTH = TRL_COMPLETIONS.of(stat="mean_length")
 MEAN_TERMINATED_LENGTH = TRL_COMPLETIONS.of(stat="mean_terminated_length")
 
 
+def budget_stops_unreached(m: Mapping[str, History], params: Mapping[str, str]) -> tuple[int, int, float] | None:
+    """(steps whose episodes are said to end at a token budget while no episode of the step is as long as
+    the smallest budget, steps with any episode said to end at a budget, that length), or None when
+    the run does not log both or its config names no budget.
+
+    An exact invariant: an episode cut by the turn budget holds at least ``env.max_tokens_per_turn``
+    sampled tokens, one cut by the episode budget ``env.max_completion_tokens`` tokens, so a step with a
+    budget stop has a completion at least min(both) long. A stop reason the lengths refute is the
+    episode loop's reading of how a turn ended, not a budget.
+
+    The lengths are the batch's completion masks: they are the episodes' own only while the loss keeps
+    every sampled token (``h02/loss_assistant_left_out_share``, measured where the loss consumes the
+    mask). A mask cut after the rollout shortens them; then they refute nothing (None)."""
+    if (mean_of(m, H02_LOSS_ASSISTANT_LEFT_OUT_SHARE) or 0.0) > LEFT_OUT_MAX:
+        return None
+    per_turn, per_episode = num(params, "env.max_tokens_per_turn", 0.0), num(params, "env.max_completion_tokens", 0.0)
+    budget = min(b for b in (per_turn, per_episode) if b > 0) if per_turn > 0 or per_episode > 0 else 0.0
+    longest = dict(m.get(H04_COMPLETION_LEN_MAX) or [])
+    claims = [(s, v) for s, v in (m.get(H04_BUDGET_CAP_SHARE) or []) if v > 0 and s in longest]
+    if not budget or not claims:
+        return None
+    return sum(1 for s, _ in claims if longest[s] < budget), len(claims), budget
+
+
 @rule(stage="inputs", checks={"question_left_context": Kind.DEFECT, "budgets_binding": Kind.SYMPTOM},
-      reads=BUDGETS, needs=BUDGETS, thresholds=("BUDGET_SHARE_MAX", "BUDGET_STARVES"))
+      reads=(*BUDGETS, H04_COMPLETION_LEN_MAX, H02_LOSS_ASSISTANT_LEFT_OUT_SHARE), needs=BUDGETS, thresholds=("BUDGET_SHARE_MAX", "BUDGET_STARVES"))
 def _budgets(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
     means = {k: statistics.fmean(values(m.get(k))) for k in BUDGETS if values(m.get(k))}
     ev = {f"{k} (mean)": v for k, v in means.items()}
@@ -55,7 +82,15 @@ def _budgets(m: Mapping[str, History], params: Mapping[str, str]) -> list[Findin
     tail = f"; {na:.0%} end with no answer" if na is not None else ""
     starves = w >= BUDGET_STARVES and (na is None or na >= BUDGET_STARVES)
     measure = Measure(f"{worst_key} (mean)", w, BUDGET_SHARE_MAX, share=True)
-    if w > BUDGET_SHARE_MAX:
+    unreached = budget_stops_unreached(m, params)
+    if w > BUDGET_SHARE_MAX and worst_key == H04_BUDGET_CAP_SHARE and unreached and unreached[0] == unreached[1]:
+        # the lengths refute the stop reasons: environment's stop_reasons_contradict_lengths says so
+        out.append(Finding("h04", "budgets_binding", False, 0.0,
+                           f"{w:.0%} of episodes are said to end at a token budget, but on every such step no "
+                           f"episode is {unreached[2]:.0f} tokens long (the smallest budget): no budget binds; the "
+                           "stop reasons are wrong (environment stage, stop_reasons_contradict_lengths).", ev,
+                           measure=measure))
+    elif w > BUDGET_SHARE_MAX:
         out.append(Finding("h04", "budgets_binding", True, 2 + magnitude(w / BUDGET_SHARE_MAX),
                            f"Token budgets truncate the episodes: {w:.0%} of episodes {what}{tail}. The reward is capped "
                            "by the budget, not by the policy (raise env.max_tokens_per_turn / env.max_completion_tokens).",

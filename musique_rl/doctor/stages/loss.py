@@ -29,6 +29,7 @@ from musique_rl.base.catalogue import (
     H03_LOSS_KL_ENV_TOKEN_SHARE,
     H03_LOSS_KL_MOVED,
     H03_REF_IS_POLICY,
+    H06_FIT_GAP_TRAINER,
     H06_IS_ESS,
     H06_IS_MASKED_SEQ_SHARE,
     H06_IS_MASKED_TOKEN_SHARE,
@@ -148,6 +149,34 @@ def _loss_mask(m: Mapping[str, History], params: Mapping[str, str]) -> list[Find
                            measure=Measure(f"{H02_ASSISTANT_TOKENS_WITHOUT_LOSS_SHARE} (mean)", u, ASSISTANT_UNTRAINED_MAX,
                                            share=True)))
     return out
+
+
+# Which side of a sampler/trainer gap at the first step is wrong is decided by a third measurement, not
+# assumed: the parity probe's plain forward pass of the trainer's weights over the sampled tokens
+# (sync.sampling_fit, h06/fit_gap_trainer). When it reproduces the sampler's own log-probs, the sampler
+# and the batch are right and the trainer's per-token log-probs in the loss (its attention mask, labels,
+# logits_to_keep, temperature) are the part that differs; when it does not, the sampling stage reports
+# the gap (sampling.py, trainer_sampler_mismatch_at_start).
+@rule(stage="loss", checks={"trainer_logps_differ_from_forward": Kind.DEFECT},
+      reads=(H06_LOGP_GAP_MEAN, H06_FIT_GAP_TRAINER, *gap_threshold.reads),
+      needs=(H06_LOGP_GAP_MEAN, H06_FIT_GAP_TRAINER))
+def _trainer_logps(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
+    gap, fits = m.get(H06_LOGP_GAP_MEAN) or [], values(m.get(H06_FIT_GAP_TRAINER))
+    if not gap or not fits or not math.isfinite(gap[0][1]):
+        return []
+    step0, fit = gap[0][1], fits[0]
+    thr, why = gap_threshold(m)
+    c = "trainer_logps_differ_from_forward"
+    ev = {f"{H06_LOGP_GAP_MEAN} (first step)": step0, f"{H06_FIT_GAP_TRAINER} (first probe)": fit, "gap threshold": thr}
+    return judged("h02", c, step0 > thr >= fit, 2 + magnitude(step0 / thr), ev,
+                  f"Before any update the trainer's log-probs of the sampled tokens differ from the sampler's by "
+                  f"{step0:.3g} nats/token (healthy up to {thr:.2g}: {why}), while a plain forward pass of the "
+                  f"trainer's weights over the same tokens reproduces the sampler's to {fit:.2g}: the sampler and "
+                  "the batch are right, the trainer's per-token log-probs in the loss are not (the attention mask "
+                  "or labels it scores with, the positions it keeps, its temperature)." + stage_sentence(c),
+                  "The trainer's per-token log-probs agree with a plain forward pass of its weights at the first "
+                  "step, or the gap is the sampler's (sampling stage)." + stage_sentence(c),
+                  Measure(f"{H06_LOGP_GAP_MEAN} (first step)", step0, thr, exact=True, log=True))
 
 
 @rule(stage="loss", checks={"kl_on_env_tokens": Kind.DEFECT, "kl_mask_differs": Kind.DEFECT, "kl_sign": Kind.DEFECT,
@@ -271,6 +300,12 @@ def _is_clipped(m: Mapping[str, History], params: Mapping[str, str]) -> list[Fin
 # Rows whose applied advantage is not their own (mean share over the logged steps): 2% tolerates one
 # odd row in 50 (a decode quirk); a reorder moves most rows.
 MISALIGNED_MAX = 0.02
+# ... and only when some row is off by a material amount: the instrument calls a row misaligned past
+# 1e-3 advantage units (+1%), the round-off line; a row carrying ANOTHER row's advantage is off by the
+# difference of two advantages, which for rows whose rewards differ is a sizeable part of a unit. A
+# run whose worst row is within 1% of a unit (0.001 on a few near-zero advantages, when rewards are
+# 16x larger than usual) has every row's own advantage, up to the precision the loss computes it in.
+PAIRING_MATERIAL = 0.01
 UNMATCHED_MAX = 0.02
 # Sampled tokens of a row with signal left without gradient (mean share): 1% is one token in 100.
 LEFT_OUT_MAX = 0.01
@@ -286,7 +321,7 @@ BETA_BAND = (0.9, 1.1)
       reads=(H01_LOSS_ADV_MISALIGNED_SHARE, H01_LOSS_ROWS_UNMATCHED_SHARE, H01_LOSS_ADV_FROM_INPUTS,
              H01_LOSS_ADV_PAIRING_ERROR),
       needs=(H01_LOSS_ADV_MISALIGNED_SHARE, H01_LOSS_ROWS_UNMATCHED_SHARE, H01_LOSS_ADV_FROM_INPUTS),
-      thresholds=("MISALIGNED_MAX", "UNMATCHED_MAX"))
+      thresholds=("MISALIGNED_MAX", "UNMATCHED_MAX", "PAIRING_MATERIAL"))
 def _advantages_paired(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
     mis = mean_of(m, H01_LOSS_ADV_MISALIGNED_SHARE) or 0.0
     err = max(values(m.get(H01_LOSS_ADV_PAIRING_ERROR)), default=0.0)
@@ -294,11 +329,12 @@ def _advantages_paired(m: Mapping[str, History], params: Mapping[str, str]) -> l
     from_inputs = min(values(m.get(H01_LOSS_ADV_FROM_INPUTS)), default=1.0)
     ev = {f"{H01_LOSS_ADV_MISALIGNED_SHARE} (mean)": mis, f"{H01_LOSS_ADV_PAIRING_ERROR} (max)": err,
           f"{H01_LOSS_ROWS_UNMATCHED_SHARE} (mean)": unmatched, f"{H01_LOSS_ADV_FROM_INPUTS} (min)": from_inputs}
-    bad = mis > MISALIGNED_MAX or unmatched > UNMATCHED_MAX or from_inputs < 1
+    misaligned = mis > MISALIGNED_MAX and err > PAIRING_MATERIAL
+    bad = misaligned or unmatched > UNMATCHED_MAX or from_inputs < 1
     worst = max(mis / MISALIGNED_MAX, unmatched / UNMATCHED_MAX, 1 + 10 * (from_inputs < 1))
     check = "advantages_not_paired_in_loss"
     why = []
-    if mis > MISALIGNED_MAX:
+    if misaligned:
         why.append(f"{mis:.0%} of the rows the loss trains are multiplied by an advantage that is not their own "
                    f"(up to {err:.2g} off the advantage recomputed from the rewards of the episode with the same "
                    "token ids): completions were reordered without their advantages after scoring")

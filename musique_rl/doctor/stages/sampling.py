@@ -84,6 +84,14 @@ def _agreement_at_start(m: Mapping[str, History], params: Mapping[str, str]) -> 
                         f"{setting.get('temperature_factor', 1):g}, top_p {setting.get('top_p', 1):g}, top_k "
                         f"{setting.get('top_k', 0):g}): the sampler samples with different temperature/top-p/"
                         "top-k than the trainer scores with (set them explicitly on both).", ev, measure=measure)]
+    if step0 > thr and fit_t and fit_t[0] <= thr:
+        # a plain forward pass of the trainer's weights reproduces the sampler: the loss stage's
+        # trainer_logps_differ_from_forward names the part that differs
+        return [Finding("h02", "trainer_sampler_mismatch_at_start", False, 0.0,
+                        f"Before any update the trainer and the sampler disagree by {step0:.3g} nats/token (healthy "
+                        f"up to {thr:.2g}: {why}), but a plain forward pass of the trainer's weights reproduces the "
+                        f"sampler's log-probs to {fit_t[0]:.2g}: the sampler is right; the difference is in the "
+                        "trainer's scoring (loss stage, trainer_logps_differ_from_forward).", ev, measure=measure)]
     if step0 > thr:
         extra = (f" The forward pass attends to only {min(cov):.0%} of the context." if cov and min(cov) < 1 else "")
         where = (f" The gap sits after the tool results ({post[0]:.3g} vs {pre[0]:.2g} before)."
