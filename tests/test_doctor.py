@@ -260,3 +260,20 @@ def test_advantages_off_by_round_off_on_a_few_rows_are_their_own_and_another_row
     swapped = with_({**pairing, "h01/loss_adv_misaligned_share": series(lambda s: 0.125),
                      "h01/loss_adv_pairing_error": series(lambda s: 0.5)})
     assert diagnose_metrics(swapped)[0].check == "advantages_not_paired_in_loss"
+
+
+def test_answers_the_independent_scorer_also_finds_wrong_clear_the_reward_and_point_upstream():
+    """Every episode answers, the answer components are ~0: 'the reward does not read the answer' is
+    one reading, 'the answers are wrong' the other. The independent scorer decides: agreeing with the
+    reward on the answers and finding (almost) none right, the reward is cleared and the environment
+    stage's answers_never_right is named; disagreeing, the reward's scorer is wrong."""
+    dead = {"h04/no_answer_share": series(lambda s: 0.03), "h05/answer_em/constant_group_share": series(lambda s: 1.0),
+            "h05/answer_em/mean": series(lambda s: 0.0), "h05/answer_f1/constant_group_share": series(lambda s: 0.99),
+            "h05/answer_f1/mean": series(lambda s: 0.01), "h05/answer_check_checked": series(lambda s: 55.0),
+            "h05/answer_check_matched": series(lambda s: 1.0 if s == 9 else 0.0)}
+    d = diagnose_metrics(with_({**dead, "h05/answer_check_disagreement_share": series(lambda s: 0.0)}))
+    assert (d[0].hypothesis, d[0].check, d[0].stage) == ("h07", "answers_never_right", "environment")
+    assert not next(f for f in d if f.check == "answer_reward_blind").flagged
+    d = diagnose_metrics(with_({**dead, "h05/answer_check_disagreement_share": series(lambda s: 0.4)}))
+    assert (d[0].check, d[0].stage) == ("answer_scorer_wrong", "reward")
+    assert "answers_never_right" not in [f.check for f in d if f.flagged]

@@ -9,8 +9,14 @@ from musique_rl.base.catalogue import (
     H02_LOSS_ASSISTANT_LEFT_OUT_SHARE,
     H04_BUDGET_CAP_SHARE,
     H04_COMPLETION_LEN_MAX,
+    H04_NO_ANSWER_SHARE,
     H04_TOOL_RESULTS_ALTERED,
     H04_TOOL_RESULTS_ALTERED_SHARE,
+    H05_ANSWER_CHECK_CHECKED,
+    H05_ANSWER_CHECK_DISAGREEMENT_SHARE,
+    H05_ANSWER_CHECK_MATCHED,
+    H05_COMPONENT_CONSTANT_GROUP_SHARE,
+    H05_COMPONENT_MEAN,
     H07_TOOL_CALLS_MEAN,
     H07_TOOL_FAILURE_RATE,
     H07_TURNS_MEAN,
@@ -21,6 +27,12 @@ from musique_rl.base.catalogue import (
 from musique_rl.doctor.evidence import Measure
 from musique_rl.doctor.findings import Finding, History, judged, magnitude, rule, stage_sentence, values
 from musique_rl.doctor.stages.inputs import budget_stops_unreached
+from musique_rl.doctor.stages.reward import (
+    ANSWER_PRESENT_MIN,
+    DEAD_MEAN,
+    answer_components_dead,
+    scorer_confirms_wrong_answers,
+)
 from musique_rl.doctor.step import Kind
 
 # H04: share of tool results that differ from their source. Any difference is a defect (a tool
@@ -106,3 +118,30 @@ def _stop_reasons(m: Mapping[str, History], params: Mapping[str, str]) -> list[F
                   "Every episode said to end at a token budget is as long as one." + stage_sentence(c),
                   Measure("h04/budget stops with no episode at a budget (share of steps)", share, 0.0, exact=True,
                           share=True))
+
+
+# Answers present, the reward's answer components ~0, and an independent scorer agreeing that none is
+# right: the reward reads the answers (reward stage cleared by a measurement), the policy answers wrong
+# on every episode. A fingerprint with upstream causes (every tool call refused, results cut, a context
+# the policy was not trained to read: the prompt, the tool turns' tokens), hence a symptom here, where
+# the policy reads what it answers from.
+@rule(stage="environment", checks={"answers_never_right": Kind.SYMPTOM},
+      reads=(H04_NO_ANSWER_SHARE, H05_COMPONENT_CONSTANT_GROUP_SHARE, H05_COMPONENT_MEAN, H05_ANSWER_CHECK_CHECKED,
+             H05_ANSWER_CHECK_DISAGREEMENT_SHARE, H05_ANSWER_CHECK_MATCHED),
+      needs=(H05_ANSWER_CHECK_CHECKED, H05_ANSWER_CHECK_MATCHED))
+def _answers_never_right(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
+    dead, answered = answer_components_dead(m, params)
+    confirmed = scorer_confirms_wrong_answers(m)
+    if not dead or answered < ANSWER_PRESENT_MIN or not confirmed:
+        return []
+    best = max(v for _, _, v in dead)
+    c = "answers_never_right"
+    ev = {f"answered share (1 - {H04_NO_ANSWER_SHARE})": answered, f"{H05_ANSWER_CHECK_CHECKED} (sum)": confirmed,
+          **{f"{H05_COMPONENT_MEAN.of(component=n)} (max)": v for n, _, v in dead}}
+    return [Finding("h07", c, True, 2.0,
+                    f"{answered:.0%} of episodes end with an answer and almost none is right: the reward and an "
+                    f"independent scorer agree on the {confirmed:.0f} answers checked. The reward reads the answers; the policy "
+                    "cannot find them in what it reads (the tool results, or a context it was not trained on: the "
+                    "prompt, the tokens of the tool turns)." + stage_sentence(c), ev,
+                    measure=Measure(f"{H05_COMPONENT_MEAN.of(component=dead[0][0])} (max)", best, DEAD_MEAN,
+                                    worse="below"))]

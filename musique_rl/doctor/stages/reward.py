@@ -113,7 +113,8 @@ def _reward_components(m: Mapping[str, History], params: Mapping[str, str]) -> l
                           "reward_signal": Kind.DEFECT},
       reads=(H05_REWARD_ERRORS, H05_REWARD_AUDIT_MISMATCH_SHARE, H05_REWARD_AUDIT_ABS_DIFF_MAX, H05_REWARD_AUDIT_MISMATCH,
              H05_REWARD_AUDIT_CHECKED, H04_NO_ANSWER_SHARE, H05_COMPONENT_CONSTANT_GROUP_SHARE, H05_COMPONENT_MEAN,
-             H05_COMPONENT_CORR_TOTAL),
+             H05_COMPONENT_CORR_TOTAL, H05_ANSWER_CHECK_CHECKED, H05_ANSWER_CHECK_DISAGREEMENT_SHARE,
+             H05_ANSWER_CHECK_MATCHED),
       thresholds=("REWARD_AUDIT_MAX", "CONSTANT_SHARE", "ANSWER_PRESENT_MIN", "DEAD_MEAN"))
 def _h05(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
     out: list[Finding] = []
@@ -136,21 +137,21 @@ def _h05(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
                             f"{H05_REWARD_AUDIT_CHECKED} (sum)": sum(values(m.get(H05_REWARD_AUDIT_CHECKED)))},
                            measure=Measure(f"{H05_REWARD_AUDIT_MISMATCH_SHARE} (mean)", a, REWARD_AUDIT_MAX, exact=True,
                                            share=True)))
-    answered = 1 - statistics.fmean(values(m.get(H04_NO_ANSWER_SHARE)) or [1.0])
     # Every answer component present must be dead: an answering policy that is always wrong still
     # earns partial F1 now and then, a reward that never reads the answer earns none.
-    dead, live = [], 0
-    for comp in ("answer_em", "answer_f1"):
-        const = values(m.get(H05_COMPONENT_CONSTANT_GROUP_SHARE.of(component=comp)))
-        mean = values(m.get(H05_COMPONENT_MEAN.of(component=comp)))
-        weight = num(params, f"reward.weights.{comp}", 1.0)
-        if not const or not mean or weight == 0:
-            continue
-        if statistics.fmean(const) >= CONSTANT_SHARE and max(mean) < DEAD_MEAN:
-            dead.append((comp, statistics.fmean(const), max(mean)))
-        else:
-            live += 1
-    if dead and not live and answered >= ANSWER_PRESENT_MIN:
+    dead, answered = answer_components_dead(m, params)
+    confirmed = scorer_confirms_wrong_answers(m)
+    if dead and answered >= ANSWER_PRESENT_MIN and confirmed:
+        # the independent scorer reads the same answers and finds them wrong too: the reward reads the
+        # answer; the answers are wrong (environment's answers_never_right names it)
+        out.append(Finding("h05", "answer_reward_blind", False, 0.0,
+                           f"{answered:.0%} of episodes end with an answer and the answer components are ~0, but "
+                           f"an independent scorer of the same definition agrees on the {confirmed:.0f} answers it "
+                           "checked and finds almost none right: the reward reads the answers; they are wrong "
+                           "(environment stage, answers_never_right).",
+                           {f"answered share (1 - {H04_NO_ANSWER_SHARE})": answered,
+                            f"{H05_ANSWER_CHECK_CHECKED} (sum)": confirmed}))
+    elif dead and answered >= ANSWER_PRESENT_MIN:
         ev = {f"{H05_COMPONENT_CONSTANT_GROUP_SHARE.of(component=c)} (mean)": s for c, s, _ in dead}
         ev.update({f"{H05_COMPONENT_MEAN.of(component=c)} (max)": v for c, _, v in dead})
         ev[f"answered share (1 - {H04_NO_ANSWER_SHARE})"] = answered
@@ -312,6 +313,35 @@ def _scorers_agree(m: Mapping[str, History], params: Mapping[str, str]) -> list[
                   "The citation and retrieval scorers agree where they overlap." + stage_sentence(c),
                   Measure(f"{H05_SCORER_OVERLAP_DISAGREEMENT_SHARE} (mean)", share, OVERLAP_DISAGREEMENT_MAX, exact=True,
                           share=True))
+
+
+def answer_components_dead(m: Mapping[str, History], params: Mapping[str, str]) -> tuple[list[tuple[str, float, float]], float]:
+    """(the weighted answer components that are ~0 and constant in most groups, as (name, constant
+    share, max mean), when every weighted one is; the answered share of episodes)."""
+    answered = 1 - statistics.fmean(values(m.get(H04_NO_ANSWER_SHARE)) or [1.0])
+    dead, live = [], 0
+    for comp in ("answer_em", "answer_f1"):
+        const = values(m.get(H05_COMPONENT_CONSTANT_GROUP_SHARE.of(component=comp)))
+        mean = values(m.get(H05_COMPONENT_MEAN.of(component=comp)))
+        if not const or not mean or num(params, f"reward.weights.{comp}", 1.0) == 0:
+            continue
+        if statistics.fmean(const) >= CONSTANT_SHARE and max(mean) < DEAD_MEAN:
+            dead.append((comp, statistics.fmean(const), max(mean)))
+        else:
+            live += 1
+    return (dead if not live else []), answered
+
+
+def scorer_confirms_wrong_answers(m: Mapping[str, History]) -> float:
+    """How many answers the independent scorer (instruments/answer_check.py) checked, when it agrees
+    with the reward on them (within ANSWER_CHECK_MAX) and calls almost none an exact match (fewer than
+    DEAD_MEAN of them, the line a dead answer component is drawn at); else 0."""
+    checked = sum(values(m.get(H05_ANSWER_CHECK_CHECKED)))
+    agree = (mean_of(m, H05_ANSWER_CHECK_DISAGREEMENT_SHARE) or 0.0) <= ANSWER_CHECK_MAX
+    matched = values(m.get(H05_ANSWER_CHECK_MATCHED))
+    if checked <= 0 or not matched or not agree or sum(matched) / checked >= DEAD_MEAN:
+        return 0.0
+    return checked
 
 
 # ---------------------------------------------------------------- an independent scorer (instruments/answer_check.py)
