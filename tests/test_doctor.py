@@ -277,3 +277,18 @@ def test_answers_the_independent_scorer_also_finds_wrong_clear_the_reward_and_po
     d = diagnose_metrics(with_({**dead, "h05/answer_check_disagreement_share": series(lambda s: 0.4)}))
     assert (d[0].check, d[0].stage) == ("answer_scorer_wrong", "reward")
     assert "answers_never_right" not in [f.check for f in d if f.flagged]
+
+
+def test_a_weak_symptom_on_a_run_whose_reward_rises_explains_nothing_and_is_withdrawn():
+    """10% of episodes cut by a budget is just past the bound (tier 1). On a run whose reward rises
+    (0.45 -> 0.75, p << 0.05) it caps nothing: withdrawn, with the reason. On a flat run it is the
+    cause; and a defect (a proof) stands whatever the reward does."""
+    cut = {"h04/budget_cap_share": series(lambda s: 0.102), "h04/no_answer_share": series(lambda s: 0.12)}
+    rising = series(lambda s: 0.45 + 0.015 * s + (0.02 if s % 2 else -0.02))
+    flat = series(lambda s: 0.55 + (0.02 if s % 2 else -0.02))
+    d = diagnose_metrics(with_({**cut, "reward": rising}))
+    budget = next(f for f in d if f.check == "budgets_binding")
+    assert not budget.flagged and str(budget.role) == "withdrawn" and "reward rises" in budget.reason
+    assert diagnose_metrics(with_({**cut, "reward": flat}))[0].check == "budgets_binding"
+    proof = diagnose_metrics(with_({"h02/env_tokens_with_loss": series(lambda s: 12), "reward": rising}))
+    assert proof[0].check == "env_tokens_in_loss" and proof[0].flagged

@@ -230,11 +230,34 @@ def _kl_first_row_after_updates(f: Finding, m: Mapping[str, History], params: Ma
             ": it is not the KL before any update, so a non-zero value there says nothing about the reference model.")
 
 
+def _weak_symptom_vs_rising_reward(f: Finding, m: Mapping[str, History], params: Mapping[str, str]) -> str | None:
+    """The claim of a symptom that caps the reward (token budgets that cut episodes, void turns that end
+    them: the reward is the budget's, not the policy's), with evidence only just past its bound (tier 1:
+    a few healthy spreads out), on a run whose reward rises significantly (the policy stage's own
+    measurement, doctor/trend.py): the reward refutes "this caps the reward". A strong symptom stands,
+    and so do symptoms of a mechanism (a growing sampler gap, gradient spikes): a rising reward does
+    not clear a stale sampler."""
+    from musique_rl.doctor.trend import FLAT_P, reward_trend
+
+    if int(f.severity) > 1:
+        return None
+    t = reward_trend(m)
+    if t is None or t["p_rise"] >= FLAT_P or t["gain"] <= 0:
+        return None
+    return (f"the reward rises over the run ({t['first']:.3f} -> {t['last']:.3f}, fitted gain {t['gain']:+.3f}, "
+            f"p = {t['p_rise']:.2g} for a rise) and this symptom's evidence lies just past its bound: it explains no "
+            "flat reward here (watch it if the reward stalls).")
+
+
 # check -> the contradictions that can refute it (declared data: add a function above and list it here)
 CONTRADICTIONS: dict[str, tuple[Contradiction, ...]] = {
     "gap_grows": (_sync_claim_vs_parity,),
     "sampler_trainer_drift": (_sync_claim_vs_parity,),
     "kl_at_start": (_kl_first_row_after_updates,),
+    # the symptoms whose claim is "this caps the reward"
+    "budgets_binding": (_weak_symptom_vs_rising_reward,),
+    "completions_truncated": (_weak_symptom_vs_rising_reward,),
+    "void_turns": (_weak_symptom_vs_rising_reward,),
 }
 
 
