@@ -292,3 +292,14 @@ def test_a_weak_symptom_on_a_run_whose_reward_rises_explains_nothing_and_is_with
     assert diagnose_metrics(with_({**cut, "reward": flat}))[0].check == "budgets_binding"
     proof = diagnose_metrics(with_({"h02/env_tokens_with_loss": series(lambda s: 12), "reward": rising}))
     assert proof[0].check == "env_tokens_in_loss" and proof[0].flagged
+
+
+def test_a_first_step_gap_past_ten_floors_but_too_small_to_move_the_loss_is_not_a_finding():
+    """The healthy bf16 LoRA run's first-step gap of 1.4e-4 (floor 5e-6: 28 floors) cannot move the
+    clipped loss by 0.5% (1e-3 at epsilon 0.2): clean. The same gap under epsilon 0.01 could: flagged.
+    A gap of 0.0087 (a generator attending to part of its context) is a finding either way."""
+    def gap(v):
+        return with_({"h06/logp_gap_mean": series(lambda s: v), "h06/logp_gap_floor": [(0, 5e-6), (10, 5e-6)]})
+    assert not [f for f in diagnose_metrics(gap(1.4e-4), {"loss.epsilon": "0.2"}) if f.flagged]
+    assert diagnose_metrics(gap(1.4e-4), {"loss.epsilon": "0.01"})[0].check == "trainer_sampler_mismatch_at_start"
+    assert diagnose_metrics(gap(0.0087), {"loss.epsilon": "0.2"})[0].check == "trainer_sampler_mismatch_at_start"

@@ -83,14 +83,25 @@ def floor_of(m: Mapping[str, History], first: bool = True) -> float | None:
 
 
 @helper_reads(H06_LOGP_GAP_FLOOR)
-def gap_threshold(m: Mapping[str, History]) -> tuple[float, str]:
-    """(the largest healthy sampler/trainer gap at the first step, the words that say where it comes from)."""
+def gap_threshold(m: Mapping[str, History], params: Mapping[str, str] | None = None) -> tuple[float, str]:
+    """(the largest healthy sampler/trainer gap at the first step, the words that say where it comes from):
+    FLOOR_MULTIPLE x the run's first floor, and never below GAP_ABS_MIN nor below materiality (a gap
+    that cannot move the clipped loss by MATERIAL_LOSS_SHARE, as late in the run: late_gap_threshold).
+    A bf16 LoRA run's healthy first-step gap reached 1.4e-4 with a floor under 1e-5 (the floor's ~8
+    probe sequences do not hold every decode-vs-forward difference of bf16 kernels): past 10x its
+    floor, but 7x below what could move its loss."""
     f = floor_of(m)
     if f is None:
         return LOGP_GAP_MAX, f"no measured floor in this run: fixed {LOGP_GAP_MAX:g}"
-    thr = max(FLOOR_MULTIPLE * f, GAP_ABS_MIN)
-    why = (f"{FLOOR_MULTIPLE:g}x this stack's floor {f:.2g}" if thr > GAP_ABS_MIN
-           else f"the absolute minimum {GAP_ABS_MIN:g} (this stack's floor {f:.2g} x {FLOOR_MULTIPLE:g} is below it)")
+    material = MATERIAL_LOSS_SHARE * num(params or {}, "loss.epsilon", num(params or {}, "epsilon", EPSILON_DEFAULT))
+    thr = max(FLOOR_MULTIPLE * f, GAP_ABS_MIN, material)
+    if thr == FLOOR_MULTIPLE * f:
+        why = f"{FLOOR_MULTIPLE:g}x this stack's floor {f:.2g}"
+    elif thr == material:
+        why = (f"materiality {material:.2g} ({MATERIAL_LOSS_SHARE:g} x the clip epsilon; this stack's floor {f:.2g} x "
+               f"{FLOOR_MULTIPLE:g} is below it)")
+    else:
+        why = f"the absolute minimum {GAP_ABS_MIN:g} (this stack's floor {f:.2g} x {FLOOR_MULTIPLE:g} is below it)"
     return thr, why
 
 

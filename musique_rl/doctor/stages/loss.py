@@ -131,7 +131,7 @@ def _loss_mask(m: Mapping[str, History], params: Mapping[str, str]) -> list[Find
                                measure=Measure(f"{H02_ENV_TOKENS_WITH_LOSS} (max)", max(env), 0.0, exact=True)))
     gap = m.get(H06_LOGP_GAP_MEAN) or []
     cov = values(m.get(H02_ATTENTION_COVERAGE))
-    thr, _ = gap_threshold(m)
+    thr, _ = gap_threshold(m, params)
     # a hidden context with a gap past the threshold is reported by the sampling stage's agreement
     # check (the gap is its measurement); alone, it is a tier-3 proof here
     if cov and min(cov) < 1 and not (gap and gap[0][1] > thr):
@@ -165,7 +165,7 @@ def _trainer_logps(m: Mapping[str, History], params: Mapping[str, str]) -> list[
     if not gap or not fits or not math.isfinite(gap[0][1]):
         return []
     step0, fit = gap[0][1], fits[0]
-    thr, why = gap_threshold(m)
+    thr, why = gap_threshold(m, params)
     c = "trainer_logps_differ_from_forward"
     ev = {f"{H06_LOGP_GAP_MEAN} (first step)": step0, f"{H06_FIT_GAP_TRAINER} (first probe)": fit, "gap threshold": thr}
     return judged("h02", c, step0 > thr >= fit, 2 + magnitude(step0 / thr), ev,

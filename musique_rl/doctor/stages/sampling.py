@@ -53,7 +53,7 @@ def _agreement_at_start(m: Mapping[str, History], params: Mapping[str, str]) -> 
     floor is a different computation (settings, context), not drift."""
     gap = m.get(GAP) or []
     cov = values(m.get(COVERAGE))
-    thr, why = gap_threshold(m)
+    thr, why = gap_threshold(m, params)
     step0 = gap[0][1]
     ev = {f"{H06_LOGP_GAP_MEAN} (first step)": step0, "first step": float(gap[0][0]), "gap threshold": thr}
     if values(m.get(FLOOR)):
@@ -150,7 +150,7 @@ def _weight_sync(m: Mapping[str, History], params: Mapping[str, str]) -> list[Fi
                       f"after the updates).",
                       Measure(f"{H06_PARITY_SAMPLER_TRAINER} (median after the first step)", med, late_thr, exact=True, log=True))
     gap = m.get(GAP) or []
-    thr, _ = gap_threshold(m)
+    thr, _ = gap_threshold(m, params)
     if len(gap) >= 4 and gap[0][1] <= thr:
         tail = [v for _, v in gap[-max(2, len(gap) // 4):]]
         late = statistics.fmean(tail)
