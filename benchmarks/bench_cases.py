@@ -4,6 +4,7 @@ checkout: each defect's expected hypothesis beside the doctor's top finding.
     python benchmarks/bench_cases.py --seeds 1,2 --out /tmp/cases                 # both sets, both seeds
     python benchmarks/bench_cases.py --seeds 1 --out /tmp/cases --faults a:none,b:none_kl --parallel 1
     python benchmarks/bench_cases.py --seeds 1,2 --out /tmp/cases --record docs/records/cases.md
+    python benchmarks/bench_cases.py --seeds 1,2 --out /tmp/cases --rejudge      # the stored runs, this doctor: seconds
 
 The sets (``defects_a.py``, ``defects_b.py`` and their README.md) are reference material written
 outside the project: this runs them as scripts, with this checkout as ``--checkout``, and reads what
@@ -15,7 +16,9 @@ the top finding's hypothesis among the expected (``h08|h02``); set B, the expect
 alternative, and the patch having fired.
 
 Where the sets are: ``--cases``, default ``$MUSIQUE_RL_DATA/cases`` (the folder of data outside this
-repository, default shared/ inside or beside the checkout: docs/howto/setup.md). Without them
+repository, default shared/ inside or beside the checkout: docs/howto/setup.md). ``--rejudge`` runs
+nothing: it reads the runs a previous call left in ``--out`` and judges each with this checkout's
+doctor (the top flagged finding of its metrics), so a doctor change is scored on the same runs. Without them
 (CI and fresh checkouts have none), says so and exits 0 with ``"status": "not run"``. The LAST
 line is one JSON object: ``defects`` and ``named_right`` (defect cells), ``controls`` and
 ``controls_clean`` (control cells), ``site_moved`` and ``not_planted`` (cells), ``seeds``, ``status``.
@@ -55,6 +58,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--faults", default="", help="only these cells, set-prefixed: a:none,b:none_kl")
     ap.add_argument("--parallel", type=int, default=1, help="jobs at once inside each set's script")
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--rejudge", action="store_true",
+                    help="run nothing: judge the runs stored in --out with this checkout's doctor")
     args = ap.parse_args(argv)
     bad = [s for s in args.sets.split(",") if s not in SETS]
     if bad:
@@ -80,13 +85,19 @@ def run_set(args: argparse.Namespace, key: str, seed: int) -> list[dict]:
         return []
     if faults:
         cmd += ["--faults", ",".join(faults)]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    (args.out / f"{key}-s{seed}.log").write_text(proc.stdout + proc.stderr)
     rows_file = out / ("rows.json" if key == "a" else f"rows-s{seed}.json")
-    if not rows_file.is_file():
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
-        raise SystemExit(f"set {key} seed {seed}: {script.name} left no {rows_file.name} (rc {proc.returncode}): {tail[0]}")
+    if args.rejudge:
+        if not rows_file.is_file():
+            raise SystemExit(f"--rejudge: set {key} seed {seed} has no stored {rows_file} (run it first without --rejudge)")
+    else:
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        (args.out / f"{key}-s{seed}.log").write_text(proc.stdout + proc.stderr)
+        if not rows_file.is_file():
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+            raise SystemExit(f"set {key} seed {seed}: {script.name} left no {rows_file.name} (rc {proc.returncode}): {tail[0]}")
     rows = json.loads(rows_file.read_text())
+    if args.rejudge:
+        rows = [rediagnosed(r, faults, out / f"{r['fault']}-s{seed}", key) for r in rows if not faults or r["fault"] in faults]
     for r in rows:
         r["set"], r["seed"] = key.upper(), seed
         log = out.parent / f"{key}-s{seed}" / f"{r['fault']}-s{seed}.log"
@@ -104,6 +115,26 @@ def run_set(args: argparse.Namespace, key: str, seed: int) -> list[dict]:
             r["ok"] = bool(r.get("hit"))
             r["expected"] = "|".join([r["want"], *r.get("also", [])])
     return rows
+
+
+def rediagnosed(row: dict, faults: list[str], run_root: Path, key: str) -> dict:
+    """``row`` with ``got``/``check`` from this checkout's doctor on the stored run under ``run_root``
+    (its metrics.jsonl), and set B's ``hit`` judged as its script judges it: the expected hypothesis or
+    an accepted alternative at the top (a control: clean, or an accepted alternative), the patch fired."""
+    from musique_rl.doctor.diagnose import diagnose_metrics
+    from musique_rl.doctor.sources import read_run_dir
+
+    found = sorted(run_root.glob("**/metrics.jsonl"))
+    if not found:
+        raise SystemExit(f"--rejudge: no stored run for {key}:{row['fault']} under {run_root}")
+    run = read_run_dir(found[0].parent)
+    top = diagnose_metrics(run.histories, run.params).top
+    got, check = ("clean", "") if top is None else (top.hypothesis, top.check)
+    row = {**row, "got": got, "check": check}
+    if key == "b":
+        fired = row.get("want") == "clean" or any((row.get("planted") or {}).values())
+        row["hit"] = fired and got in [row["want"], *row.get("also", [])]
+    return row
 
 
 def table(rows: list[dict]) -> str:
