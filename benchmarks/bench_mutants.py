@@ -33,7 +33,8 @@ or ``loss.beta=0.04`` where its line runs only there) for each ``--seeds`` seed,
 ``benchmarks/mutant_job.py``; the clean jobs of all three variants, ``--clean-seeds`` (1-3), run
 through the same wrapper without a mutant and are cached in DIR.
 
-Ground truth (mutants/harm.py): equivalent, harmful, harmless, ambiguous, crashed from the training
+Ground truth (mutants/harm.py): equivalent, harmful, harmless, ambiguous, crashed (and instrument_only:
+training bitwise unchanged, only our instruments' readings moved, so not the RL path) from the training
 reward's trend and the held-out gain re-scored with the unmutated reward code, against the clean
 runs' spread. Scores (mutants/score.py): detected, right_stage, harmless_clean, steps to diagnosis.
 
@@ -49,7 +50,7 @@ prints nothing of how it is judged (no classes, no causes); ``--rejudge`` with t
 once the doctor is frozen, is its first contact.
 
 The LAST line printed is one JSON object: ``mutants, harmful, harmless, equivalent, ambiguous,
-crashed`` (counts of mutants), ``detected, right_stage, harmless_clean`` (fractions; null when there
+crashed, instrument_only`` (counts of mutants), ``detected, right_stage, harmless_clean`` (fractions; null when there
 is nothing to divide by), ``steps_to_diagnosis_median``, and ``of`` ({rate: [count, denominator]}).
 With several seeds each seed's run is judged by the doctor as its own case (a user runs one seed):
 the class counts are mutants, the rates' denominators runs. DIR/mutants.md is the per-mutant table
@@ -214,12 +215,14 @@ def write_table(out: Path, rows: list[dict]) -> None:
 # ---------------------------------------------------------------- judging
 def judge(d: population.Drawn, runs: dict[int, harm.RunFacts], clean: dict[str, dict[int, harm.RunFacts]],
           sp: harm.Spread, out: Path) -> tuple[dict, list[score.Judged]]:
+    logs = {s: (runner.metrics_log(runner.job_dir(out, d.id, d.variant, s)),
+                runner.metrics_log(runner.job_dir(out, None, d.variant, s))) for s in runs}
     verdict = harm.classify(runs, {s: clean[d.variant][s] for s in runs}, d.variant, sp,
-                            trend_counts=d.stage != "reward")
+                            trend_counts=d.stage != "reward", logs=logs)
     judged, causes = [], []
     for seed in sorted(runs):
         cause = stage = steps = None
-        if verdict.cls != "crashed":
+        if verdict.cls not in ("crashed", "instrument_only"):
             top, steps = runner.diagnosis(runner.job_dir(out, d.id, d.variant, seed))
             cause, stage = (score.cause_name(top), top.get("stage")) if top else (None, None)
         judged.append(score.Judged(verdict.cls, d.stage, cause, stage, steps))
@@ -229,7 +232,7 @@ def judge(d: population.Drawn, runs: dict[int, harm.RunFacts], clean: dict[str, 
     row = {"id": d.id, "site": f"{m.path}:{m.site.line}", "operator": targets.short_operator(m.site.operator),
            "diff": diff_of(d), "variant": d.variant, "split": d.split, "stage": d.stage, "class": verdict.cls,
            "why": verdict.why, "z": {k: (round(v, 2) if math.isfinite(v) else str(v)) for k, v in verdict.z.items()},
-           "cause": cause or ("clean" if verdict.cls != "crashed" else ""), "cause_stage": stage, "steps": steps,
+           "cause": cause or ("clean" if verdict.cls not in ("crashed", "instrument_only") else ""), "cause_stage": stage, "steps": steps,
            "seeds": {str(s): {"cause": c or "clean", "stage": st, "steps": k} for s, (c, st, k) in zip(sorted(runs), causes, strict=True)},
            "seconds": [runs[s].seconds for s in sorted(runs)]}
     return row, judged

@@ -79,6 +79,31 @@ def test_the_list_command_prints_the_drawn_mutants_with_their_site_and_split():
     assert again.stdout == proc.stdout
 
 
+def test_studied_mutants_are_left_out_of_a_new_draw_before_it_is_drawn(tmp_path):
+    """--exclude FILE: the ids a file lists (one per line, # comments) never enter the draw; the rest keep
+    their order, so the draw is the next ones in line. --blind cannot record: it judges nothing."""
+    def listed(*extra):
+        proc = subprocess.run([sys.executable, "benchmarks/bench_mutants.py", "--salt", "t0", "--sample", "4", "--list",
+                               *extra], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout.splitlines()
+
+    def ids(lines):
+        return [line.split()[-1] for line in lines[1:] if not line.startswith("    ")]
+
+    first = ids(listed())
+    studied = tmp_path / "studied.txt"
+    studied.write_text(f"# read already\n{first[0]}\n{first[2]}  # and this one\n")
+    lines = listed("--exclude", str(studied))
+    assert "(2 studied left out)" in lines[0]
+    again = ids(lines)
+    assert first[0] not in again and first[2] not in again and again[:2] == [first[1], first[3]]
+    bad = subprocess.run([sys.executable, "benchmarks/bench_mutants.py", "--salt", "t0", "--sample", "4", "--out",
+                          str(tmp_path), "--blind", "--record", str(tmp_path / "r.json")],
+                         cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+    assert bad.returncode == 2 and "--blind" in bad.stderr
+
+
 # ---------------------------------------------------------------- the import hook
 CHILD = r"""
 import json, sys
@@ -240,6 +265,38 @@ def test_harm_classes_on_synthetic_reward_series():
     # a mutant of the reward itself wrote the training series: only the re-scored held-out gain counts
     halved = _facts([r / 2 for r in c[1].rewards], after=[0.71] * 8)
     assert classify({1: halved}) == "harmful" and classify({1: halved}, trend_counts=False) == "harmless"
+
+
+def test_a_mutant_that_moves_only_the_instruments_readings_is_counted_apart_not_scored(tmp_path):
+    """Training bitwise the clean run's: a mutant whose only changed numbers are our instruments'
+    (the statement fed a measurement, not the training) is instrument code the static filter missed,
+    reported as instrument_only; one whose trainer logs moved too (or nothing moved) stays equivalent.
+    Wall-clock timings never count."""
+    clean = _clean()
+    sp = harm.spread(clean)
+    c = clean["default"]
+
+    def log(name, rows):
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text("".join(json.dumps({"step": k, **r}) + "\n" for k, r in enumerate(rows)))
+        return path
+
+    base = [{"reward": 0.5, "grad_norm": 0.8, "h03/kl_model_mean": 0.01, "step_time": 1.0 + k} for k in range(3)]
+    clean_log = log("clean", base)
+    kl_read = log("kl_read", [{**r, "h03/kl_model_mean": 0.5, "step_time": 9.0} for r in base])
+    trained = log("trained", [{**r, "h03/kl_model_mean": 0.5, "grad_norm": 0.9} for r in base])
+    timing = log("timing", [{**r, "step_time": 7.0, "train_runtime": 3.0} for r in base])
+    same = {1: _facts(c[1].rewards, c[1].eval_before, c[1].eval_after)}
+
+    def classify(mutant_log):
+        return harm.classify(same, c, "default", sp, logs={1: (mutant_log, clean_log)})
+
+    only = classify(kl_read)
+    assert only.cls == "instrument_only" and "h03/kl_model_mean" in only.why
+    assert classify(trained).cls == "equivalent" and classify(timing).cls == "equivalent"
+    judged = [score.Judged("instrument_only", "loss", None, None, None), score.Judged("equivalent", "loss", None, None, None)]
+    s = score.summary(judged)
+    assert s["instrument_only"] == 1 and s["of"]["harmless_clean"] == [1, 1]
 
 
 def test_the_clean_runs_fall_inside_their_own_spread_and_a_failed_clean_run_stops_the_judging():

@@ -18,6 +18,11 @@ Classes, per mutant (over its seeds):
   error line);
 - ``equivalent``: every seed's per-step training rewards bitwise the clean run's of that seed, and
   the re-scored held-out rewards too;
+- ``instrument_only``: equivalent so, and every logged number that differs from the clean run's (timing
+  aside) is one of our instruments' (``hNN/...``, ``preflight/...``), none of the trainer's own: the
+  mutated statement changed what is measured, not what is trained; it is instrument code the static
+  filter (mutants/targets.py) did not recognise, and the benchmark mutates the RL path, not the
+  instruments. Counted apart, not scored (as ``crashed``);
 - else z = (mutant's mean - clean mean) / (clean sd / sqrt(seeds)) per witness, the clean mean per
   variant over the clean seeds and the clean sd pooled over the variants (2 degrees of freedom per
   variant; pooling gives 6): ``harmful`` when a witness has z <= -HARMFUL_Z (or is not finite),
@@ -32,8 +37,11 @@ harmful); ``SD_FLOOR`` keeps a chance-tight clean spread from turning noise into
 
 from __future__ import annotations
 
+import json
 import math
+import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from statistics import mean, stdev
 
 HARMFUL_Z = 3.0
@@ -42,7 +50,10 @@ INSIDE_Z = 2.0
 # episodes whose rewards move in steps of about 0.1 (one answer component of one episode, weighted,
 # /8 ~ 0.03); the trend's floor matches it.
 SD_FLOOR = {"trend": 0.03, "gain": 0.03}
-CLASSES = ("harmful", "harmless", "equivalent", "ambiguous", "crashed")
+CLASSES = ("harmful", "harmless", "equivalent", "ambiguous", "crashed", "instrument_only")
+# logged numbers that are wall-clock timings (differ between any two runs) and the instruments' own
+TIMING = re.compile(r"^(step_time|time/.*|train_runtime|train_samples_per_second|train_steps_per_second)$")
+INSTRUMENT = re.compile(r"^(h0\d|preflight)/")
 
 
 @dataclass
@@ -114,6 +125,26 @@ def same(a: RunFacts, b: RunFacts) -> bool:
     return a.rewards == b.rewards and a.eval_before == b.eval_before and a.eval_after == b.eval_after
 
 
+def _logged(metrics_log: Path) -> dict[tuple, object]:
+    """{(step, key): value} of a run's metrics.jsonl (empty when absent)."""
+    out: dict[tuple, object] = {}
+    if metrics_log.is_file():
+        for line in metrics_log.read_text().splitlines():
+            if line.strip():
+                row = json.loads(line)
+                out.update({(row.get("step"), k): v for k, v in row.items()})
+    return out
+
+
+def measurement_changes(mutant_log: Path, clean_log: Path) -> tuple[list[str], list[str]]:
+    """(instrument keys, other keys) whose logged values differ between two runs' metrics.jsonl,
+    timings left out."""
+    a, b = _logged(mutant_log), _logged(clean_log)
+    keys = sorted({k for (_, k) in set(a) | set(b) if not TIMING.match(k)
+                   for key in [(_, k)] if a.get(key) != b.get(key)})
+    return [k for k in keys if INSTRUMENT.match(k)], [k for k in keys if not INSTRUMENT.match(k)]
+
+
 @dataclass(frozen=True)
 class Verdict:
     cls: str
@@ -122,9 +153,10 @@ class Verdict:
 
 
 def classify(runs: dict[int, RunFacts], clean: dict[int, RunFacts], variant: str, sp: Spread,
-             trend_counts: bool = True) -> Verdict:
+             trend_counts: bool = True, logs: dict[int, tuple[Path, Path]] | None = None) -> Verdict:
     """The class of one mutant from its runs {seed: facts} and the clean runs of its variant
-    {seed: facts} (the same seeds); ``trend_counts`` False for a mutant in the reward stage."""
+    {seed: facts} (the same seeds); ``trend_counts`` False for a mutant in the reward stage; ``logs``
+    {seed: (mutant's metrics.jsonl, clean run's)} tells an equivalent mutant from an instrument-only one."""
     crashed = [(s, f) for s, f in sorted(runs.items()) if f.crashed]
     if crashed:
         s, f = crashed[0]
@@ -133,6 +165,11 @@ def classify(runs: dict[int, RunFacts], clean: dict[int, RunFacts], variant: str
     if missing:
         raise ValueError(f"no clean run of variant {variant} for seeds {missing}")
     if all(same(f, clean[s]) for s, f in runs.items()):
+        changed = [measurement_changes(*logs[s]) for s in sorted(runs) if s in (logs or {})]
+        instruments = sorted({k for ins, _ in changed for k in ins})
+        if changed and instruments and not any(other for _, other in changed):
+            return Verdict("instrument_only", {}, "training bitwise the clean run's; only instrument readings differ: "
+                           + ", ".join(instruments[:4]) + (" ..." if len(instruments) > 4 else ""))
         return Verdict("equivalent", {}, "training and held-out rewards bitwise the clean run's")
     names = ("trend", "gain") if trend_counts else ("gain",)
     z = {}

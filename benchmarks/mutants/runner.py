@@ -104,6 +104,13 @@ def run_job(job: Path, variant: str, seed: int, site: Site | None, timeout: floa
     return facts
 
 
+def metrics_log(job: Path) -> Path:
+    """The metrics.jsonl a job's run wrote."""
+    from musique_rl.base import rundir
+
+    return job / RUN / rundir.METRICS_LOG
+
+
 def read_facts(run_dir: Path, variant: str, seed: int, rc: int, error: str | None, seconds: float | None) -> RunFacts:
     from musique_rl.base import rundir
 

@@ -9,7 +9,7 @@
   and check): what a user watching the live diagnosis would have acted on, and when.
 
 The summary's rates are fractions (None when nothing to divide by); ``of`` gives each rate's
-[count, denominator]. Crashed and ambiguous mutants are counted, never scored.
+[count, denominator]. Crashed, ambiguous and instrument-only mutants are counted, never scored.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from statistics import median
 from typing import Any
 
-KEYS = ("mutants", "harmful", "harmless", "equivalent", "ambiguous", "crashed", "detected", "right_stage",
+KEYS = ("mutants", "harmful", "harmless", "equivalent", "ambiguous", "crashed", "instrument_only", "detected", "right_stage",
         "harmless_clean", "steps_to_diagnosis_median")
 
 
@@ -60,7 +60,7 @@ def _rate(k: int, n: int) -> float | None:
 
 def summary(judged: Sequence[Judged]) -> dict[str, Any]:
     count = {c: sum(1 for j in judged if j.cls == c) for c in ("harmful", "harmless", "equivalent", "ambiguous",
-                                                                "crashed")}
+                                                                "crashed", "instrument_only")}
     harmful = [j for j in judged if j.cls == "harmful"]
     quiet = [j for j in judged if j.cls in ("harmless", "equivalent")]
     detected = [j for j in harmful if j.cause is not None]
