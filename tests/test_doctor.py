@@ -303,3 +303,23 @@ def test_a_first_step_gap_past_ten_floors_but_too_small_to_move_the_loss_is_not_
     assert not [f for f in diagnose_metrics(gap(1.4e-4), {"loss.epsilon": "0.2"}) if f.flagged]
     assert diagnose_metrics(gap(1.4e-4), {"loss.epsilon": "0.01"})[0].check == "trainer_sampler_mismatch_at_start"
     assert diagnose_metrics(gap(0.0087), {"loss.epsilon": "0.2"})[0].check == "trainer_sampler_mismatch_at_start"
+
+
+def test_a_kl_term_that_is_not_the_kl_is_named_and_explains_the_pairing_residual_it_leaves():
+    """TRL's k3 estimator corrupted under beta 0.04: the loss logs a KL of 1.0 where the same k3 from the
+    same log-probs is 0.015, and the point-of-use pairing reads every row 0.04 (= beta) off its
+    advantage. The KL term is named; the pairing residual, within 2 x beta, is withdrawn as its trace.
+    Equal KLs (a healthy beta > 0 run) are no finding; a row off by half a unit stays a reorder."""
+    params = {"loss.beta": "0.04"}
+    pairing = {"h01/loss_rows_unmatched_share": series(lambda s: 0.0), "h01/loss_adv_from_inputs": series(lambda s: 1.0),
+               "h01/loss_adv_misaligned_share": series(lambda s: 1.0)}
+    broken = with_({**pairing, "kl": series(lambda s: 1.0), "h03/kl_model_mean": series(lambda s: 0.015),
+                    "h01/loss_adv_pairing_error": series(lambda s: 0.04)})
+    d = diagnose_metrics(broken, params)
+    assert (d[0].hypothesis, d[0].check, d[0].stage) == ("h03", "kl_term_differs_from_kl", "loss")
+    assert str(next(f for f in d if f.check == "advantages_not_paired_in_loss").role) == "withdrawn"
+    healthy = with_({"kl": series(lambda s: 1e-4 * s), "h03/kl_model_mean": series(lambda s: 1e-4 * s)})
+    assert "kl_term_differs_from_kl" not in [f.check for f in diagnose_metrics(healthy, params) if f.flagged]
+    reorder = with_({**pairing, "kl": series(lambda s: 1.0), "h03/kl_model_mean": series(lambda s: 0.015),
+                     "h01/loss_adv_pairing_error": series(lambda s: 0.5)})
+    assert "advantages_not_paired_in_loss" in [f.check for f in diagnose_metrics(reorder, params) if f.flagged]

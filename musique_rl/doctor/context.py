@@ -24,6 +24,7 @@ the doctor withdraws them (role "withdrawn") with the reason.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -260,11 +261,45 @@ def _weak_symptom_vs_rising_reward(f: Finding, m: Mapping[str, History], params:
             "flat reward here (watch it if the reward stalls).")
 
 
+# The loss's own KL (TRL's logged `kl`: the mean of the per-token term it adds to the loss) against
+# the same k3 KL recomputed from the same per-token log-probs by our instrument (instruments/kl.py):
+# a healthy run logs them equal to float round-off (measured: equal to 4 decimals at every step of the
+# beta 0.04 grid, float32 and bf16). A step where they differ by more than this (relative to the
+# larger, with an absolute floor for KLs near 0) is a step whose KL term is not the KL.
+KL_TERM_RTOL = 0.1
+KL_TERM_ATOL = 1e-4
+
+
+@helper_reads(TRL_KL, H03_KL_MODEL_MEAN)
+def kl_term_off(m: Mapping[str, History]) -> tuple[int, int]:
+    """(steps whose logged KL term differs from the recomputed KL, steps with both logged)."""
+    ours = dict((s, v) for s, v in (m.get(H03_KL_MODEL_MEAN) or []) if v is not None)
+    both = [(v, ours[s]) for s, v in (m.get(TRL_KL) or []) if s in ours and v is not None]
+    off = sum(1 for a, b in both if abs(a - b) > max(KL_TERM_ATOL, KL_TERM_RTOL * max(abs(a), abs(b))))
+    return off, len(both)
+
+
+def _pairing_vs_kl_term(f: Finding, m: Mapping[str, History], params: Mapping[str, str]) -> str | None:
+    """The point-of-use pairing reads each row's advantage from the loss's gradient after taking out the
+    KL term it expects (beta x the k3 KL). A KL term that is not the KL (kl_term_differs_from_kl) leaves a
+    residual of the size of beta in every row: rows off by no more than ~2 beta carry their own advantage
+    under a wrong KL term; a real reorder is off by a difference of advantages, ~1."""
+    beta = num(params, "loss.beta", num(params, "beta", 0.0))
+    off, steps = kl_term_off(m)
+    err = max(values(m.get("h01/loss_adv_pairing_error")), default=math.inf)
+    if beta <= 0 or not steps or off * 2 <= steps or err > 2 * beta:
+        return None
+    return (f"the loss's KL term differs from the KL on {off} of {steps} steps (h03 kl_term_differs_from_kl), and "
+            f"the rows are off their advantage by at most {err:.2g}, within 2 x beta ({beta:g}): the residual is the "
+            "wrong KL term's, not another row's advantage.")
+
+
 # check -> the contradictions that can refute it (declared data: add a function above and list it here)
 CONTRADICTIONS: dict[str, tuple[Contradiction, ...]] = {
     "gap_grows": (_sync_claim_vs_parity,),
     "sampler_trainer_drift": (_sync_claim_vs_parity,),
     "kl_at_start": (_kl_first_row_after_updates,),
+    "advantages_not_paired_in_loss": (_pairing_vs_kl_term,),
     # the symptoms whose claim is "this caps the reward"
     "budgets_binding": (_weak_symptom_vs_rising_reward,),
     "completions_truncated": (_weak_symptom_vs_rising_reward,),

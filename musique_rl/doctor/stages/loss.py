@@ -38,7 +38,7 @@ from musique_rl.base.catalogue import (
     TRL_IMPORTANCE_SAMPLING_RATIO,
     TRL_KL,
 )
-from musique_rl.doctor.context import KL_PER_PEAK_STEP, gap_threshold, update_budget_before
+from musique_rl.doctor.context import KL_PER_PEAK_STEP, gap_threshold, kl_term_off, update_budget_before
 from musique_rl.doctor.evidence import Measure
 from musique_rl.doctor.findings import (
     Finding,
@@ -443,6 +443,27 @@ def _kl_acts(m: Mapping[str, History], params: Mapping[str, str]) -> list[Findin
 
 
 # ---------------------------------------------------------------- the reference model (instruments/reference.py)
+@rule(stage="loss", checks={"kl_term_differs_from_kl": Kind.DEFECT}, reads=(TRL_KL, H03_KL_MODEL_MEAN),
+      needs=(TRL_KL, H03_KL_MODEL_MEAN))
+def _kl_term(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
+    """The KL term the loss adds (TRL's logged ``kl``) against the k3 KL recomputed from the same
+    per-token log-probs (instruments/kl.py): the same quantity, equal on a healthy run."""
+    off, steps = kl_term_off(m)
+    if not steps:
+        return []
+    c = "kl_term_differs_from_kl"
+    ours, theirs = values(m.get(H03_KL_MODEL_MEAN)), values(m.get(TRL_KL))
+    ev = {"steps where the loss's KL term differs from the KL": float(off), "steps with both": float(steps),
+          f"{TRL_KL} (first)": theirs[0], f"{H03_KL_MODEL_MEAN} (first)": ours[0]}
+    return judged("h03", c, off * 2 > steps, 3.0, ev,
+                  f"On {off} of {steps} steps the KL term the loss adds ({TRL_KL}: {theirs[0]:.3g} at the first) is not "
+                  f"the KL between the policy and the reference recomputed from the same log-probs ({ours[0]:.3g}): "
+                  "the loss computes its KL term wrong (the estimator, its sign, or what it is multiplied by)."
+                  + stage_sentence(c),
+                  "The loss's KL term is the KL of the policy to the reference." + stage_sentence(c),
+                  Measure("steps whose KL term is not the KL (share)", off / steps, 0.5, exact=True, share=True))
+
+
 @rule(stage="loss", checks={"reference_is_policy": Kind.DEFECT}, reads=(H03_REF_IS_POLICY,), needs=(H03_REF_IS_POLICY,))
 def _reference_is_policy(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
     """With beta > 0, the reference the KL is scored against must be a model of its own: read from the
