@@ -295,7 +295,7 @@ def test_a_weak_symptom_on_a_run_whose_reward_rises_explains_nothing_and_is_with
 
 
 def test_a_first_step_gap_past_ten_floors_but_too_small_to_move_the_loss_is_not_a_finding():
-    """The healthy bf16 LoRA run's first-step gap of 1.4e-4 (floor 5e-6: 28 floors) cannot move the
+    """The healthy bf16 LoRA run's first-step gap of 1.4e-4 (a floor of 5e-6 here: 28 floors) cannot move the
     clipped loss by 0.5% (1e-3 at epsilon 0.2): clean. The same gap under epsilon 0.01 could: flagged.
     A gap of 0.0087 (a generator attending to part of its context) is a finding either way."""
     def gap(v):

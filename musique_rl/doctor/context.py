@@ -88,8 +88,8 @@ def gap_threshold(m: Mapping[str, History], params: Mapping[str, str] | None = N
     """(the largest healthy sampler/trainer gap at the first step, the words that say where it comes from):
     FLOOR_MULTIPLE x the run's first floor, and never below GAP_ABS_MIN nor below materiality (a gap
     that cannot move the clipped loss by MATERIAL_LOSS_SHARE, as late in the run: late_gap_threshold).
-    A bf16 LoRA run's healthy first-step gap reached 1.4e-4 with a floor under 1e-5 (the floor's ~8
-    probe sequences do not hold every decode-vs-forward difference of bf16 kernels): past 10x its
+    A bf16 LoRA run's healthy first-step gap reached 1.4e-4 with a first floor of 9.5e-7 (the floor's
+    ~8 probe sequences do not hold every decode-vs-forward difference of bf16 kernels): 145x its
     floor, but 7x below what could move its loss."""
     f = floor_of(m)
     if f is None:
