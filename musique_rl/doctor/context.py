@@ -29,6 +29,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from musique_rl.base.catalogue import (
+    H01_LOSS_ADV_PAIRING_ERROR,
     H03_KL_MODEL_MEAN,
     H06_LOGP_GAP_FLOOR,
     H06_PARITY_SAMPLER_TRAINER,
@@ -279,6 +280,7 @@ def kl_term_off(m: Mapping[str, History]) -> tuple[int, int]:
     return off, len(both)
 
 
+@helper_reads(TRL_KL, H03_KL_MODEL_MEAN, H01_LOSS_ADV_PAIRING_ERROR)
 def _pairing_vs_kl_term(f: Finding, m: Mapping[str, History], params: Mapping[str, str]) -> str | None:
     """The point-of-use pairing reads each row's advantage from the loss's gradient after taking out the
     KL term it expects (beta x the k3 KL). A KL term that is not the KL (kl_term_differs_from_kl) leaves a
@@ -286,7 +288,7 @@ def _pairing_vs_kl_term(f: Finding, m: Mapping[str, History], params: Mapping[st
     under a wrong KL term; a real reorder is off by a difference of advantages, ~1."""
     beta = num(params, "loss.beta", num(params, "beta", 0.0))
     off, steps = kl_term_off(m)
-    err = max(values(m.get("h01/loss_adv_pairing_error")), default=math.inf)
+    err = max(values(m.get(H01_LOSS_ADV_PAIRING_ERROR)), default=math.inf)
     if beta <= 0 or not steps or off * 2 <= steps or err > 2 * beta:
         return None
     return (f"the loss's KL term differs from the KL on {off} of {steps} steps (h03 kl_term_differs_from_kl), and "

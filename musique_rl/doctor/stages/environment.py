@@ -116,7 +116,7 @@ def _stop_reasons(m: Mapping[str, History], params: Mapping[str, str]) -> list[F
                   "episode loop filed them as cut (it misreads how a turn ended: its stop id, the generator's "
                   "stopped flag), ending the episode there." + stage_sentence(c),
                   "Every episode said to end at a token budget is as long as one." + stage_sentence(c),
-                  Measure("h04/budget stops with no episode at a budget (share of steps)", share, 0.0, exact=True,
+                  Measure("budget stops with no episode at a budget (share of steps)", share, 0.0, exact=True,
                           share=True))
 
 
