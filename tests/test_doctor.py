@@ -323,3 +323,21 @@ def test_a_kl_term_that_is_not_the_kl_is_named_and_explains_the_pairing_residual
     reorder = with_({**pairing, "kl": series(lambda s: 1.0), "h03/kl_model_mean": series(lambda s: 0.015),
                      "h01/loss_adv_pairing_error": series(lambda s: 0.5)})
     assert "advantages_not_paired_in_loss" in [f.check for f in diagnose_metrics(reorder, params) if f.flagged]
+
+
+def test_a_total_reward_that_ties_where_its_weighted_components_vary_is_named_in_the_reward_stage():
+    """A hop scale of 0 multiplies every episode's total by 0: every group ties (no signal) while the
+    weighted answer components vary in 7 groups of 8. The total can tie only where its components all do:
+    the reward stage's total_ignores_components is the cause, the tied groups its consequence. A weight
+    of 0 in the config is not a component of the total."""
+    weights = {"reward.weights.answer_em": "1.0", "reward.weights.answer_f1": "0.5"}
+    tied = with_({"h01/zero_std_share": series(lambda s: 1.0), "h01/signal_group_share": series(lambda s: 0.0),
+                  "h05/answer_em/constant_group_share": series(lambda s: 0.125),
+                  "h05/answer_f1/constant_group_share": series(lambda s: 0.125)})
+    d = diagnose_metrics(tied, weights)
+    assert (d[0].hypothesis, d[0].check, d[0].stage) == ("h05", "total_ignores_components", "reward")
+    healthy = with_({"h01/zero_std_share": series(lambda s: 0.1), "h05/answer_em/constant_group_share": series(lambda s: 0.125),
+                     "h05/answer_f1/constant_group_share": series(lambda s: 0.125)})
+    assert "total_ignores_components" not in [f.check for f in diagnose_metrics(healthy, weights) if f.flagged]
+    unweighted = {"reward.weights.answer_em": "0", "reward.weights.answer_f1": "0"}
+    assert "total_ignores_components" not in [f.check for f in diagnose_metrics(tied, unweighted) if f.flagged]

@@ -7,6 +7,7 @@ import statistics
 from collections.abc import Mapping
 
 from musique_rl.base.catalogue import (
+    H01_ZERO_STD_SHARE,
     H04_NO_ANSWER_SHARE,
     H05_ANSWER_CHECK_CHECKED,
     H05_ANSWER_CHECK_DISAGREEMENT_SHARE,
@@ -104,6 +105,47 @@ def _reward_components(m: Mapping[str, History], params: Mapping[str, str]) -> l
                            f"not the advantages): {', '.join(const)}.",
                            {f"{H05_COMPONENT_CONSTANT_GROUP_SHARE.of(component=c)} (min)": 1.0 for c in const}))
     return out
+
+
+# The total reward is the weighted sum of its components: in a group where a weighted component varies, the
+# total varies (an exact cancellation of two components is a measure-zero event). A step whose share of
+# groups with a constant total exceeds the share where every weighted component is constant by more than
+# this (one group in 20: a cancellation, a component the config weights at ~0) is a step whose total did
+# not follow its components: a scale, weight or combination of the reward that drops them.
+TOTAL_TIED_EXCESS = 0.05
+
+
+@rule(stage="reward", checks={"total_ignores_components": Kind.DEFECT},
+      reads=(H01_ZERO_STD_SHARE, H05_COMPONENT_CONSTANT_GROUP_SHARE),
+      needs=(H01_ZERO_STD_SHARE, H05_COMPONENT_CONSTANT_GROUP_SHARE.of(component="answer_em")),
+      thresholds=("TOTAL_TIED_EXCESS",))
+def _total_follows_components(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
+    """Groups whose total reward is tied against groups where the weighted components are all tied (each
+    component's tied share bounds the total's from above: the total can tie only where they all do)."""
+    weighted = [c for c in components_logged(m, H05_COMPONENT_CONSTANT_GROUP_SHARE)
+                if f"reward.weights.{c}" in params and num(params, f"reward.weights.{c}", 0.0) != 0]
+    if not weighted:
+        return []
+    tied = dict(m.get(H01_ZERO_STD_SHARE) or [])
+    by_comp = {c: dict(m.get(H05_COMPONENT_CONSTANT_GROUP_SHARE.of(component=c)) or []) for c in weighted}
+    steps = [s for s in tied if all(s in v for v in by_comp.values())]
+    if not steps:
+        return []
+    excess = {s: tied[s] - min(v[s] for v in by_comp.values()) for s in steps}
+    off = [s for s in steps if excess[s] > TOTAL_TIED_EXCESS]
+    share = len(off) / len(steps)
+    worst = max(steps, key=lambda s: excess[s])
+    c = "total_ignores_components"
+    ev = {f"{H01_ZERO_STD_SHARE} (step {worst})": tied[worst],
+          f"weighted components' least tied share (step {worst})": tied[worst] - excess[worst],
+          "steps whose total ties beyond its components (share)": share}
+    return judged("h05", c, share > 0.5, 3.0, ev,
+                  f"On {len(off)} of {len(steps)} steps the total reward ties in more groups than its weighted "
+                  f"components do ({tied[worst]:.0%} of groups tied against at most {tied[worst] - excess[worst]:.0%} "
+                  f"for a component, step {worst}): the total does not follow its components (a scale, weight or "
+                  "combination that drops them), so their signal never reaches the advantages." + stage_sentence(c),
+                  "The total reward varies wherever its weighted components do." + stage_sentence(c),
+                  Measure("steps whose total ties beyond its components (share)", share, 0.5, exact=True, share=True))
 
 
 # answer_reward_blind is a fingerprint, not a proof: answer components ~0 and constant while the
