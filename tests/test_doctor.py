@@ -341,3 +341,16 @@ def test_a_total_reward_that_ties_where_its_weighted_components_vary_is_named_in
     assert "total_ignores_components" not in [f.check for f in diagnose_metrics(healthy, weights) if f.flagged]
     unweighted = {"reward.weights.answer_em": "0", "reward.weights.answer_f1": "0"}
     assert "total_ignores_components" not in [f.check for f in diagnose_metrics(tied, unweighted) if f.flagged]
+
+
+def test_turn_cap_stops_on_one_turn_episodes_are_the_loops_misreading():
+    """Every episode 'stopped at the turn cap' (env.max_turns 4) with one turn each: a cap no episode
+    reached. The turn counts refute the stop reasons: the environment's stop_reasons_contradict_lengths.
+    A run whose capped episodes hold their four turns is clean of it."""
+    params = {"env.max_turns": "4"}
+    misread = with_({"h04/stop_max_turns_share": series(lambda s: 1.0), "h07/turns_mean": series(lambda s: 1.0),
+                     "h04/no_answer_share": series(lambda s: 1.0)})
+    d = diagnose_metrics(misread, params)
+    assert (d[0].check, d[0].stage) == ("stop_reasons_contradict_lengths", "environment") and "turn cap" in d[0].verdict
+    capped = with_({"h04/stop_max_turns_share": series(lambda s: 0.25), "h07/turns_mean": series(lambda s: 2.9)})
+    assert "stop_reasons_contradict_lengths" not in [f.check for f in diagnose_metrics(capped, params) if f.flagged]

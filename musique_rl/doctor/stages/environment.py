@@ -10,6 +10,7 @@ from musique_rl.base.catalogue import (
     H04_BUDGET_CAP_SHARE,
     H04_COMPLETION_LEN_MAX,
     H04_NO_ANSWER_SHARE,
+    H04_STOP_REASON_SHARE,
     H04_TOOL_RESULTS_ALTERED,
     H04_TOOL_RESULTS_ALTERED_SHARE,
     H05_ANSWER_CHECK_CHECKED,
@@ -25,7 +26,7 @@ from musique_rl.base.catalogue import (
     TOOL_FAILURE_MAX,
 )
 from musique_rl.doctor.evidence import Measure
-from musique_rl.doctor.findings import Finding, History, judged, magnitude, rule, stage_sentence, values
+from musique_rl.doctor.findings import Finding, History, judged, magnitude, num, rule, stage_sentence, values
 from musique_rl.doctor.stages.inputs import budget_stops_unreached
 from musique_rl.doctor.stages.reward import (
     ANSWER_PRESENT_MIN,
@@ -95,29 +96,53 @@ def _tool_failures(m: Mapping[str, History], params: Mapping[str, str]) -> list[
                   f"Tool calls mostly succeed ({f:.0%} fail).", measure)
 
 
-# The episode loop's reading of how each turn ended (an answer, a tool call, a budget), checked against
-# the lengths: a budget stop on an episode shorter than every budget is a stop the loop misread (the
-# turn ended on its stop id and was filed as cut), and every later turn of the episode is lost with it.
+# The episode loop's reading of how each turn ended (an answer, a tool call, a budget, the turn cap),
+# checked against what the episodes measure: a budget stop on an episode shorter than every budget, or a
+# turn-cap stop on episodes with fewer turns than the cap, is a stop the loop misread (the turn ended on
+# its stop id and was filed as cut; a turn counted against a cap it has not reached), and every later
+# turn of the episode is lost with it.
+MAX_TURNS_SHARE = H04_STOP_REASON_SHARE.of(reason="max_turns")
+# turns per episode are logged as a mean: a step's mean below the least the turn-cap stops imply by more
+# than this (float round-off of a mean over a batch) refutes them
+TURNS_SLACK = 0.01
+
+
+def turn_stops_unreached(m: Mapping[str, History], params: Mapping[str, str]) -> tuple[int, int, float] | None:
+    """(steps whose turn-cap stops the turn counts refute, steps with a turn-cap stop, the cap), or None.
+    An episode stopped by ``env.max_turns`` has that many turns, every other at least one, so a step whose
+    share s of episodes stopped so has a mean of at least s x cap + (1 - s) turns."""
+    cap = num(params, "env.max_turns", 0.0)
+    turns = dict(m.get(H07_TURNS_MEAN) or [])
+    claims = [(s, v) for s, v in (m.get(MAX_TURNS_SHARE) or []) if v > 0 and s in turns]
+    if cap < 2 or not claims:
+        return None
+    return sum(1 for s, v in claims if turns[s] < v * cap + (1 - v) - TURNS_SLACK), len(claims), cap
+
+
 @rule(stage="environment", checks={"stop_reasons_contradict_lengths": Kind.DEFECT},
-      reads=(H04_BUDGET_CAP_SHARE, H04_COMPLETION_LEN_MAX, H02_LOSS_ASSISTANT_LEFT_OUT_SHARE),
-      needs=(H04_BUDGET_CAP_SHARE, H04_COMPLETION_LEN_MAX))
+      reads=(H04_BUDGET_CAP_SHARE, H04_COMPLETION_LEN_MAX, H02_LOSS_ASSISTANT_LEFT_OUT_SHARE, MAX_TURNS_SHARE,
+             H07_TURNS_MEAN),
+      needs=(H04_BUDGET_CAP_SHARE,))
 def _stop_reasons(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
-    unreached = budget_stops_unreached(m, params)
-    if unreached is None:
+    claims = {"token budget": budget_stops_unreached(m, params), "turn cap": turn_stops_unreached(m, params)}
+    claims = {k: v for k, v in claims.items() if v is not None}
+    if not claims:
         return []
-    bad, claimed, budget = unreached
+    what, (bad, claimed, limit) = max(claims.items(), key=lambda kv: kv[1][0] / kv[1][1])
     share = bad / claimed
     c = "stop_reasons_contradict_lengths"
-    ev = {"steps with a budget stop": float(claimed), "of them with no episode as long as a budget": float(bad),
-          "smallest token budget (env.max_tokens_per_turn, env.max_completion_tokens)": budget}
+    ev = {f"steps with a {k} stop": float(v[1]) for k, v in claims.items()}
+    ev.update({f"of them refuted by the episodes ({k})": float(v[0]) for k, v in claims.items()})
+    ev[f"the {what} (config)"] = limit
+    measured = ("no episode is as long as the smallest budget" if what == "token budget"
+                else "the episodes hold fewer turns than the cap")
     return judged("h04", c, share > 0.5, 3 + magnitude(1 + 10 * share), ev,
-                  f"On {bad} of the {claimed} steps whose episodes are said to end at a token budget, no episode is "
-                  f"{budget:.0f} tokens long (the smallest budget): those turns ended before any budget, and the "
-                  "episode loop filed them as cut (it misreads how a turn ended: its stop id, the generator's "
-                  "stopped flag), ending the episode there." + stage_sentence(c),
-                  "Every episode said to end at a token budget is as long as one." + stage_sentence(c),
-                  Measure("budget stops with no episode at a budget (share of steps)", share, 0.0, exact=True,
-                          share=True))
+                  f"On {bad} of the {claimed} steps whose episodes are said to end at the {what} ({limit:.0f}), "
+                  f"{measured}: those turns ended before any such limit, and the episode loop filed them as cut "
+                  "(it misreads how a turn ended: its stop id, the generator's stopped flag, the turn count), "
+                  "ending the episode there." + stage_sentence(c),
+                  "Every episode said to end at a token budget or the turn cap reached it." + stage_sentence(c),
+                  Measure("stops the episodes refute (share of steps)", share, 0.0, exact=True, share=True))
 
 
 # Answers present, the reward's answer components ~0, and an independent scorer agreeing that none is
