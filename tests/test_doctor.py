@@ -354,3 +354,19 @@ def test_turn_cap_stops_on_one_turn_episodes_are_the_loops_misreading():
     assert (d[0].check, d[0].stage) == ("stop_reasons_contradict_lengths", "environment") and "turn cap" in d[0].verdict
     capped = with_({"h04/stop_max_turns_share": series(lambda s: 0.25), "h07/turns_mean": series(lambda s: 2.9)})
     assert "stop_reasons_contradict_lengths" not in [f.check for f in diagnose_metrics(capped, params) if f.flagged]
+
+
+def test_budgets_that_bind_because_the_sampler_draws_from_another_distribution_are_its_consequence():
+    """Every episode reaches its token budget and, before any update, the sampler's log-probs are 13.8
+    nats/token from the trainer's: a sampler that draws from another distribution rambles to every
+    budget. The sampling defect is the cause, the binding budgets its consequence; budgets alone stay
+    the cause (too small for the task)."""
+    budgets = {"h04/budget_cap_share": series(lambda s: 1.0), "h04/no_answer_share": series(lambda s: 1.0)}
+    gap = {"h06/logp_gap_mean": series(lambda s: 13.8), "h06/logp_gap_floor": [(0, 1e-6), (10, 1e-6)],
+           "h06/fit_gap_trainer": [(0, 13.8)], "h06/fit_gap_best": [(0, 13.0)]}
+    d = diagnose_metrics(with_({**budgets, **gap}))
+    assert (d[0].check, d[0].stage) == ("trainer_sampler_mismatch_at_start", "sampling")
+    budget = next(f for f in d if f.check == "budgets_binding")
+    assert budget.flagged and str(budget.role) == "consequence" and budget.explained_by.check == d[0].check
+    alone = diagnose_metrics(with_(budgets))
+    assert alone[0].check == "budgets_binding" and str(alone[0].role) == "cause"

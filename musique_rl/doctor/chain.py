@@ -25,7 +25,9 @@ one of:
   * inside one stage, a starving defect explains what it leaves at 0 (a learning rate of 0 -> no
     update), and a proven defect explains a symptom (a stale sampler -> a growing gap);
   * a *defect* (``Kind.DEFECT``: a proof that one mechanism is wrong, e.g. tool tokens in the loss)
-    is never a consequence: no upstream failure puts tool tokens into the loss mask.
+    is never a consequence: no upstream failure puts tool tokens into the loss mask;
+  * a symptom measured on what the sampler produced though its knob sits upstream (budgets that bind:
+    ``MEASURED_AFTER``) is placed at sampling for this: a sampling defect can explain it.
 
 Findings that are not flagged carry role ``note`` (a rule's remark, or an alarm that fires on
 healthy runs), ``withdrawn`` (another stage's evidence contradicts the claim: doctor/context.py
@@ -65,6 +67,14 @@ def starving(f: Finding) -> bool:
     return decl is not None and decl.starving
 
 
+# Symptoms measured on what the sampler produced, though the knob they name sits upstream: episodes that
+# reach their token budget reach it because the sampler did not stop first. For what explains them they
+# sit in the sampling stage: a sampling defect with evidence as strong (a sampler drawing from another
+# distribution than the policy's, 13.8 nats/token away, rambles to every budget) accounts for them, and
+# budgets that are simply too small still stand alone when no such defect is there.
+MEASURED_AFTER = {"budgets_binding": "sampling", "completions_truncated": "sampling"}
+
+
 def explains(a: Finding, b: Finding) -> bool:
     """Whether flagged finding ``a`` accounts for flagged finding ``b`` (declared data above, weighed by
     the evidence): a symptom is explained only by a finding whose own evidence is at least as strong
@@ -74,6 +84,8 @@ def explains(a: Finding, b: Finding) -> bool:
         return False
     sa, sb = stage_of(a), stage_of(b)
     kind = kind_of(b)
+    if kind is Kind.SYMPTOM:
+        sb = MEASURED_AFTER.get(b.check, sb)
     if kind is Kind.SYMPTOM and tier(a) < tier(b):
         return False
     if sa == sb:
