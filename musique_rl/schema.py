@@ -21,7 +21,6 @@ from typing import Any, ClassVar, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from musique_rl.base import rundir
 from musique_rl.base.config_base import (
     CONF_DIR,
     LAUNCHERS_DIR,
@@ -31,6 +30,7 @@ from musique_rl.base.config_base import (
     ConfigValueError,
     ReadOnly,
     at_least,
+    register_resolvers,
 )
 from musique_rl.core import config as core_config
 from musique_rl.core.config import (  # noqa: F401  (the groups' types and enums, as schema.<name>)
@@ -249,17 +249,6 @@ def unknown_keys(argv: Sequence[str]) -> list[str]:
     return out
 
 
-def _arm(control: Any, treatment: Any, *, _root_: Any) -> Any:
-    """``${arm:<control>,<treatment>}``: the value for the arm chosen by ``hypothesis.arm``.
-
-    Why a resolver: one overlay file holds both arms, so a paired sweep is just
-    ``hypothesis.arm=control,treatment`` and the control arm stays visibly next to the treatment.
-    """
-    hyp = _root_.get("hypothesis")
-    arm = hyp.arm if hyp is not None else "treatment"
-    return treatment if str(arm) == "treatment" else control
-
-
 # CONF_DIR (base/config_base.py) is where every config lookup starts from (entrypoint, tools, tests): the
 # configs are package data, so a wheel installed anywhere finds them. A user's own configs go on
 # top with Hydra's `--config-dir DIR` (searched first), never by editing this tree. Two groups live
@@ -302,14 +291,7 @@ def register_faults() -> None:
 
 def register() -> None:
     """Register schemas, named sweeps and resolvers (idempotent: Hydra may import us twice)."""
-    if not OmegaConf.has_resolver("arm"):
-        OmegaConf.register_new_resolver("arm", _arm)
-    if not OmegaConf.has_resolver("first_set"):  # ${first_set:a,b}: a unless it is null or empty, else b
-        OmegaConf.register_new_resolver("first_set", lambda *values: next((v for v in values if v not in (None, "")), None))
-    if not OmegaConf.has_resolver("launch_stamp"):  # the unique part of a run / sweep dir name; cached: one per launch
-        OmegaConf.register_new_resolver("launch_stamp", rundir.stamp, use_cache=True)
-    if not OmegaConf.has_resolver("mul"):
-        OmegaConf.register_new_resolver("mul", lambda a, b: a * b)
+    register_resolvers()
     # One root schema types every group: the option files merge into its typed nodes.
     ConfigStore.instance().store(name="schema", node=Config)
     register_sweeps()

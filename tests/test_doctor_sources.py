@@ -165,6 +165,23 @@ def test_run_dir_copied_elsewhere_with_a_torn_last_line(tmp_path, caplog):
         sources.read_run_dir(run_dir)
 
 
+def test_a_sweep_jobs_arm_dependent_params_read_as_the_job_resolved_them(tmp_path):
+    """A paired sweep's job saves ``env.max_tokens_per_turn: ${arm:48,24}`` with its arm beside it: the
+    doctor reads the value that arm ran with (its budget, learning-rate and beta expectations use it),
+    not the text or a default."""
+    lines = (FIX / "lr_to_zero" / "history.jsonl").read_text().splitlines()
+    for arm, want in (("control", "48"), ("treatment", "24")):
+        run_dir = tmp_path / arm
+        (run_dir / ".hydra").mkdir(parents=True)
+        (run_dir / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+        (run_dir / ".hydra" / "config.yaml").write_text(
+            f"hypothesis:\n  arm: {arm}\nmodel:\n  learning_rate: 0.001\nenv:\n  max_tokens_per_turn: ${{arm:48,24}}\n"
+            "loss:\n  learning_rate: ${arm:${model.learning_rate},${mul:10,${model.learning_rate}}}\n")
+        params = sources.read_run_dir(run_dir).params
+        assert params["env.max_tokens_per_turn"] == want
+        assert float(params["loss.learning_rate"]) == (0.001 if arm == "control" else 0.01)
+
+
 def test_cli_from_three_kinds_and_a_triage_table(tmp_path, capsys):
     store = tmp_path / "store.db"
     shutil.copy(FIX / "mlflow_store.db", store)

@@ -175,3 +175,31 @@ def overlay(group: G, changes: Mapping[str, Any]) -> G:
     composed config) and an unknown key fails naming it. For a warm start's or a gate shape's
     fixed setting over a run's."""
     return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(group), dict(changes)))
+
+
+# ---------------------------------------------------------------- the resolvers the configs use
+def _arm(control: Any, treatment: Any, *, _root_: Any) -> Any:
+    """``${arm:<control>,<treatment>}``: the value for the arm chosen by ``hypothesis.arm``.
+
+    Why a resolver: one overlay file holds both arms, so a paired sweep is just
+    ``hypothesis.arm=control,treatment`` and the control arm stays visibly next to the treatment.
+    """
+    hyp = _root_.get("hypothesis")
+    arm = hyp.arm if hyp is not None else "treatment"
+    return treatment if str(arm) == "treatment" else control
+
+
+def register_resolvers() -> None:
+    """The OmegaConf resolvers our configs are written with (idempotent). Here in base, not in the typed
+    config, because a saved run config (``.hydra/config.yaml``) keeps them as written: whoever reads
+    one back (the doctor's run-dir reader) resolves it as the job did."""
+    from musique_rl.base import rundir
+
+    if not OmegaConf.has_resolver("arm"):
+        OmegaConf.register_new_resolver("arm", _arm)
+    if not OmegaConf.has_resolver("first_set"):  # ${first_set:a,b}: a unless it is null or empty, else b
+        OmegaConf.register_new_resolver("first_set", lambda *values: next((v for v in values if v not in (None, "")), None))
+    if not OmegaConf.has_resolver("launch_stamp"):  # the unique part of a run / sweep dir name; cached: one per launch
+        OmegaConf.register_new_resolver("launch_stamp", rundir.stamp, use_cache=True)
+    if not OmegaConf.has_resolver("mul"):
+        OmegaConf.register_new_resolver("mul", lambda a, b: a * b)

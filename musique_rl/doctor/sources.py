@@ -169,6 +169,9 @@ def _resolved(raw: Mapping[str, Any], params: Mapping[str, str]) -> dict[str, st
     resolved config). One that needs a resolver this process lacks stays as written."""
     from omegaconf import OmegaConf
 
+    from musique_rl.base.config_base import register_resolvers
+
+    register_resolvers()  # ${arm:...} of a sweep's job, ${mul:...}: as the job resolved them
     cfg = OmegaConf.create(dict(raw))
     out = {}
     for k, v in params.items():
