@@ -95,16 +95,20 @@ def test_the_policy_barely_moves_is_judged_by_the_median_not_one_step():
 
 
 # ---------------------------------------------------------------- evidence over a kind fixed per check
-def test_every_tool_call_refused_outranks_the_answer_reward_it_starves():
+def clean_with_constants(constants: dict[str, float]) -> dict:
+    """The healthy 20-step histories of tests/test_doctor.py with each key held at one value on every step."""
     from tests.test_doctor import clean
 
     m = clean()
     n = len(m["h07/tool_failure_rate"])
-    m["h07/tool_failure_rate"] = steps([1.0] * n, start=0)
-    m["h05/answer_em/mean"] = steps([0.0] * n, start=0)
-    m["h05/answer_em/constant_group_share"] = steps([1.0] * n, start=0)
-    m["h05/answer_f1/mean"] = steps([0.0] * n, start=0)
-    m["h05/answer_f1/constant_group_share"] = steps([1.0] * n, start=0)
+    m.update({k: steps([v] * n, start=0) for k, v in constants.items()})
+    return m
+
+
+def test_every_tool_call_refused_outranks_the_answer_reward_it_starves():
+    m = clean_with_constants({"h07/tool_failure_rate": 1.0, "h05/answer_em/mean": 0.0,
+                              "h05/answer_em/constant_group_share": 1.0, "h05/answer_f1/mean": 0.0,
+                              "h05/answer_f1/constant_group_share": 1.0})
     d = diagnose_metrics(m, {})
     assert d.top is not None and (d.top.hypothesis, d.top.check) == ("h07", "tool_failures")
     blind = d.find("answer_reward_blind")
@@ -116,20 +120,14 @@ def test_every_group_identical_is_a_proof_that_explains_the_tied_groups_it_cause
     identical groups at its worst end is categorical, as strong as the tied groups downstream, so the
     sampling stage is the cause and the missing signal its consequence (the Poisson tail, which floors
     near 1e-16, graded it below the tie and left the signal stage on top)."""
-    from tests.test_doctor import clean
-
-    m = clean()
-    n = len(m["h07/tool_failure_rate"])
-    m["h06/identical_group_share"] = steps([1.0] * n, start=0)
-    m["h06/identical_group_expected_share"] = steps([0.002] * n, start=0)
-    m["h01/zero_std_share"] = steps([1.0] * n, start=0)
-    m["h01/adv_abs_max"] = steps([0.0] * n, start=0)
+    m = clean_with_constants({"h06/identical_group_share": 1.0, "h06/identical_group_expected_share": 0.002,
+                              "h01/zero_std_share": 1.0, "h01/adv_abs_max": 0.0})
     d = diagnose_metrics(m, {"train.prompts_per_step": "8"})
     assert d.top is not None and (d.top.hypothesis, d.top.check) == ("h06", "sampling_not_diverse"), flagged(d)
     tied = d.find("no_signal")
     assert tied.flagged and str(tied.role) == "consequence" and tied.explained_by is d.top
     # most groups identical, not all: the tail is the measure, and a weaker one
-    m["h06/identical_group_share"] = steps([0.5] * n, start=0)
+    m["h06/identical_group_share"] = [(s, 0.5) for s, _ in m["h06/identical_group_share"]]
     d = diagnose_metrics(m, {"train.prompts_per_step": "8"})
     assert int(d.find("sampling_not_diverse").severity) < 3
 
