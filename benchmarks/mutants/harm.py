@@ -140,8 +140,7 @@ def measurement_changes(mutant_log: Path, clean_log: Path) -> tuple[list[str], l
     """(instrument keys, other keys) whose logged values differ between two runs' metrics.jsonl,
     timings left out."""
     a, b = _logged(mutant_log), _logged(clean_log)
-    keys = sorted({k for (_, k) in set(a) | set(b) if not TIMING.match(k)
-                   for key in [(_, k)] if a.get(key) != b.get(key)})
+    keys = sorted({k for step, k in set(a) | set(b) if not TIMING.match(k) and a.get((step, k)) != b.get((step, k))})
     return [k for k in keys if INSTRUMENT.match(k)], [k for k in keys if not INSTRUMENT.match(k)]
 
 
