@@ -222,7 +222,7 @@ def judge(d: population.Drawn, runs: dict[int, harm.RunFacts], clean: dict[str, 
     judged, causes = [], []
     for seed in sorted(runs):
         cause = stage = steps = None
-        if verdict.cls not in ("crashed", "instrument_only"):
+        if verdict.cls not in harm.NOT_DIAGNOSED:
             top, steps = runner.diagnosis(runner.job_dir(out, d.id, d.variant, seed))
             cause, stage = (score.cause_name(top), top.get("stage")) if top else (None, None)
         judged.append(score.Judged(verdict.cls, d.stage, cause, stage, steps))
@@ -232,7 +232,7 @@ def judge(d: population.Drawn, runs: dict[int, harm.RunFacts], clean: dict[str, 
     row = {"id": d.id, "site": f"{m.path}:{m.site.line}", "operator": targets.short_operator(m.site.operator),
            "diff": diff_of(d), "variant": d.variant, "split": d.split, "stage": d.stage, "class": verdict.cls,
            "why": verdict.why, "z": {k: (round(v, 2) if math.isfinite(v) else str(v)) for k, v in verdict.z.items()},
-           "cause": cause or ("clean" if verdict.cls not in ("crashed", "instrument_only") else ""), "cause_stage": stage, "steps": steps,
+           "cause": cause or ("clean" if verdict.cls not in harm.NOT_DIAGNOSED else ""), "cause_stage": stage, "steps": steps,
            "seeds": {str(s): {"cause": c or "clean", "stage": st, "steps": k} for s, (c, st, k) in zip(sorted(runs), causes, strict=True)},
            "seconds": [runs[s].seconds for s in sorted(runs)]}
     return row, judged

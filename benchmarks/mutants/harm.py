@@ -51,6 +51,8 @@ INSIDE_Z = 2.0
 # /8 ~ 0.03); the trend's floor matches it.
 SD_FLOOR = {"trend": 0.03, "gain": 0.03}
 CLASSES = ("harmful", "harmless", "equivalent", "ambiguous", "crashed", "instrument_only")
+# counted apart and never shown to the doctor: no finished RL-path run to judge
+NOT_DIAGNOSED = ("crashed", "instrument_only")
 # logged numbers that are wall-clock timings (differ between any two runs) and the instruments' own
 TIMING = re.compile(r"^(step_time|time/.*|train_runtime|train_samples_per_second|train_steps_per_second)$")
 INSTRUMENT = re.compile(r"^(h0\d|preflight)/")
