@@ -152,3 +152,52 @@ def test_sampling_fit_grid_equals_the_per_setting_reference():
     assert fit["h06/fit_gap_best"] < 1e-5
     ref = float((_warped_logps(logits, targets, 1.0, 1.0, 0) - sampler).abs().mean())
     assert abs(fit["h06/fit_gap_trainer"] - ref) < 1e-5
+
+
+def test_sampling_calibration_tells_true_draws_from_hotter_colder_and_wider_ones():
+    """The sampled tokens themselves, not the recorded log-probs: draws of the claimed distribution give a
+    z of a few at most; a hotter sampler (temperature 2 where 1 is recorded), a greedy one, or one that
+    ignores the claimed top-k are far outside."""
+    from musique_rl.instruments.sync import sampling_calibration
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(8, 120, 200, generator=g) * 3
+    mask = torch.ones(8, 120, dtype=torch.bool)
+
+    def draw(temperature: float) -> torch.Tensor:
+        probs = (logits / temperature).softmax(-1).view(-1, 200)
+        return torch.multinomial(probs, 1, generator=g).view(8, 120)
+
+    true = [sampling_calibration(logits, draw(1.0), mask, 1.0)["h06/sample_surprise_z"] for _ in range(5)]
+    assert all(abs(z) < 4 for z in true), true
+    hot = sampling_calibration(logits, draw(2.0), mask, 1.0)
+    assert hot["h06/sample_surprise_z"] > 20 and hot["h06/sample_surprise_excess"] > 1.0
+    greedy = sampling_calibration(logits, logits.argmax(-1), mask, 1.0)
+    assert greedy["h06/sample_surprise_z"] < -20
+    wider = sampling_calibration(logits, draw(1.0), mask, 1.0, top_k=5)
+    assert wider["h06/sample_outside_share"] > 0.2
+    # only the sampled positions count; none: no reading rather than a made-up one
+    assert sampling_calibration(logits, draw(1.0), torch.zeros_like(mask), 1.0) == {}
+    # a matching truncation is a true draw again
+    z5 = logits.masked_fill(logits < logits.topk(5, -1).values[..., -1:], float("-inf"))
+    top5 = torch.multinomial(z5.softmax(-1).view(-1, 200), 1, generator=g).view(8, 120)
+    same = sampling_calibration(logits, top5, mask, 1.0, top_k=5)
+    assert same["h06/sample_outside_share"] == 0 and abs(same["h06/sample_surprise_z"]) < 4
+
+
+def test_tokens_drawn_hotter_than_recorded_are_a_sampling_cause_that_explains_the_budgets_they_fill():
+    """No recorded log-prob gap (the sampler records the policy's log-probs), but its tokens are far too
+    surprising for the policy's entropy: h06 samples_off_distribution is the cause, and the token budgets the
+    rambling fills are its consequence; a true draw's z leaves the run clean."""
+    budgets = {"h04/budget_cap_share": series(lambda s: 0.25), "h04/no_answer_share": series(lambda s: 0.45)}
+    hot = {"h06/sample_surprise_z": [(0, 46.0)], "h06/sample_surprise_excess": [(0, 1.8)],
+           "h06/sample_outside_share": [(0, 0.0)], "h06/sample_tokens": [(0, 356.0)]}
+    diag = diagnose_metrics(with_({**budgets, **hot}))
+    assert (diag.top_hypothesis, diag[0].check) == ("h06", "samples_off_distribution"), [f.check for f in diag if f.flagged]
+    cap = diag.find("budgets_binding")
+    assert cap is not None and cap.flagged and str(cap.role) == "consequence"
+    fine = {**hot, "h06/sample_surprise_z": [(0, 0.7)], "h06/sample_surprise_excess": [(0, 0.002)]}
+    assert not diagnose_metrics(with_(fine)).find("samples_off_distribution").flagged
+    # a real but immaterial difference (a long probe makes a tiny excess significant) is not the defect
+    tiny = {**hot, "h06/sample_surprise_z": [(0, 9.0)], "h06/sample_surprise_excess": [(0, 0.01)]}
+    assert not diagnose_metrics(with_(tiny)).find("samples_off_distribution").flagged

@@ -305,6 +305,8 @@ class Instruments:
         base: Scorer | None = None,
         trainer_logits: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] | None = None,
         temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
     ) -> dict[str, float]:
         """Score the fixed probe sequences under trainer, sampler and frozen starting model.
 
@@ -323,12 +325,15 @@ class Instruments:
         out = parity(*map(_cpu, (t, s, b)), p["mask"])
         if trainer_logits is not None and not self._fit_done and p.get("sampling_logps") is not None:
             # Once, on the first probe (same weights in sampler and trainer): which sampling settings
-            # explain the sampler's own log-probs of the probe tokens (sync.sampling_fit).
-            from musique_rl.instruments.sync import sampling_fit
+            # explain the sampler's own log-probs of the probe tokens (sync.sampling_fit), and whether
+            # the probe tokens are draws from the distribution the run samples with (sync.sampling_calibration).
+            from musique_rl.instruments.sync import sampling_calibration, sampling_fit
 
             self._fit_done = True
             targets = p["input_ids"][:, -p["logits_to_keep"]:]
-            out.update(sampling_fit(trainer_logits(*args), targets, p["sampling_logps"], p["mask"], temperature))
+            logits = trainer_logits(*args)
+            out.update(sampling_fit(logits, targets, p["sampling_logps"], p["mask"], temperature))
+            out.update(sampling_calibration(logits, targets, p["mask"], temperature, top_p, top_k))
         return out
 
     def callback(self, sink: Callable[[dict[str, float]], None]) -> Any:
@@ -338,7 +343,7 @@ class Instruments:
 
     def probe_models(
         self, model: Any, *, temperature: float, sampler_model: Any = None, base_model: Any = None,
-        sampler: Scorer | None = None,
+        sampler: Scorer | None = None, top_p: float = 1.0, top_k: int = 0,
     ) -> dict[str, float]:
         """`parity_probe` over HF models: the trained one, the sampler and the frozen start (a PEFT
         model's base with adapters disabled, else `base_model`, else none).
@@ -358,7 +363,7 @@ class Instruments:
         else:
             base = model_scorer(base_model, temperature) if base_model is not None else None
         out = self.parity_probe(trainer=trainer, sampler=sampler, base=base, trainer_logits=model_logits(model),
-                                temperature=temperature)
+                                temperature=temperature, top_p=top_p, top_k=top_k)
         # At every probe, on the current weights: this stack's own floor (floor.mismatch_floor), against
         # which the doctor judges the sampler/trainer gap. Re-measured, not measured once, because it grows
         # as the policy sharpens (peaked distributions amplify round-off): a floor from step 0 would call

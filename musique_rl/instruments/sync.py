@@ -28,6 +28,10 @@ from musique_rl.base.catalogue import (
     H06_PARITY_SAMPLER_TRAINER,
     H06_PARITY_STALE,
     H06_PARITY_TRAINER_BASE,
+    H06_SAMPLE_OUTSIDE_SHARE,
+    H06_SAMPLE_SURPRISE_EXCESS,
+    H06_SAMPLE_SURPRISE_Z,
+    H06_SAMPLE_TOKENS,
     H08_KL_TO_START,
 )
 from musique_rl.instruments.batch import BATCH_INSTRUMENTS, Batch
@@ -95,6 +99,12 @@ FIT_REFINE_STEPS = 20
 
 def _warped_logps(logits: torch.Tensor, targets: torch.Tensor, temperature: float, top_p: float, top_k: int) -> torch.Tensor:
     """Log-prob of `targets` under logits / temperature truncated to top-k / top-p (renormalised)."""
+    return _warped_log_softmax(logits, temperature, top_p, top_k).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+def _warped_log_softmax(logits: torch.Tensor, temperature: float, top_p: float, top_k: int) -> torch.Tensor:
+    """Log-probs of the whole vocabulary under logits / temperature truncated to top-k / top-p
+    (renormalised; -inf outside the truncation)."""
     z = logits / temperature
     if top_k and top_k < z.shape[-1]:
         kth = z.topk(top_k, dim=-1).values[..., -1:]
@@ -104,7 +114,7 @@ def _warped_logps(logits: torch.Tensor, targets: torch.Tensor, temperature: floa
         probs = sorted_z.softmax(dim=-1)
         drop = probs.cumsum(dim=-1) - probs > top_p  # keep the smallest set reaching top_p (HF keeps >= 1)
         z = z.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
-    return torch.log_softmax(z, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    return torch.log_softmax(z, dim=-1)
 
 
 @torch.no_grad()
@@ -198,6 +208,47 @@ def sampling_fit(logits: torch.Tensor, targets: torch.Tensor, sampler_logps: tor
             best = (g_ref, f_ref, p, k)
     return {H06_FIT_GAP_TRAINER: base, H06_FIT_GAP_BEST: best[0], H06_FIT_TEMPERATURE_FACTOR: best[1],
             H06_FIT_TOP_P: best[2], H06_FIT_TOP_K: float(best[3])}
+
+
+@torch.no_grad()
+def sampling_calibration(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor, temperature: float,
+                         top_p: float = 1.0, top_k: int = 0) -> dict[str, float]:
+    """Are the sampled tokens draws from the distribution the sampler claims to sample from?
+
+    The log-prob gap and the settings fit compare the sampler's RECORDED log-probs with the trainer's;
+    a sampler that draws with other settings than it records (a temperature passed to generate beside
+    the warpers that record, a top-k the recorded log-probs leave out) shows no gap at all. The tokens
+    themselves show it: drawn from p, a token's surprise -log p(x) has mean H(p) (the entropy) and
+    variance E[log^2 p] - H^2, whatever the model. Summed over the sampled positions (a martingale: each
+    position's expectation is taken given its prefix) the excess over the entropies, divided by the root
+    of the summed variances, is a z-score that is N(0, 1) when the tokens are p's draws, on any model
+    and vocabulary: hotter sampling than recorded gives z >> 0, colder or greedy z << 0.
+
+    logits: (N, T, V) trainer logits before temperature (same weights as the sampler: the first probe);
+    targets (N, T) the sampled ids; mask (N, T) sampled tokens; temperature, top_p, top_k: the settings
+    the run samples with (the trainer's). Returns h06/sample_surprise_excess (mean nats/token),
+    h06/sample_surprise_z, h06/sample_outside_share (tokens the settings give probability 0: outside the
+    top-k / top-p the sampler claims; left out of the z) and h06/sample_tokens.
+    """
+    m = mask.bool()
+    if not m.any():
+        return {}
+    tg = targets[m]
+    logp = _warped_log_softmax(logits.float()[m], temperature, top_p, top_k)
+    p = logp.exp()
+    finite_logp = torch.where(p > 0, logp, torch.zeros_like(logp))
+    entropy = -(p * finite_logp).sum(dim=-1)
+    var = ((p * finite_logp * finite_logp).sum(dim=-1) - entropy * entropy).clamp_min(0.0)
+    surprise = -logp.gather(-1, tg.unsqueeze(-1)).squeeze(-1)
+    inside = torch.isfinite(surprise)
+    out = {H06_SAMPLE_TOKENS: float(m.sum()), H06_SAMPLE_OUTSIDE_SHARE: float((~inside).double().mean())}
+    if inside.any():
+        excess = (surprise - entropy)[inside].double()
+        total_var = float(var[inside].double().sum())
+        out[H06_SAMPLE_SURPRISE_EXCESS] = float(excess.mean())
+        if total_var > 0:
+            out[H06_SAMPLE_SURPRISE_Z] = float(excess.sum()) / total_var**0.5
+    return out
 
 
 def _last_logits(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,

@@ -23,6 +23,10 @@ from musique_rl.base.catalogue import (
     H06_PARITY_SAMPLER_TRAINER,
     H06_PARITY_STALE,
     H06_PARITY_TRAINER_BASE,
+    H06_SAMPLE_OUTSIDE_SHARE,
+    H06_SAMPLE_SURPRISE_EXCESS,
+    H06_SAMPLE_SURPRISE_Z,
+    H06_SAMPLE_TOKENS,
     PARITY_STALE_MAX,
     TRL_SAMPLING_LOGP_DIFFERENCE,
 )
@@ -264,3 +268,46 @@ def _sampling_diverse(m: Mapping[str, History], params: Mapping[str, str]) -> li
                   "configured (greedy, or the temperature applied on one side only), so groups tie and carry no "
                   "signal." + stage_sentence(c), "Groups are as diverse as the sampler's probabilities say." + stage_sentence(c),
                   measure)
+
+
+# H06: are the sampled tokens draws from the distribution the run samples with? (sync.sampling_calibration,
+# once on the first probe). The log-prob gap compares RECORDED log-probs; a sampler that draws with other
+# settings than it records (a temperature handed to generate beside the warpers that record) has no gap,
+# but its tokens are too surprising (hotter) or too likely (colder, greedy) for the policy's entropy.
+# The z-score is N(0, 1) for true draws on any model: |z| >= 6 (two-sided p ~ 2e-9) is no chance, and a
+# mean excess of 0.05 nats/token keeps a real but immaterial difference (a rounded temperature on a
+# long probe) from being called the run's defect. Tokens the claimed top-k / top-p give probability 0
+# are impossible draws: past one in a hundred (a boundary tie in low precision) they are a proof.
+CALIBRATION_Z = 6.0
+CALIBRATION_EXCESS = 0.05
+OUTSIDE_MAX = CATEGORICAL_SLACK
+
+
+@rule(stage="sampling", checks={"samples_off_distribution": Kind.DEFECT},
+      reads=(H06_SAMPLE_SURPRISE_Z, H06_SAMPLE_SURPRISE_EXCESS, H06_SAMPLE_OUTSIDE_SHARE, H06_SAMPLE_TOKENS),
+      needs=(H06_SAMPLE_SURPRISE_Z,), thresholds=("CALIBRATION_Z", "CALIBRATION_EXCESS", "OUTSIDE_MAX"))
+def _sample_calibration(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
+    z = values(m.get(H06_SAMPLE_SURPRISE_Z))[0]
+    excess = (values(m.get(H06_SAMPLE_SURPRISE_EXCESS)) or [0.0])[0]
+    outside = (values(m.get(H06_SAMPLE_OUTSIDE_SHARE)) or [0.0])[0]
+    tokens = (values(m.get(H06_SAMPLE_TOKENS)) or [math.nan])[0]
+    ev = {f"{H06_SAMPLE_SURPRISE_Z} (first probe)": z, f"{H06_SAMPLE_SURPRISE_EXCESS} (first probe)": excess,
+          f"{H06_SAMPLE_OUTSIDE_SHARE} (first probe)": outside, f"{H06_SAMPLE_TOKENS} (first probe)": tokens}
+    if outside > OUTSIDE_MAX:
+        return [Finding("h06", "samples_off_distribution", True, 3.0,
+                        f"{outside:.0%} of the sampled probe tokens have probability 0 under the sampling settings "
+                        "the run claims (top-k / top-p): the sampler draws from a wider distribution than it says "
+                        "(a truncation set on one side only).", ev,
+                        measure=Measure(f"{H06_SAMPLE_OUTSIDE_SHARE} (first probe)", outside, OUTSIDE_MAX, exact=True,
+                                        share=True))]
+    side = "hotter" if z > 0 else "colder"
+    return judged("h06", "samples_off_distribution", abs(z) >= CALIBRATION_Z and abs(excess) >= CALIBRATION_EXCESS,
+                  2.0,  ev,
+                  f"The sampled tokens are not draws from the distribution the run samples with: their surprise "
+                  f"differs from the policy's entropy by {excess:+.3g} nats/token (z = {z:+.1f} over {tokens:.0f} "
+                  f"tokens; true draws give |z| of a few at most): the sampler draws {side} than the log-probs it "
+                  "records and the trainer scores (a temperature, top-k/top-p or logits processor applied in "
+                  "generation but not where the log-probs are taken). Stage: sampling.",
+                  f"The sampled tokens are draws of the distribution the run samples with (z = {z:+.1f}, "
+                  f"{excess:+.2g} nats/token over {tokens:.0f} tokens).",
+                  Measure(f"{H06_SAMPLE_SURPRISE_Z} (first probe, |z|)", abs(z), CALIBRATION_Z))
