@@ -210,6 +210,9 @@ def sampling_fit(logits: torch.Tensor, targets: torch.Tensor, sampler_logps: tor
             H06_FIT_TOP_P: best[2], H06_FIT_TOP_K: float(best[3])}
 
 
+CALIBRATION_CHUNK = 256
+
+
 @torch.no_grad()
 def sampling_calibration(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor, temperature: float,
                          top_p: float = 1.0, top_k: int = 0) -> dict[str, float]:
@@ -233,13 +236,19 @@ def sampling_calibration(logits: torch.Tensor, targets: torch.Tensor, mask: torc
     m = mask.bool()
     if not m.any():
         return {}
-    tg = targets[m]
-    logp = _warped_log_softmax(logits.float()[m], temperature, top_p, top_k)
-    p = logp.exp()
-    finite_logp = torch.where(p > 0, logp, torch.zeros_like(logp))
-    entropy = -(p * finite_logp).sum(dim=-1)
-    var = ((p * finite_logp * finite_logp).sum(dim=-1) - entropy * entropy).clamp_min(0.0)
-    surprise = -logp.gather(-1, tg.unsqueeze(-1)).squeeze(-1)
+    rows, tg = logits[m], targets[m]
+    surprise, entropy, var = [], [], []
+    # a few hundred positions at a time: a (positions, vocabulary) float tensor is 0.6 GB per 1,000
+    # positions of a 152k vocabulary, and the sums below need four of them
+    for start in range(0, rows.shape[0], CALIBRATION_CHUNK):
+        logp = _warped_log_softmax(rows[start : start + CALIBRATION_CHUNK].float(), temperature, top_p, top_k)
+        p = logp.exp()
+        finite = torch.where(p > 0, logp, torch.zeros_like(logp))
+        h = -(p * finite).sum(dim=-1)
+        entropy.append(h)
+        var.append(((p * finite * finite).sum(dim=-1) - h * h).clamp_min(0.0))
+        surprise.append(-logp.gather(-1, tg[start : start + CALIBRATION_CHUNK].unsqueeze(-1)).squeeze(-1))
+    surprise, entropy, var = torch.cat(surprise), torch.cat(entropy), torch.cat(var)
     inside = torch.isfinite(surprise)
     out = {H06_SAMPLE_TOKENS: float(m.sum()), H06_SAMPLE_OUTSIDE_SHARE: float((~inside).double().mean())}
     if inside.any():
