@@ -106,7 +106,7 @@ def _warped_log_softmax(logits: torch.Tensor, temperature: float, top_p: float, 
     """Log-probs of the whole vocabulary under logits / temperature truncated to top-k / top-p
     (renormalised; -inf outside the truncation)."""
     z = logits / temperature
-    if top_k and top_k < z.shape[-1]:
+    if top_k and 0 < top_k < z.shape[-1]:  # 0 or -1 (vLLM's spelling): off
         kth = z.topk(top_k, dim=-1).values[..., -1:]
         z = z.masked_fill(z < kth, float("-inf"))
     if top_p < 1.0:
