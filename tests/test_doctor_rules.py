@@ -250,3 +250,28 @@ def test_amplified_near_ties_are_not_mistaken_for_advantages_from_other_groups()
     out = advantage_stats(rewards, adv, 8, 0.05)
     assert out["h01/amplification_max"] > 1e4
     assert out.get("h01/adv_group_sum_rel_max", 0.0) < 1e-3 and out.get("h01/adv_sign_mismatch_share", 0.0) == 0
+
+
+def test_contradictions_confined_to_a_component_the_reward_never_weights_are_a_note_not_a_cause():
+    """A citation F1 that is not the harmonic mean of its precision and recall, under a reward that
+    weights citation recall but not the F1: the logged F1 is wrong, the trained reward is not (training
+    bitwise the clean run's). A note names it; under a reward that pays for the F1, or an exact match
+    without F1 = 1 (both answer components paid), it is a proof."""
+    comps = {"answer_em": [1.0, 0.0, 0.0, 0.0], "answer_f1": [1.0, 0.5, 0.0, 0.0],
+             "citation_precision": [1.0, 0.5, 1.0, 0.0], "citation_recall": [1.0, 0.5, 0.5, 0.0],
+             "citation_f1": [1.0, 0.9, 0.7, 0.0]}  # episode 2: 0.9 outside [0.5, 0.5]
+    out = reward_component_stats(comps, torch.tensor([1.0, 0.5, 0.5, 0.0]), 2)
+    assert out["h05/component_disagreement_share"] == 0.25
+    assert out["h05/citation_f1/contradicted_share"] == 0.25 and out["h05/answer_em/contradicted_share"] == 0
+    history = with_({k: series(lambda s, v=v: v) for k, v in out.items() if "contradict" in k or "disagree" in k})
+    combined = {"reward.weights.answer_em": "1.0", "reward.weights.citation_recall": "0.6"}
+    d = diagnose_metrics(history, combined)
+    f = d.find("components_disagree")
+    assert not f.flagged and str(f.role) == "note" and "citation_f1" in f.verdict, (f.role, f.verdict)
+    assert diagnose_metrics(history, {**combined, "reward.weights.citation_f1": "1.0"}).find("components_disagree").flagged
+    assert diagnose_metrics(history, {}).find("components_disagree").flagged  # weights unknown: material
+    comps["answer_em"] = [1.0, 0.0, 1.0, 0.0]  # episode 3: exact match with F1 0, both paid
+    out = reward_component_stats(comps, torch.tensor([1.0, 0.5, 1.0, 0.0]), 2)
+    assert out["h05/answer_em/contradicted_share"] == 0.25 == out["h05/answer_f1/contradicted_share"]
+    history = with_({k: series(lambda s, v=v: v) for k, v in out.items() if "contradict" in k or "disagree" in k})
+    assert diagnose_metrics(history, combined).find("components_disagree").flagged

@@ -199,6 +199,9 @@ H05_REWARD_ERRORS = _m("h05/reward_errors", "errors per batch", "reward", _SIG,
    (">", 0.0, "a reward function that raised left a completion unscored"))
 H05_UNSCORABLE_SHARE = _m("h05/unscorable_share", "share of episodes", "reward", _SIG)
 H05_COMPONENT_DISAGREEMENT_SHARE = _m("h05/component_disagreement_share", "share of episodes", "reward", _SIG)
+# the same contradictions, by the component each one implicates (an exact match without F1 = 1: both; an
+# F1 outside its precision and recall: the F1, which is not their harmonic mean)
+H05_COMPONENT_CONTRADICTED_SHARE = _m("h05/{component}/contradicted_share", "share of episodes", "reward", _SIG)
 H05_COMPONENT_MEAN = _m("h05/{component}/mean", "reward", "reward", _SIG)
 H05_COMPONENT_STD = _m("h05/{component}/std", "reward", "reward", _SIG)
 H05_COMPONENT_CONSTANT_GROUP_SHARE = _m("h05/{component}/constant_group_share", "share of groups", "reward", _SIG)

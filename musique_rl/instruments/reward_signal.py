@@ -14,6 +14,7 @@ import torch
 
 from musique_rl.base.catalogue import (
     H05_COMPONENT_CONSTANT_GROUP_SHARE,
+    H05_COMPONENT_CONTRADICTED_SHARE,
     H05_COMPONENT_CORR_TOTAL,
     H05_COMPONENT_DISAGREEMENT_SHARE,
     H05_COMPONENT_MEAN,
@@ -70,17 +71,25 @@ def reward_component_stats(
     # Components whose definitions overlap must agree: an exact match is a perfect token F1, and an
     # F1 lies between its precision and recall (a harmonic mean). A violation is a parsing or
     # bookkeeping defect in one of the two, not a policy property.
+    # Each contradiction also names the components it implicates, so the doctor can tell one the reward
+    # pays for from a logged one it never weights: an exact match without F1 = 1 implicates both; an F1
+    # outside its precision and recall implicates the F1 (any harmonic mean of the logged two lies
+    # between them, so it is not computed from them).
     col_of = {k: mat[:, j] for j, k in enumerate(names)}
-    checks = []
+    checks: list[tuple[torch.Tensor, tuple[str, ...]]] = []
     if "answer_em" in col_of and "answer_f1" in col_of:
-        checks.append(col_of["answer_em"] > col_of["answer_f1"] + _EQ)
+        checks.append((col_of["answer_em"] > col_of["answer_f1"] + _EQ, ("answer_em", "answer_f1")))
     for kind in ("citation", "retrieval"):
         f1, p, r = (col_of.get(f"{kind}_{x}") for x in ("f1", "precision", "recall"))
         if f1 is not None and p is not None and r is not None:
-            checks.append((f1 > torch.maximum(p, r) + _EQ) | (f1 < torch.minimum(p, r) - _EQ))
+            checks.append(((f1 > torch.maximum(p, r) + _EQ) | (f1 < torch.minimum(p, r) - _EQ), (f"{kind}_f1",)))
     if checks:
-        bad = torch.stack(checks).any(dim=0)
+        bad = torch.stack([c for c, _ in checks]).any(dim=0)
         out[H05_COMPONENT_DISAGREEMENT_SHARE] = float(bad.double().mean())
+        for c, implicated in checks:
+            for name in implicated:
+                key = H05_COMPONENT_CONTRADICTED_SHARE.of(component=name)
+                out[key] = max(out.get(key, 0.0), float(c.double().mean()))
     for j, name in enumerate(names):
         col = mat[:, j]
         out[H05_COMPONENT_MEAN.of(component=name)] = float(torch.nanmean(col))

@@ -14,6 +14,7 @@ from musique_rl.base.catalogue import (
     H05_ANSWER_CHECK_MATCH_DISAGREEMENT_SHARE,
     H05_ANSWER_CHECK_MATCHED,
     H05_COMPONENT_CONSTANT_GROUP_SHARE,
+    H05_COMPONENT_CONTRADICTED_SHARE,
     H05_COMPONENT_CORR_TOTAL,
     H05_COMPONENT_DISAGREEMENT_SHARE,
     H05_COMPONENT_MEAN,
@@ -35,6 +36,7 @@ from musique_rl.doctor.findings import (
     judged,
     magnitude,
     mean_of,
+    note,
     num,
     rule,
     stage_sentence,
@@ -74,19 +76,43 @@ DEAD_MEAN = 0.05
 COMPONENT_DISAGREEMENT_MAX = 0.01
 
 
+def paid_for(params: Mapping[str, str], component: str) -> bool:
+    """Whether the run's reward weights ``component`` (a component its ``reward.weights`` leave out is
+    weighted 0); True where the params carry no reward weights at all (a foreign log: unknown, so material)."""
+    if not any(k.startswith("reward.weights.") for k in params):
+        return True
+    return num(params, f"reward.weights.{component}", 0.0) != 0
+
+
 def components_logged(m: Mapping[str, History], metric: Metric) -> list[str]:
     """The reward components with a logged ``metric`` (an ``h05/{component}/...`` one), sorted."""
     return sorted({s["component"] for k in m if (s := metric.segments(k)) is not None})
 
 
 @rule(stage="reward", checks={"components_disagree": Kind.DEFECT, "components_without_signal": Kind.SYMPTOM},
-      reads=(H05_COMPONENT_DISAGREEMENT_SHARE, H05_COMPONENT_CONSTANT_GROUP_SHARE),
+      reads=(H05_COMPONENT_DISAGREEMENT_SHARE, H05_COMPONENT_CONTRADICTED_SHARE, H05_COMPONENT_CONSTANT_GROUP_SHARE),
       needs=(H05_COMPONENT_DISAGREEMENT_SHARE, H05_COMPONENT_CONSTANT_GROUP_SHARE.of(component="answer_em")),
       thresholds=("COMPONENT_DISAGREEMENT_MAX",))
 def _reward_components(m: Mapping[str, History], params: Mapping[str, str]) -> list[Finding]:
     out: list[Finding] = []
     dis = values(m.get(H05_COMPONENT_DISAGREEMENT_SHARE))
-    if dis:
+    # the components each contradiction implicates (logged since the instrument names them): when every
+    # implicated one the contradictions reach is weighted 0 by the run's own reward config, the logged
+    # numbers are wrong and the training reward is not (materiality from our config, not from a name)
+    implicated = {c: statistics.fmean(values(m.get(H05_COMPONENT_CONTRADICTED_SHARE.of(component=c))) or [0.0])
+                  for c in components_logged(m, H05_COMPONENT_CONTRADICTED_SHARE)}
+    reached = sorted(c for c, share in implicated.items() if share > COMPONENT_DISAGREEMENT_MAX)
+    unpaid = [c for c in reached if not paid_for(params, c)]
+    if dis and reached and unpaid == reached:
+        d = statistics.fmean(dis)
+        out.append(note("h05", "components_disagree",
+                        f"In {d:.0%} of the episodes reward components contradict each other, and every component "
+                        f"the contradictions implicate ({', '.join(reached)}) is weighted 0 by this run's reward "
+                        "(reward.weights): a defect in what is logged, not in what is trained. Fix it before a "
+                        "reward that weights it.",
+                        {f"{H05_COMPONENT_DISAGREEMENT_SHARE} (mean)": d,
+                         **{f"{H05_COMPONENT_CONTRADICTED_SHARE.of(component=c)} (mean)": implicated[c] for c in reached}}))
+    elif dis:
         d = statistics.fmean(dis)
         out += judged("h05", "components_disagree", d > COMPONENT_DISAGREEMENT_MAX,
                       3 + magnitude(d / COMPONENT_DISAGREEMENT_MAX), {f"{H05_COMPONENT_DISAGREEMENT_SHARE} (mean)": d},
