@@ -368,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
                 "machine": record.machine(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                 "clean_spread": {"sd": sp.sd, "centre": sp.centre}, "timeout_s": timeout}
         args.record.parent.mkdir(parents=True, exist_ok=True)
-        args.record.write_text(json.dumps({**{k: result[k] for k in score.KEYS}, "of": result["of"], **prov},
+        args.record.write_text(json.dumps({**{k: result[k] for k in score.KEYS}, "of": result["of"], "interval": result["interval"], **prov},
                                           indent=1) + "\n")
         print(f"record: {args.record}")
     print(json.dumps({**{k: result[k] for k in score.KEYS}, "of": result["of"]}))

@@ -324,7 +324,13 @@ def test_the_summary_counts_and_rates():
     assert s["right_stage"] == round(1 / 3, 4) and s["of"]["right_stage"] == [1, 3]
     assert s["harmless_clean"] == round(2 / 3, 4) and s["of"]["harmless_clean"] == [2, 3]
     assert s["steps_to_diagnosis_median"] == 4
-    assert score.summary([])["detected"] is None
+    assert score.summary([])["detected"] is None and score.summary([])["interval"]["detected"] is None
+    # each rate with its 95% interval: 2 of 3 is anywhere from ~21% to ~94%
+    low, high = s["interval"]["detected"]
+    assert 0.2 < low < 0.25 and 0.9 < high < 0.95
+    # 11 of 15 (a typical right-stage count) does not establish 75%, nor rule it out
+    low, high = score.wilson(11, 15)
+    assert low < 0.75 < high and abs(low - 0.4805) < 1e-3 and abs(high - 0.891) < 1e-3
 
 
 def test_steps_to_diagnosis_is_the_first_prefix_naming_the_final_cause():

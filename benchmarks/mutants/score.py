@@ -9,7 +9,9 @@
   and check): what a user watching the live diagnosis would have acted on, and when.
 
 The summary's rates are fractions (None when nothing to divide by); ``of`` gives each rate's
-[count, denominator]. Crashed, ambiguous and instrument-only mutants are counted, never scored.
+[count, denominator] and ``interval`` its 95% Wilson score interval: a draw of 300 mutants holds ~15
+harmful ones, so "right stage 11 of 15" is 73% with an interval from 48% to 89%, and a bar is met or
+missed by that much chance. Crashed, ambiguous and instrument-only mutants are counted, never scored.
 """
 
 from __future__ import annotations
@@ -58,6 +60,18 @@ def _rate(k: int, n: int) -> float | None:
     return round(k / n, 4) if n else None
 
 
+def wilson(k: int, n: int) -> list[float] | None:
+    """The 95% Wilson score interval [low, high] of a rate k/n (scipy's binomtest): it stays inside
+    [0, 1] and keeps its coverage at the small counts a rate of harmful mutants rests on, where the
+    normal approximation does neither."""
+    if not n:
+        return None
+    from scipy.stats import binomtest
+
+    ci = binomtest(k, n).proportion_ci(confidence_level=0.95, method="wilson")
+    return [round(float(ci.low), 4), round(float(ci.high), 4)]
+
+
 def summary(judged: Sequence[Judged]) -> dict[str, Any]:
     count = {c: sum(1 for j in judged if j.cls == c) for c in ("harmful", "harmless", "equivalent", "ambiguous",
                                                                 "crashed", "instrument_only")}
@@ -74,4 +88,5 @@ def summary(judged: Sequence[Judged]) -> dict[str, Any]:
                            "steps_to_diagnosis_median": median(steps) if steps else None}
     out["of"] = {"detected": [len(detected), len(harmful)], "right_stage": [len(right), len(harmful)],
                  "harmless_clean": [len(clean), len(quiet)], "steps_to_diagnosis": [len(steps), len(detected)]}
+    out["interval"] = {k: wilson(*out["of"][k]) for k in ("detected", "right_stage", "harmless_clean")}
     return out

@@ -487,8 +487,7 @@ class MusiqueGRPOTrainer(GRPOTrainer):
         model.eval()
         try:
             metrics = self.instruments.probe_models(
-                model, temperature=float(self.temperature), sampler=self._sampler_scorer(), base_model=self._base_model,
-                top_p=float(self.top_p if self.top_p is not None else 1.0), top_k=int(self.top_k or 0),
+                model, temperature=float(self.temperature), sampler=self._sampler_scorer(), base_model=self._base_model
             )
         finally:
             model.train(was_training)

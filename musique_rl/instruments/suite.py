@@ -70,6 +70,9 @@ class Instruments:
         artifact_logger: where the HTML view goes (the job's MLflow run); None = no view.
         enabled: False makes every call return {} at no cost (diagnostics.enabled=false).
         probe_size: sequences kept from the first batch as the fixed parity-probe set.
+        top_p / top_k: the truncation the run samples with (train.top_p / train.top_k): the distribution
+            the probe's sampled tokens are judged draws of (sync.sampling_calibration), with the
+            temperature the trainer passes at each probe.
     """
 
     def __init__(
@@ -90,6 +93,8 @@ class Instruments:
         reward_audit_size: int = 4,
         seed: int = 0,
         loss_check: Any = None,
+        top_p: float = 1.0,
+        top_k: int = 0,
     ):
         if num_generations < 2:
             raise ValueError(f"num_generations must be >= 2 for group statistics, got {num_generations}")
@@ -103,6 +108,7 @@ class Instruments:
         self.artifact_logger = artifact_logger
         self.enabled = enabled
         self.probe_size = probe_size
+        self.top_p, self.top_k = float(top_p), int(top_k)
         self.batches_seen = 0
         self.preflight: dict[str, float] | None = None
         self.preflight_warning: str | None = None
@@ -135,6 +141,8 @@ class Instruments:
             reward_cfg=cfg.reward,
             reward_audit_size=d.reward_audit_size,
             seed=cfg.seed,
+            top_p=cfg.train.top_p,
+            top_k=cfg.train.top_k,
             **kwargs,
         )
 
@@ -305,8 +313,6 @@ class Instruments:
         base: Scorer | None = None,
         trainer_logits: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] | None = None,
         temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
     ) -> dict[str, float]:
         """Score the fixed probe sequences under trainer, sampler and frozen starting model.
 
@@ -333,7 +339,7 @@ class Instruments:
             targets = p["input_ids"][:, -p["logits_to_keep"]:]
             logits = trainer_logits(*args)
             out.update(sampling_fit(logits, targets, p["sampling_logps"], p["mask"], temperature))
-            out.update(sampling_calibration(logits, targets, p["mask"], temperature, top_p, top_k))
+            out.update(sampling_calibration(logits, targets, p["mask"], temperature, self.top_p, self.top_k))
         return out
 
     def callback(self, sink: Callable[[dict[str, float]], None]) -> Any:
@@ -343,7 +349,7 @@ class Instruments:
 
     def probe_models(
         self, model: Any, *, temperature: float, sampler_model: Any = None, base_model: Any = None,
-        sampler: Scorer | None = None, top_p: float = 1.0, top_k: int = 0,
+        sampler: Scorer | None = None,
     ) -> dict[str, float]:
         """`parity_probe` over HF models: the trained one, the sampler and the frozen start (a PEFT
         model's base with adapters disabled, else `base_model`, else none).
@@ -363,7 +369,7 @@ class Instruments:
         else:
             base = model_scorer(base_model, temperature) if base_model is not None else None
         out = self.parity_probe(trainer=trainer, sampler=sampler, base=base, trainer_logits=model_logits(model),
-                                temperature=temperature, top_p=top_p, top_k=top_k)
+                                temperature=temperature)
         # At every probe, on the current weights: this stack's own floor (floor.mismatch_floor), against
         # which the doctor judges the sampler/trainer gap. Re-measured, not measured once, because it grows
         # as the policy sharpens (peaked distributions amplify round-off): a floor from step 0 would call
