@@ -302,7 +302,7 @@ def _sample_calibration(m: Mapping[str, History], params: Mapping[str, str]) -> 
                                         share=True))]
     side = "hotter" if z > 0 else "colder"
     return judged("h06", "samples_off_distribution", abs(z) >= CALIBRATION_Z and abs(excess) >= CALIBRATION_EXCESS,
-                  2.0,  ev,
+                  2.0, ev,
                   f"The sampled tokens are not draws from the distribution the run samples with: their surprise "
                   f"differs from the policy's entropy by {excess:+.3g} nats/token (z = {z:+.1f} over {tokens:.0f} "
                   f"tokens; true draws give |z| of a few at most): the sampler draws {side} than the log-probs it "
