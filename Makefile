@@ -48,7 +48,7 @@ fetch-musique: $(STAMP) ## MuSiQue-Ans (train, validation) from the Hugging Face
 train: $(STAMP) ## Run the main job: tiny model, embedded data, GRPO (ARGS="key=value ..." to override)
 	$(BIN)/python -m musique_rl $(ARGS)
 
-test: $(STAMP) ## Fast test suite: 18 min 17 s on the 2-core AMD EPYC with two mutation jobs beside it (2026-11-28, 047a5e0, 954 passed + 5 skipped; 9 min 51 s at ead67f4 with one job beside it)
+test: $(STAMP) ## Fast test suite: 19 min 21 s on the 2-core AMD EPYC beside two mutation jobs (2026-11-28, CI of 45108b8 on a clean clone, no ../shared: 928 passed + 34 skipped; 18 min 17 s at 047a5e0 with the data: 954 passed + 5 skipped)
 	$(BIN)/python -m pytest -q
 
 test-slow: $(STAMP) ## Slow end-to-end suite (learning runs, faults, SLURM)
