@@ -358,6 +358,8 @@ def main(argv: list[str] | None = None) -> int:
     mean_s = [x for r in rows for x in r["seconds"] if x is not None]
     print(f"table: {out / 'mutants.md'}; {len(rows)} mutants judged in {time.time() - t_start:.0f}s"
           + (f", {sum(mean_s) / len(mean_s):.0f}s per job" if mean_s else ""))
+    # the figures as printed last and as recorded: the contract keys, each rate's counts and its interval
+    figures = {**{k: result[k] for k in score.KEYS}, "of": result["of"], "interval": result["interval"]}
     if args.record:
         import record  # benchmarks/record.py
 
@@ -368,10 +370,9 @@ def main(argv: list[str] | None = None) -> int:
                 "machine": record.machine(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                 "clean_spread": {"sd": sp.sd, "centre": sp.centre}, "timeout_s": timeout}
         args.record.parent.mkdir(parents=True, exist_ok=True)
-        args.record.write_text(json.dumps({**{k: result[k] for k in score.KEYS}, "of": result["of"], "interval": result["interval"], **prov},
-                                          indent=1) + "\n")
+        args.record.write_text(json.dumps({**figures, **prov}, indent=1) + "\n")
         print(f"record: {args.record}")
-    print(json.dumps({**{k: result[k] for k in score.KEYS}, "of": result["of"]}))
+    print(json.dumps(figures))
     return 0
 
 
