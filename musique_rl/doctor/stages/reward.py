@@ -76,12 +76,15 @@ DEAD_MEAN = 0.05
 COMPONENT_DISAGREEMENT_MAX = 0.01
 
 
+def weights_known(params: Mapping[str, str]) -> bool:
+    """Whether the params carry the run's reward weights (our own runs do; a foreign log does not)."""
+    return any(k.startswith("reward.weights.") for k in params)
+
+
 def paid_for(params: Mapping[str, str], component: str) -> bool:
     """Whether the run's reward weights ``component`` (a component its ``reward.weights`` leave out is
     weighted 0); True where the params carry no reward weights at all (a foreign log: unknown, so material)."""
-    if not any(k.startswith("reward.weights.") for k in params):
-        return True
-    return num(params, f"reward.weights.{component}", 0.0) != 0
+    return not weights_known(params) or num(params, f"reward.weights.{component}", 0.0) != 0
 
 
 def components_logged(m: Mapping[str, History], metric: Metric) -> list[str]:
@@ -149,7 +152,7 @@ def _total_follows_components(m: Mapping[str, History], params: Mapping[str, str
     """Groups whose total reward is tied against groups where the weighted components are all tied (each
     component's tied share bounds the total's from above: the total can tie only where they all do)."""
     weighted = [c for c in components_logged(m, H05_COMPONENT_CONSTANT_GROUP_SHARE)
-                if f"reward.weights.{c}" in params and num(params, f"reward.weights.{c}", 0.0) != 0]
+                if weights_known(params) and paid_for(params, c)]
     if not weighted:
         return []
     tied = dict(m.get(H01_ZERO_STD_SHARE) or [])
